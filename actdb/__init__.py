@@ -1,0 +1,36 @@
+"""actdb: an activation database for transformer interpretability.
+
+Every normalization site's input is stored as a point on the unit sphere plus its magnitude;
+SQL with geometric tensor functions queries it lazily.
+"""
+
+from .errors import (
+    ActdbError,
+    IngestError,
+    ModelLoadError,
+    PromptsError,
+    QueryError,
+    QuerySyntaxError,
+    StoreFormatError,
+    StoreNotFoundError,
+    StoreNotWritableError,
+    TokenError,
+)
+from .ingest import IngestSummary, ingest
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ActdbError",
+    "IngestError",
+    "IngestSummary",
+    "ModelLoadError",
+    "PromptsError",
+    "QueryError",
+    "QuerySyntaxError",
+    "StoreFormatError",
+    "StoreNotFoundError",
+    "StoreNotWritableError",
+    "TokenError",
+    "ingest",
+]

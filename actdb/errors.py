@@ -1,0 +1,60 @@
+"""The exception tree. Each error also inherits the builtin a caller would catch."""
+
+from __future__ import annotations
+
+
+class ActdbError(Exception):
+    """Base class of every error actdb raises on purpose."""
+
+
+class StoreNotFoundError(ActdbError, FileNotFoundError):
+    """The store directory does not exist (or is not a store)."""
+
+
+class StoreFormatError(ActdbError, ValueError):
+    """The path is not a store, or its format version is not one we read."""
+
+
+class StoreNotWritableError(ActdbError, PermissionError):
+    """The store (or its parent directory) cannot be written."""
+
+
+class ModelLoadError(ActdbError, ValueError):
+    """A model or tokenizer could not be loaded, or has nothing to capture."""
+
+
+class PromptsError(ActdbError, ValueError):
+    """The prompts given to an ingest are empty or malformed."""
+
+
+class IngestError(ActdbError, RuntimeError):
+    """An ingest could not complete (e.g. a norm site's stored maths is not faithful)."""
+
+
+class QueryError(ActdbError, ValueError):
+    """A query is malformed, refers to something unknown, or would modify the store."""
+
+
+class QuerySyntaxError(QueryError):
+    """The SQL does not parse; carries line and column."""
+
+    def __init__(self, message: str, *, query: str, line: int, column: int) -> None:
+        super().__init__(message)
+        self.query = query
+        self.line = line
+        self.column = column
+
+    def with_caret(self) -> str:
+        """The message followed by the offending query line and a caret under the spot."""
+        lines = self.query.splitlines() or [""]
+        row = lines[min(max(self.line, 1), len(lines)) - 1]
+        caret = " " * max(self.column - 1, 0) + "^"
+        return f"{self.args[0]}\n  {row}\n  {caret}"
+
+
+class TokenError(QueryError):
+    """A token string is not exactly one token of a model's vocabulary."""
+
+
+class VerifyError(ActdbError, RuntimeError):
+    """`verify` found the catalog and the tensors disagree."""

@@ -1,0 +1,427 @@
+"""The ingest: prompts -> tokens -> one forward pass per batch with hooks -> store."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from .. import norms
+from ..errors import IngestError
+from ..store.arrays import default_chunk_tokens
+from ..store.records import ModelRecord, SiteRecord
+from ..store.store import ActBatch, Store
+from .capture import on_norm_io
+from .load import LoadedModel, load
+from .prompts import Prompt, PromptsLike, column_value, extra_columns, read_prompts
+from .sites import FoundSite, find_sites
+
+FAITHFULNESS_LIMIT = 1e-2
+
+
+@dataclass(frozen=True, kw_only=True)
+class IngestPlan:
+    """What an ingest is about to do, known before the first forward pass."""
+
+    model: str
+    prompts_total: int
+    prompts_todo: int
+    prompts_truncated: int
+    tokens_todo: int
+    sites: int
+    bytes_estimate: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class IngestSummary:
+    model: str
+    store: str
+    prompts_total: int
+    prompts_new: int
+    prompts_skipped: int
+    prompts_truncated: int
+    tokens_written: int
+    sites: int
+    bytes_estimate: int
+    bytes_written: int
+    seconds: float
+    max_rel_error: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_written / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Work:
+    prompt_id: int
+    prompt: Prompt
+    ids: list[int]
+    truncated: bool
+    new_prompt: bool
+
+
+def ingest(
+    store: str | os.PathLike[str],
+    *,
+    model: str | os.PathLike[str] | nn.Module,
+    prompts: PromptsLike,
+    tokenizer: Any = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    sites: str | None = None,
+    name: str | None = None,
+    revision: str | None = None,
+    chunk_tokens: int | None = None,
+    progress: bool = False,
+    on_plan: Callable[[IngestPlan], None] | None = None,
+) -> IngestSummary:
+    """Run `model` once over `prompts` and store every norm site's input in `store`.
+
+    Safe to re-run: prompts the model already has in the store are skipped, so an
+    interrupted ingest resumes where it stopped.
+    """
+    if batch_size < 1:
+        raise IngestError(f"batch_size must be at least 1, got {batch_size}")
+    if max_length is not None and max_length < 1:
+        raise IngestError(f"max_length must be at least 1, got {max_length}")
+    prompt_list = read_prompts(prompts)
+    loaded = load(model, tokenizer, device=device, dtype=dtype, revision=revision)
+    model_name = name or loaded.default_name
+    limit = _length_limit(loaded, max_length)
+    ids, truncated = _tokenize(loaded.tokenizer, [p.text for p in prompt_list], limit)
+    sample = _pad(loaded, [i[:16] for i in ids[:2]])
+    found, n_layers = find_sites(loaded.model, sample, sites_glob=sites)
+
+    started = time.perf_counter()
+    with Store.open_or_create(store) as st:
+        bytes_before = st.disk_bytes()["total"]
+        record, weight_bytes = _register(
+            st, loaded, found, n_layers, model_name, sites, limit, chunk_tokens
+        )
+        work = _plan_work(st, record.model, prompt_list, ids, truncated)
+        records = [f.record for f in found]
+        per_token = sum(_bytes_per_token(s) for s in records)
+        tokens_todo = sum(len(w.ids) for w in work)
+        plan = IngestPlan(
+            model=record.model, prompts_total=len(prompt_list), prompts_todo=len(work),
+            prompts_truncated=sum(truncated), tokens_todo=tokens_todo, sites=len(found),
+            bytes_estimate=per_token * tokens_todo + weight_bytes,
+        )
+        if on_plan:
+            on_plan(plan)
+        errors = _run(st, loaded, record, found, work, batch_size, progress)
+        bytes_after = st.disk_bytes()["total"]
+    return IngestSummary(
+        model=record.model, store=os.fspath(store), prompts_total=len(prompt_list),
+        prompts_new=len(work), prompts_skipped=len(prompt_list) - len(work),
+        prompts_truncated=sum(truncated), tokens_written=tokens_todo, sites=len(found),
+        bytes_estimate=plan.bytes_estimate, bytes_written=bytes_after - bytes_before,
+        seconds=time.perf_counter() - started, max_rel_error=errors,
+    )
+
+
+def _length_limit(loaded: LoadedModel, max_length: int | None) -> int | None:
+    if max_length is not None:
+        return max_length
+    config = getattr(loaded.model, "config", None)
+    limits = [getattr(config, "max_position_embeddings", None),
+              getattr(loaded.tokenizer, "model_max_length", None)]
+    sane = [int(v) for v in limits if isinstance(v, int) and 0 < v < 1_000_000]
+    return min(sane) if sane else None
+
+
+def _tokenize(tok: Any, texts: list[str], limit: int | None) -> tuple[list[list[int]], list[bool]]:
+    full = tok(texts, add_special_tokens=True, verbose=False)["input_ids"]
+    truncated = [limit is not None and len(f) > limit for f in full]
+    if any(truncated):
+        cut = tok(texts, add_special_tokens=True, truncation=True, max_length=limit)["input_ids"]
+        full = [c if t else f for f, c, t in zip(full, cut, truncated, strict=True)]
+    return [list(map(int, f)) for f in full], truncated
+
+
+def _pad(loaded: LoadedModel, ids: list[list[int]]) -> dict[str, torch.Tensor]:
+    width = max(len(i) for i in ids)
+    pad = loaded.tokenizer.pad_token_id or 0
+    input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for b, row in enumerate(ids):
+        input_ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[b, : len(row)] = 1
+    return {"input_ids": input_ids.to(loaded.device), "attention_mask": mask.to(loaded.device)}
+
+
+def _bytes_per_token(s: SiteRecord) -> int:
+    heads = s.n_heads or 1
+    return heads * (2 * s.d + 8)
+
+
+def _vocab_table(tok: Any, size: int) -> pa.Table:
+    n = min(size, len(tok))
+    pieces = tok.convert_ids_to_tokens(list(range(n)))
+    texts = tok.batch_decode([[i] for i in range(n)], clean_up_tokenization_spaces=False)
+    pad = size - n
+    return pa.table({
+        "token_id": pa.array(range(size), pa.int32()),
+        "token": pa.array(list(texts) + [None] * pad, pa.string()),
+        "piece": pa.array([str(p) for p in pieces] + [None] * pad, pa.string()),
+    })
+
+
+def _weights(model: nn.Module) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, bool]:
+    emb = model.get_input_embeddings()
+    embed = emb.weight.detach().float().cpu().numpy()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        return embed, None, None, False
+    tied = head.weight.data_ptr() == emb.weight.data_ptr()
+    w = None if tied else head.weight.detach().float().cpu().numpy()
+    b = getattr(head, "bias", None)
+    bias = b.detach().float().cpu().numpy() if isinstance(b, torch.Tensor) else None
+    return embed, w, bias, tied
+
+
+def _register(
+    st: Store, loaded: LoadedModel, found: list[FoundSite], n_layers: int, name: str,
+    sites_glob: str | None, limit: int | None, chunk_tokens: int | None,
+) -> tuple[ModelRecord, int]:
+    """The model's catalog record, registering it (weights included) if it is new."""
+    records = [f.record for f in found]
+    existing = st.catalog.model(name)
+    if existing is not None:
+        have = [(s.site, s.kind, s.d, s.n_heads) for s in st.catalog.sites(name)]
+        want = [(s.site, s.kind, s.d, s.n_heads) for s in records]
+        if have != want:
+            raise IngestError(
+                f"model {name!r} is already in the store with other sites; "
+                "pass --name to store this one under another name"
+            )
+        return existing, 0
+    model = loaded.model
+    embed, lm_head, lm_bias, tied = _weights(model)
+    config = getattr(model, "config", None)
+    d_model = int(getattr(config, "hidden_size", 0) or embed.shape[1])
+    vocab_size = (lm_head.shape[0] if lm_head is not None else embed.shape[0])
+    final = next((s.site for s in records if s.role == "final"), None)
+    widest = max(s.d * (s.n_heads or 1) for s in records)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    record = ModelRecord(
+        model=name, model_id=st.catalog.next_model_id(), source=loaded.source,
+        revision=loaded.revision,
+        architecture=(getattr(config, "architectures", None) or [type(model).__name__])[0],
+        d_model=d_model, n_layers=n_layers, vocab_size=int(vocab_size), n_sites=len(records),
+        has_lm_head=lm_head is not None or tied, has_lm_head_bias=lm_bias is not None,
+        tied_embeddings=tied, final_site=final, dtype=str(loaded.dtype).removeprefix("torch."),
+        max_length=limit, sites_glob=sites_glob,
+        chunk_tokens=chunk_tokens or default_chunk_tokens(widest), n_rows=0,
+        logit_softcap=float(softcap) if softcap else None,
+        config=config.to_dict() if config is not None and hasattr(config, "to_dict") else {},
+    )
+    params = {
+        f.record.site: (
+            f.gain.float().cpu().numpy() if f.gain is not None else None,
+            f.bias.float().cpu().numpy() if f.bias is not None else None,
+        )
+        for f in found
+    }
+    st.register_model(
+        record, records, embed=embed, lm_head=lm_head, lm_head_bias=lm_bias,
+        site_params=params, vocab=_vocab_table(loaded.tokenizer, max(vocab_size, len(
+            loaded.tokenizer))),
+    )
+    weight_bytes = sum(a.nbytes for a in (embed, lm_head, lm_bias) if a is not None)
+    weight_bytes += sum(a.nbytes for pair in params.values() for a in pair if a is not None)
+    return record, weight_bytes
+
+
+def _plan_work(
+    st: Store, model: str, prompts: list[Prompt], ids: list[list[int]], truncated: list[bool]
+) -> list[_Work]:
+    known = st.catalog.prompt_ids([p.text for p in prompts])
+    done = st.catalog.ingested_prompt_ids(model)
+    next_id = st.catalog.next_prompt_id()
+    assigned: dict[str, int] = {}
+    work = []
+    for p, i, t in zip(prompts, ids, truncated, strict=True):
+        if p.text in assigned:
+            continue  # the same text twice in one input is one prompt
+        pid = known.get(p.text)
+        if pid is None:
+            pid, next_id = next_id, next_id + 1
+        assigned[p.text] = pid
+        if pid not in done and len(i) > 0:
+            work.append(_Work(prompt_id=pid, prompt=p, ids=i, truncated=t,
+                              new_prompt=p.text not in known))
+    columns = extra_columns([w.prompt for w in work if w.new_prompt])
+    if columns:
+        st.catalog.add_prompt_columns(columns)
+    return work
+
+
+class _SiteSink:
+    """Turns each hooked (input, output) into stored fields and a faithfulness figure."""
+
+    def __init__(self, found: list[FoundSite], device: torch.device) -> None:
+        self.by_module = {f.record.module: f for f in found}
+        self.params = {
+            f.record.module: (
+                f.gain.float().to(device) if f.gain is not None else None,
+                f.bias.float().to(device) if f.bias is not None else None,
+            )
+            for f in found
+        }
+        self.mask = torch.zeros(0, dtype=torch.bool)
+        self.out: dict[str, ActBatch] = {}
+        self.errors: dict[str, float] = {}
+
+    @torch.no_grad()
+    def __call__(self, module_path: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        f = self.by_module[module_path]
+        s = f.record
+        if s.site in self.out:
+            return  # a module called twice in one pass: keep its first call
+        b, t = self.mask.shape
+        x = x.reshape(b, t, *x.shape[-(2 if s.n_heads else 1):])[self.mask].float()
+        y = y.reshape(b, t, *y.shape[-(2 if s.n_heads else 1):])[self.mask].float()
+        direction, norm, mean = norms.split(x)  # [n, (h,) d], [n, (h)], [n, (h)]
+        direction16 = direction.half()
+        gain, bias = self.params[module_path]
+        rebuilt = direction16.float() * norm.unsqueeze(-1)
+        y_hat = norms.apply(s.kind, rebuilt, gain=gain, bias=bias, eps=s.eps, mean=mean)
+        err = torch.linalg.vector_norm(y_hat - y, dim=-1) / (
+            torch.linalg.vector_norm(y, dim=-1) + 1e-6)
+        worst = float(err.max()) if err.numel() else 0.0
+        if worst > FAITHFULNESS_LIMIT:
+            raise IngestError(
+                f"site {s.site!r} ({s.module}, kind {s.kind}): the output recomputed from the "
+                f"stored fields differs from the module's output by {worst:.3g} (relative), "
+                f"more than {FAITHFULNESS_LIMIT}; actdb's maths for this norm is wrong"
+            )
+        self.errors[s.site] = worst
+        self.out[s.site] = ActBatch(
+            direction=direction16.cpu().numpy(), norm=norm.cpu().numpy(),
+            mean=mean.cpu().numpy(),
+        )
+
+
+def _forward_kwargs(model: nn.Module) -> dict[str, Any]:
+    params = inspect.signature(model.forward).parameters
+    return {"use_cache": False} if "use_cache" in params else {}
+
+
+def _run(
+    st: Store, loaded: LoadedModel, record: ModelRecord, found: list[FoundSite],
+    work: list[_Work], batch_size: int, progress: bool,
+) -> dict[str, float]:
+    records = [f.record for f in found]
+    row = st.catalog.model(record.model)
+    start = row.n_rows if row else 0
+    st.reserve_rows(record, records, start + sum(len(w.ids) for w in work))
+    backbone = getattr(loaded.model, "base_model", loaded.model)
+    extra = _forward_kwargs(backbone)
+    vocab = st.catalog.con.execute(
+        "SELECT token FROM vocab WHERE model = ? ORDER BY token_id", [record.model]
+    ).fetchall()
+    token_str = [v[0] for v in vocab]
+    sink = _SiteSink(found, loaded.device)
+    worst: dict[str, float] = {}
+    # Batches are buffered up to one chunk of rows, then written and committed together:
+    # fewer partial-chunk rewrites, and each commit is still all-or-nothing.
+    pending: list[tuple[list[_Work], dict[str, ActBatch], dict[str, float]]] = []
+
+    def flush() -> int:
+        works = [w for p in pending for w in p[0]]
+        acts = {
+            s.site: ActBatch(**{
+                k: np.concatenate([getattr(p[1][s.site], k) for p in pending])
+                for k in ("direction", "norm", "mean")
+            })
+            for s in records
+        }
+        errors: dict[str, float] = {}
+        for p in pending:
+            for k, v in p[2].items():
+                errors[k] = max(errors.get(k, 0.0), v)
+        new_prompts, runs, tokens = _batch_tables(works, start, token_str)
+        pending.clear()
+        for k, v in errors.items():
+            worst[k] = max(worst.get(k, 0.0), v)
+        return st.commit_batch(
+            record, start=start, acts=acts, new_prompts=new_prompts, prompt_runs=runs,
+            tokens=tokens, site_errors=errors,
+        )
+
+    bar = tqdm(total=sum(len(w.ids) for w in work), unit="tok", unit_scale=True,
+               disable=not progress, desc=f"ingest {record.model}", dynamic_ncols=True)
+    with bar, on_norm_io({f.record.module: f.module for f in found}, sink):
+        buffered = 0
+        for i in range(0, len(work), batch_size):
+            batch = work[i : i + batch_size]
+            inputs = _pad(loaded, [w.ids for w in batch])
+            sink.mask = inputs["attention_mask"].bool()
+            sink.out, sink.errors = {}, {}
+            with torch.no_grad():
+                backbone(**inputs, **extra)
+            missing = [s.site for s in records if s.site not in sink.out]
+            if missing:
+                raise IngestError(f"sites {missing} did not run in the forward pass")
+            pending.append((batch, sink.out, sink.errors))
+            n = sum(len(w.ids) for w in batch)
+            buffered += n
+            if buffered >= record.chunk_tokens or i + batch_size >= len(work):
+                start = flush()
+                buffered = 0
+            bar.update(n)
+    return worst
+
+
+def _batch_tables(
+    batch: list[_Work], start: int, token_str: list[str | None]
+) -> tuple[pa.Table, pa.Table, pa.Table]:
+    new = [w for w in batch if w.new_prompt]
+    columns = sorted({k for w in new for k in w.prompt.extra})
+    types = extra_columns([w.prompt for w in new])
+    prompts = {
+        "prompt_id": pa.array([w.prompt_id for w in new], pa.int64()),
+        "text": pa.array([w.prompt.text for w in new], pa.string()),
+        "n_tokens": pa.array([len(w.ids) for w in new], pa.int32()),
+    }
+    for c in columns:
+        values = [column_value(w.prompt.extra.get(c), types[c]) for w in new]
+        prompts[c] = pa.array(values)
+    runs, tok_rows = [], {"prompt_id": [], "position": [], "token_id": [], "token": [], "row": []}
+    row = start
+    for w in batch:
+        runs.append((w.prompt_id, row, len(w.ids), w.truncated))
+        for pos, tid in enumerate(w.ids):
+            tok_rows["prompt_id"].append(w.prompt_id)
+            tok_rows["position"].append(pos)
+            tok_rows["token_id"].append(tid)
+            tok_rows["token"].append(token_str[tid] if tid < len(token_str) else None)
+            tok_rows["row"].append(row)
+            row += 1
+    prompt_runs = pa.table({
+        "prompt_id": pa.array([r[0] for r in runs], pa.int64()),
+        "row_start": pa.array([r[1] for r in runs], pa.int64()),
+        "n_tokens": pa.array([r[2] for r in runs], pa.int32()),
+        "truncated": pa.array([r[3] for r in runs], pa.bool_()),
+    })
+    tokens = pa.table({
+        "prompt_id": pa.array(tok_rows["prompt_id"], pa.int64()),
+        "position": pa.array(tok_rows["position"], pa.int32()),
+        "token_id": pa.array(tok_rows["token_id"], pa.int32()),
+        "token": pa.array(tok_rows["token"], pa.string()),
+        "row": pa.array(tok_rows["row"], pa.int64()),
+    })
+    return pa.table(prompts), prompt_runs, tokens

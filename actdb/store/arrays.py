@@ -1,0 +1,142 @@
+"""The Zarr v3 group: stored vectors (chunked along the token axis) and model weights.
+
+Layout (see docs/FORMAT.md):
+    models/{model_id}/embed           float32 [V, d]
+    models/{model_id}/lm_head         float32 [V, d]   (absent when tied to embed or no head)
+    models/{model_id}/lm_head_bias    float32 [V]
+    models/{model_id}/sites/{site}/gain, bias            float32 [d]
+    models/{model_id}/acts/{site}/direction   float16 [rows, d] or [rows, heads, d]
+    models/{model_id}/acts/{site}/norm, mean  float32 [rows] or [rows, heads]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+import zarr.storage
+
+from .catalog import FORMAT_VERSION
+
+ACT_FIELDS = ("direction", "norm", "mean")
+_TARGET_CHUNK_BYTES = 2 << 20
+
+
+def default_chunk_tokens(width: int) -> int:
+    """Token rows per chunk so that one direction chunk is about 2 MiB."""
+    rows = max(_TARGET_CHUNK_BYTES // (2 * max(width, 1)), 64)
+    return int(2 ** round(np.log2(rows)))
+
+
+class Arrays:
+    """The Zarr side of a store."""
+
+    def __init__(self, path: Path, *, read_only: bool, store: Any = None) -> None:
+        self.path = path
+        self.read_only = read_only
+        self.zstore = store if store is not None else zarr.storage.LocalStore(
+            str(path), read_only=read_only
+        )
+        self.group = zarr.open_group(self.zstore, mode="r" if read_only else "r+")
+
+    @classmethod
+    def create(cls, path: Path) -> Arrays:
+        zarr.open_group(
+            zarr.storage.LocalStore(str(path)),
+            mode="w",
+            zarr_format=3,
+            attributes={"actdb_format_version": FORMAT_VERSION},
+        )
+        return cls(path, read_only=False)
+
+    def format_version(self) -> int:
+        return int(self.group.attrs.get("actdb_format_version", -1))
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def _model_group(self, model_id: int) -> zarr.Group:
+        return self.group.require_group(f"models/{model_id}")
+
+    def write_weights(
+        self,
+        model_id: int,
+        *,
+        embed: np.ndarray,
+        lm_head: np.ndarray | None,
+        lm_head_bias: np.ndarray | None,
+        site_params: dict[str, tuple[np.ndarray | None, np.ndarray | None]],
+    ) -> None:
+        """Write a model's weights, replacing any left by an interrupted earlier ingest."""
+        g = self._model_group(model_id)
+        named = {"embed": embed, "lm_head": lm_head, "lm_head_bias": lm_head_bias}
+        for name, value in named.items():
+            if value is not None:
+                self._write_whole(g, name, value)
+        for site, (gain, bias) in site_params.items():
+            sg = g.require_group(f"sites/{site}")
+            for name, value in (("gain", gain), ("bias", bias)):
+                if value is not None:
+                    self._write_whole(sg, name, value)
+
+    @staticmethod
+    def _write_whole(group: zarr.Group, name: str, value: np.ndarray) -> None:
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        chunks = (min(value.shape[0], 8192), *value.shape[1:]) if value.ndim == 2 else value.shape
+        arr = group.create_array(
+            name, shape=value.shape, dtype="float32", chunks=chunks, compressors=None,
+            overwrite=True,
+        )
+        arr[...] = value
+
+    def weight(self, model_id: int, name: str) -> np.ndarray | None:
+        key = f"models/{model_id}/{name}"
+        try:
+            arr = self.group[key]
+        except KeyError:
+            return None
+        return np.asarray(arr[...])
+
+    def site_param(self, model_id: int, site: str, name: str) -> np.ndarray | None:
+        return self.weight(model_id, f"sites/{site}/{name}")
+
+    # -- vectors ---------------------------------------------------------------------------
+
+    def ensure_act_arrays(
+        self, model_id: int, site: str, *, inner: tuple[int, ...], rows: int, chunk_tokens: int
+    ) -> None:
+        """Create the site's arrays or grow them to at least `rows` token rows."""
+        g = self._model_group(model_id).require_group(f"acts/{site}")
+        specs = {
+            "direction": ((*inner,), "float16"),
+            "norm": (inner[:-1], "float32"),
+            "mean": (inner[:-1], "float32"),
+        }
+        for name, (tail, dtype) in specs.items():
+            if name in g:
+                arr = g[name]
+                assert isinstance(arr, zarr.Array)
+                if arr.shape[0] < rows:
+                    arr.resize((rows, *tail))
+            else:
+                g.create_array(
+                    name, shape=(rows, *tail), dtype=dtype, chunks=(chunk_tokens, *tail),
+                    compressors=None, fill_value=0, dimension_names=None,
+                )
+
+    def act_array(self, model_id: int, site: str, field: str) -> zarr.Array:
+        arr = self.group[f"models/{model_id}/acts/{site}/{field}"]
+        assert isinstance(arr, zarr.Array)
+        return arr
+
+    def write_rows(
+        self, model_id: int, site: str, start: int, values: dict[str, np.ndarray]
+    ) -> None:
+        """Write token rows [start, start + n) of a site's direction, norm and mean."""
+        for name in ACT_FIELDS:
+            value = values[name]
+            self.act_array(model_id, site, name)[start : start + value.shape[0]] = value
+
+    def has_model(self, model_id: int) -> bool:
+        return f"models/{model_id}" in self.group

@@ -1,0 +1,221 @@
+"""The DuckDB catalog: every piece of metadata of a store, and the batch commit."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from ..errors import StoreFormatError, StoreNotWritableError
+from .records import ModelRecord, SiteRecord
+
+FORMAT_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE meta (key VARCHAR, value VARCHAR);
+CREATE TABLE models (
+    model VARCHAR, model_id INTEGER, source VARCHAR, revision VARCHAR, architecture VARCHAR,
+    d_model INTEGER, n_layers INTEGER, vocab_size INTEGER, n_sites INTEGER,
+    has_lm_head BOOLEAN, has_lm_head_bias BOOLEAN, tied_embeddings BOOLEAN, final_site VARCHAR,
+    dtype VARCHAR, max_length INTEGER, sites_glob VARCHAR, chunk_tokens INTEGER,
+    n_rows BIGINT, logit_softcap DOUBLE, config JSON, created_at TIMESTAMP DEFAULT now()
+);
+CREATE TABLE prompts (prompt_id BIGINT, text VARCHAR, n_tokens INTEGER);
+CREATE TABLE prompt_runs (
+    model VARCHAR, prompt_id BIGINT, row_start BIGINT, n_tokens INTEGER, truncated BOOLEAN
+);
+CREATE TABLE tokens (
+    model VARCHAR, prompt_id BIGINT, position INTEGER, token_id INTEGER, token VARCHAR, "row" BIGINT
+);
+CREATE TABLE sites (
+    model VARCHAR, site VARCHAR, site_id INTEGER, layer INTEGER, role VARCHAR, kind VARCHAR,
+    d INTEGER, n_heads INTEGER, eps DOUBLE, module VARCHAR, has_gain BOOLEAN, has_bias BOOLEAN,
+    max_rel_error DOUBLE
+);
+CREATE TABLE vocab (model VARCHAR, token_id INTEGER, token VARCHAR, piece VARCHAR);
+"""
+
+_MODEL_COLUMNS = [f.name for f in fields(ModelRecord)]
+_SITE_COLUMNS = [f.name for f in fields(SiteRecord)]
+
+
+class Catalog:
+    """A DuckDB connection to `catalog.duckdb` with the queries the store needs."""
+
+    def __init__(self, path: Path, *, read_only: bool) -> None:
+        self.path = path
+        self.read_only = read_only
+        try:
+            # One DuckDB thread: its idle workers otherwise steal the cores torch needs for the
+            # forward pass (measured: a 20x slower forward after the first catalog write).
+            self.con = duckdb.connect(str(path), read_only=read_only, config={"threads": 1})
+        except duckdb.IOException as e:
+            if "Permission denied" in str(e) or "Read-only" in str(e):
+                raise StoreNotWritableError(f"cannot open catalog {str(path)!r} for writing") from e
+            raise StoreFormatError(f"cannot open catalog {str(path)!r}: {e}") from e
+
+    @classmethod
+    def create(cls, path: Path) -> Catalog:
+        cat = cls(path, read_only=False)
+        with cat.transaction():
+            cat.con.execute(SCHEMA)
+            cat.con.execute(
+                "INSERT INTO meta VALUES ('format_version', ?), ('created_by', 'actdb')",
+                [str(FORMAT_VERSION)],
+            )
+        return cat
+
+    def close(self) -> None:
+        self.con.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            yield
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+        self.con.execute("COMMIT")
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def format_version(self) -> int:
+        row = self.con.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()
+        if row is None:
+            raise StoreFormatError(f"catalog {str(self.path)!r} has no format version")
+        return int(row[0])
+
+    def models(self) -> list[ModelRecord]:
+        cols = ", ".join(f'"{c}"' for c in _MODEL_COLUMNS)
+        rows = self.con.execute(f"SELECT {cols} FROM models ORDER BY model_id").fetchall()
+        out = []
+        for row in rows:
+            kw = dict(zip(_MODEL_COLUMNS, row, strict=True))
+            kw["config"] = json.loads(kw["config"]) if kw["config"] else {}
+            out.append(ModelRecord(**kw))
+        return out
+
+    def model(self, name: str) -> ModelRecord | None:
+        return next((m for m in self.models() if m.model == name), None)
+
+    def sites(self, model: str) -> list[SiteRecord]:
+        cols = ", ".join(_SITE_COLUMNS)
+        rows = self.con.execute(
+            f"SELECT {cols} FROM sites WHERE model = ? ORDER BY site_id", [model]
+        ).fetchall()
+        return [SiteRecord(**dict(zip(_SITE_COLUMNS, r, strict=True))) for r in rows]
+
+    def prompt_ids(self, texts: Sequence[str]) -> dict[str, int]:
+        """The ids of those texts that already are prompts of the store."""
+        if not texts:
+            return {}
+        wanted = pa.table({"text": pa.array(list(set(texts)), pa.string())})
+        self.con.register("_wanted", wanted)
+        try:
+            rows = self.con.execute(
+                "SELECT p.text, p.prompt_id FROM prompts p JOIN _wanted w USING (text)"
+            ).fetchall()
+        finally:
+            self.con.unregister("_wanted")
+        return {t: int(i) for t, i in rows}
+
+    def next_prompt_id(self) -> int:
+        row = self.con.execute("SELECT coalesce(max(prompt_id) + 1, 0) FROM prompts").fetchone()
+        return int(row[0]) if row else 0
+
+    def ingested_prompt_ids(self, model: str) -> set[int]:
+        rows = self.con.execute("SELECT prompt_id FROM prompt_runs WHERE model = ?", [model])
+        return {int(r[0]) for r in rows.fetchall()}
+
+    def prompt_columns(self) -> dict[str, str]:
+        rows = self.con.execute(
+            "SELECT column_name, data_type FROM information_schema.columns "
+            "WHERE table_name = 'prompts' ORDER BY ordinal_position"
+        ).fetchall()
+        return {name: dtype for name, dtype in rows}
+
+    def next_model_id(self) -> int:
+        row = self.con.execute("SELECT coalesce(max(model_id) + 1, 0) FROM models").fetchone()
+        return int(row[0]) if row else 0
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def add_prompt_columns(self, columns: dict[str, str]) -> None:
+        """Add the extra prompt fields (JSONL keys) that `prompts` does not have yet."""
+        have = {c.lower() for c in self.prompt_columns()}
+        for name, sqltype in columns.items():
+            if name.lower() not in have:
+                quoted = name.replace('"', '""')
+                self.con.execute(f'ALTER TABLE prompts ADD COLUMN "{quoted}" {sqltype}')
+
+    def insert_model(
+        self, model: ModelRecord, sites: Sequence[SiteRecord], vocab: pa.Table
+    ) -> None:
+        """Register a model, its sites and its vocabulary in one transaction."""
+        with self.transaction():
+            row = asdict(model)
+            row["config"] = json.dumps(row["config"], default=str)
+            cols = ", ".join(f'"{c}"' for c in _MODEL_COLUMNS)
+            marks = ", ".join("?" for _ in _MODEL_COLUMNS)
+            self.con.execute(
+                f"INSERT INTO models ({cols}) VALUES ({marks})", [row[c] for c in _MODEL_COLUMNS]
+            )
+            site_cols = ", ".join(_SITE_COLUMNS)
+            site_marks = ", ".join("?" for _ in _SITE_COLUMNS)
+            self.con.executemany(
+                f"INSERT INTO sites (model, {site_cols}) VALUES (?, {site_marks})",
+                [[model.model, *[getattr(s, c) for c in _SITE_COLUMNS]] for s in sites],
+            )
+            self.con.register("_vocab", vocab)
+            try:
+                self.con.execute(
+                    "INSERT INTO vocab SELECT ?, token_id, token, piece FROM _vocab", [model.model]
+                )
+            finally:
+                self.con.unregister("_vocab")
+
+    def commit_batch(
+        self,
+        *,
+        model: str,
+        new_prompts: pa.Table,
+        prompt_runs: pa.Table,
+        tokens: pa.Table,
+        site_errors: dict[str, float],
+        n_rows: int,
+    ) -> None:
+        """Make one ingested batch visible: everything in one transaction."""
+        with self.transaction():
+            self._insert_table("prompts", new_prompts)
+            self._insert_table("prompt_runs", prompt_runs, model=model)
+            self._insert_table("tokens", tokens, model=model)
+            for site, err in site_errors.items():
+                self.con.execute(
+                    "UPDATE sites SET max_rel_error = greatest(coalesce(max_rel_error, 0), ?) "
+                    "WHERE model = ? AND site = ?",
+                    [err, model, site],
+                )
+            self.con.execute("UPDATE models SET n_rows = ? WHERE model = ?", [n_rows, model])
+
+    def _insert_table(self, table: str, data: pa.Table, **constants: Any) -> None:
+        if data.num_rows == 0:
+            return
+        self.con.register("_batch", data)
+        try:
+            const_cols = [f'"{k}"' for k in constants]
+            data_cols = [f'"{c}"' for c in data.column_names]
+            target = ", ".join(const_cols + data_cols)
+            select = ", ".join(["?"] * len(constants) + data_cols)
+            self.con.execute(
+                f"INSERT INTO {table} ({target}) SELECT {select} FROM _batch",
+                list(constants.values()),
+            )
+        finally:
+            self.con.unregister("_batch")

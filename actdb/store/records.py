@@ -1,0 +1,59 @@
+"""Metadata records shared by the catalog, the ingest and the query layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("embed", "pre_attn", "pre_mlp", "post_attn", "post_mlp", "final", "q_norm", "k_norm", "other")
+KINDS = ("layernorm", "rmsnorm", "rmsnorm_1p")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SiteRecord:
+    """One normalization site of a model, as found at ingest.
+
+    `kind` is the maths the stored fields are replayed with:
+    layernorm: y = gain * (x - mean) / sqrt(var + eps) + bias
+    rmsnorm: y = gain * x / sqrt(mean(x^2) + eps) + bias
+    rmsnorm_1p: y = (1 + gain) * x / sqrt(mean(x^2) + eps)   (Gemma)
+    """
+
+    site: str  # canonical name: blocks.3.ln1, final, embed
+    site_id: int  # index within the model, stable across runs
+    layer: int  # block index; -1 for embed, n_layers for final
+    role: str
+    kind: str
+    d: int  # width of one stored vector
+    n_heads: int | None  # set where the input is [.., heads, d] (per-head q/k norms)
+    eps: float
+    module: str  # module path in the model
+    has_gain: bool
+    has_bias: bool
+    max_rel_error: float | None = None  # faithfulness: worst |y_recomputed - y| / |y| so far
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRecord:
+    """One model in a store."""
+
+    model: str  # name users query by
+    model_id: int  # small integer used in array paths and handles
+    source: str  # hub name or path it was loaded from ("<object>" for a model object)
+    revision: str | None
+    architecture: str
+    d_model: int
+    n_layers: int
+    vocab_size: int
+    n_sites: int
+    has_lm_head: bool
+    has_lm_head_bias: bool
+    tied_embeddings: bool
+    final_site: str | None
+    dtype: str
+    max_length: int | None
+    sites_glob: str | None
+    chunk_tokens: int
+    n_rows: int = 0  # token rows committed
+    logit_softcap: float | None = None
+    config: dict[str, Any] = field(default_factory=dict)
