@@ -6,6 +6,7 @@ SQL with geometric tensor functions queries it lazily.
 
 from .errors import (
     ActdbError,
+    DeviceError,
     IngestError,
     ModelLoadError,
     PromptsError,
@@ -17,11 +18,16 @@ from .errors import (
     TokenError,
 )
 from .ingest import IngestSummary, ingest
+from .query import Database, Result, connect
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ActdbError",
+    "Database",
+    "DeviceError",
+    "Result",
+    "connect",
     "IngestError",
     "IngestSummary",
     "ModelLoadError",

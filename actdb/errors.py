@@ -19,6 +19,10 @@ class StoreNotWritableError(ActdbError, PermissionError):
     """The store (or its parent directory) cannot be written."""
 
 
+class DeviceError(ActdbError, ValueError):
+    """The device asked for does not exist here."""
+
+
 class ModelLoadError(ActdbError, ValueError):
     """A model or tokenizer could not be loaded, or has nothing to capture."""
 

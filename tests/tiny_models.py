@@ -31,6 +31,7 @@ from transformers import (
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
 
@@ -461,9 +462,11 @@ def build_tiny_model(family: str, path: str | os.PathLike[str], *, seed: int = 0
 
 def load_tiny_model(
     family: str, path: str | os.PathLike[str]
-) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a model saved by ``build_tiny_model`` (eager attention, float32, eval mode)."""
-    model = _model_class(family).from_pretrained(os.fspath(path), attn_implementation="eager")
-    model = model.to(torch.float32).eval()
+    model: PreTrainedModel = _model_class(family).from_pretrained(
+        os.fspath(path), attn_implementation="eager"
+    )
+    model.float().eval()
     tokenizer = AutoTokenizer.from_pretrained(os.fspath(path))
     return model, tokenizer

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..devices import resolve_device
 from ..errors import ModelLoadError
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -24,19 +25,6 @@ class LoadedModel:
     revision: str | None
     device: torch.device
     dtype: torch.dtype
-
-
-def resolve_device(device: str) -> torch.device:
-    """`auto` is CUDA when present, else CPU; `cpu`, `cuda`, `cuda:1` as torch spells them."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ModelLoadError(f"unknown device {device!r}; use auto, cpu or cuda[:i]") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {device!r} asked for, but CUDA is not available here")
-    return dev
 
 
 def resolve_dtype(dtype: str, device: torch.device, config: Any = None) -> torch.dtype:

@@ -235,6 +235,7 @@ def _register(
         )
         for f in found
     }
+    loaded.tokenizer.save_pretrained(str(st.tokenizer_dir(record.model_id)))
     st.register_model(
         record, records, embed=embed, lm_head=lm_head, lm_head_bias=lm_bias,
         site_params=params, vocab=_vocab_table(loaded.tokenizer, max(vocab_size, len(

@@ -21,6 +21,7 @@ from .records import ModelRecord, SiteRecord
 
 CATALOG_NAME = "catalog.duckdb"
 TENSORS_NAME = "tensors.zarr"
+TOKENIZERS_NAME = "tokenizers"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +166,10 @@ class Store:
 
     # -- reading ---------------------------------------------------------------------------
 
+    def tokenizer_dir(self, model_id: int) -> Path:
+        """Where a model's tokenizer is saved (by `save_pretrained`), for token lookups."""
+        return self.path / TOKENIZERS_NAME / str(model_id)
+
     def disk_bytes(self) -> dict[str, int]:
         """Bytes on disk of the catalog, the tensors, and both."""
         def size(p: Path) -> int:
@@ -174,7 +179,8 @@ class Store:
 
         cat = sum(size(f) for f in self.path.glob(CATALOG_NAME + "*"))
         ten = size(self.path / TENSORS_NAME)
-        return {"catalog": cat, "tensors": ten, "total": cat + ten}
+        tok = size(self.path / TOKENIZERS_NAME) if (self.path / TOKENIZERS_NAME).exists() else 0
+        return {"catalog": cat, "tensors": ten, "tokenizers": tok, "total": cat + ten + tok}
 
 
 __all__ = ["ACT_FIELDS", "ActBatch", "Store"]

@@ -1,0 +1,144 @@
+"""Set up a DuckDB connection for queries: views over the catalog, tensor macros and UDFs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..errors import ActdbError
+from . import handles as H
+from .functions import ANCHORS, FUNCTIONS, INT, TOKEN, VEC, TensorFunction
+from .vectors import VectorSource
+
+_ARROW_TYPES = {
+    "DOUBLE": pa.float64(),
+    "FLOAT[]": pa.list_(pa.float32()),
+}
+
+
+class ErrorBox:
+    """The ActdbError a UDF raised, kept so the caller gets it back instead of DuckDB's wrap."""
+
+    def __init__(self) -> None:
+        self.error: ActdbError | None = None
+
+
+def _arrow_type(sql: str) -> pa.DataType:
+    if sql in _ARROW_TYPES:
+        return _ARROW_TYPES[sql]
+    fields = sql.removeprefix("STRUCT(").removesuffix(")[]").split(", ")
+    kinds = {"BIGINT": pa.int64(), "VARCHAR": pa.string(), "DOUBLE": pa.float64()}
+    return pa.list_(pa.struct([(f.split()[0], kinds[f.split()[1]]) for f in fields]))
+
+
+def _expanded_kinds(fn: TensorFunction) -> list[str]:
+    out: list[str] = []
+    for p in fn.params:
+        out += ["token", "token_type"] if p.kind == TOKEN else [p.kind]
+    return out
+
+
+def _with_arity(f: Callable[..., pa.Array], n: int) -> Callable[..., pa.Array]:
+    """DuckDB reads a UDF's parameter count from its signature, so *args will not do."""
+    names = ", ".join(f"a{i}" for i in range(n))
+    scope: dict[str, Any] = {"f": f}
+    exec(f"def udf({names}):\n    return f({names})", scope)  # noqa: S102 - fixed template
+    return scope["udf"]
+
+
+def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox) -> Callable[..., pa.Array]:
+    kinds = _expanded_kinds(fn)
+    scalar = fn.returns == "DOUBLE"
+    out_type = _arrow_type(fn.returns)
+    assert fn.kernel is not None
+    kernel = fn.kernel
+
+    def udf(*arrays: pa.Array) -> pa.Array:
+        n = len(arrays[0])
+        null = np.zeros(n, dtype=bool)
+        for a in arrays:
+            if a.null_count:
+                null |= a.is_null().to_numpy(zero_copy_only=False)
+        keep = np.nonzero(~null)[0]
+        vecs: list[np.ndarray] = []
+        rest: list[Any] = []
+        for a, kind in zip(arrays, kinds, strict=True):
+            if kind in (VEC, INT):
+                values = pc.fill_null(a, 0).to_numpy(zero_copy_only=False).astype(np.int64)
+                (vecs if kind == VEC else rest).append(values[keep])
+            else:
+                values = a.to_pylist()
+                rest.append([values[i] for i in keep])
+        try:
+            if scalar:
+                sub = np.full(len(keep), np.nan)
+                kernel(src, *vecs, sub, *rest)
+                full = np.full(n, np.nan)
+                full[keep] = sub
+                return pa.array(full, type=pa.float64(), mask=np.isnan(full))
+            sub_list: list[Any] = [None] * len(keep)
+            kernel(src, *vecs, sub_list, *rest)
+            full_list: list[Any] = [None] * n
+            for j, i in enumerate(keep):
+                full_list[i] = sub_list[j]
+            return pa.array(full_list, type=out_type)
+        except ActdbError as e:
+            box.error = e
+            raise
+
+    return _with_arity(udf, len(kinds))
+
+
+def _stored_field_udf(src: VectorSource, name: str) -> Callable[[pa.Array], pa.Array]:
+    def udf(h: pa.Array) -> pa.Array:
+        values = pc.fill_null(h, 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        out = np.full(len(values), np.nan)
+        for g in src.groups(values, raw_vectors=False):
+            out[g.index] = (g.norm if name == "norm" else g.mean).double().cpu().numpy()
+        return pa.array(out, type=pa.float64(), mask=h.is_null().to_numpy(zero_copy_only=False))
+
+    return udf
+
+
+def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox) -> None:
+    """Register UDFs, macros and the temp views `acts` and its helpers on `con`."""
+    for fn in FUNCTIONS:
+        if fn.kernel is not None:
+            con.create_function(
+                fn.udf_name, _make_udf(fn, src, box),
+                [duckdb.sqltype(t) for t in fn.udf_params()], duckdb.sqltype(fn.returns),
+                type="arrow", side_effects=False,
+            )
+        con.execute(fn.macro_sql())
+    for name in ("norm", "mean"):
+        con.create_function(
+            f"_actdb_stored_{name}", _stored_field_udf(src, name), [duckdb.sqltype("BIGINT")],
+            duckdb.sqltype("DOUBLE"), type="arrow", side_effects=False,
+        )
+    con.execute(
+        "CREATE OR REPLACE TEMP TABLE _actdb_site_heads AS SELECT model, site, "
+        "UNNEST(CASE WHEN n_heads IS NULL THEN [NULL::INTEGER] "
+        "ELSE range(n_heads)::INTEGER[] END) AS head FROM sites"
+    )
+    handle = H.encode_sql('t."row"', "h.head", "s.site_id", "m.model_id")
+    con.execute(f"""
+        CREATE OR REPLACE TEMP VIEW acts AS
+        SELECT model, prompt_id, position, token_id, token, site, layer, role, head,
+               _actdb_stored_norm(vec) AS norm, _actdb_stored_mean(vec) AS mean, vec
+        FROM (
+            SELECT t.model, t.prompt_id, t.position, t.token_id, t.token,
+                   s.site, s.layer, s.role, h.head, {handle} AS vec
+            FROM tokens t
+            JOIN models m ON m.model = t.model
+            JOIN sites s ON s.model = t.model
+            JOIN _actdb_site_heads h ON h.model = s.model AND h.site = s.site
+        )
+    """)
+
+
+__all__ = ["ANCHORS", "ErrorBox", "prepare"]

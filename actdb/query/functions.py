@@ -1,0 +1,168 @@
+"""The registry of tensor functions: name -> signature, one-line doc, and implementation.
+
+Each public function is a DuckDB macro (overloaded by arity where arguments are optional)
+that calls an internal Arrow UDF `_actdb_<name>`; the macro fills defaults and passes a token
+argument with its SQL type, so `' Paris'` and `42` (a token id) both work. Views are pure SQL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import handles as H
+from . import kernels
+
+VEC, TOKEN, INT, ANCHORS = "vec", "token", "int", "anchors"
+
+NEAREST = "STRUCT(token_id BIGINT, token VARCHAR, cosine DOUBLE)[]"
+TOP_LOGITS = "STRUCT(token_id BIGINT, token VARCHAR, logit DOUBLE)[]"
+TOP_DIMS = "STRUCT(dim BIGINT, contribution DOUBLE)[]"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Param:
+    name: str
+    kind: str  # vec, token, int, anchors
+    optional: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorFunction:
+    name: str
+    params: tuple[Param, ...]
+    returns: str  # SQL type
+    doc: str
+    kernel: Callable[..., None] | None = None  # None for views (pure SQL)
+    view: str | None = None
+
+    @property
+    def signature(self) -> str:
+        req = [p.name for p in self.params if not p.optional]
+        opt = [p.name for p in self.params if p.optional]
+        args = ", ".join(req) + "".join(f" [, {o}]" for o in opt)
+        return f"{self.name}({args}) -> {self.returns}"
+
+    @property
+    def arity(self) -> tuple[int, int]:
+        return sum(not p.optional for p in self.params), len(self.params)
+
+    @property
+    def udf_name(self) -> str:
+        return f"_actdb_{self.name}"
+
+    def udf_params(self) -> list[str]:
+        """SQL types of the internal UDF's parameters (a token is its text and its type)."""
+        types: list[str] = []
+        for p in self.params:
+            types += {VEC: ["BIGINT"], TOKEN: ["VARCHAR", "VARCHAR"], INT: ["BIGINT"],
+                      ANCHORS: ["VARCHAR"]}[p.kind]
+        return types
+
+    def macro_sql(self) -> str:
+        """CREATE MACRO with one overload per accepted arity."""
+        overloads = []
+        lo, hi = self.arity
+        for n in range(lo, hi + 1):
+            names = [p.name for p in self.params[:n]]
+            if self.view:
+                body = H.view_sql(names[0], self.view)
+            else:
+                args = []
+                for i, p in enumerate(self.params):
+                    given = i < n
+                    if p.kind == TOKEN:
+                        args += [f"CAST({p.name} AS VARCHAR)", f"typeof({p.name})"]
+                    elif p.kind == ANCHORS:
+                        args.append(f"CAST({p.name} AS VARCHAR)" if given else "''")
+                    else:
+                        args.append(p.name)
+                body = f"{self.udf_name}({', '.join(args)})"
+            overloads.append(f"({', '.join(names)}) AS {body}")
+        return f"CREATE OR REPLACE TEMP MACRO {self.name}{', '.join(overloads)}"
+
+
+def _p(name: str, kind: str, optional: bool = False) -> Param:
+    return Param(name=name, kind=kind, optional=optional)
+
+
+V = _p("v", VEC)
+FUNCTIONS: tuple[TensorFunction, ...] = (
+    TensorFunction(
+        name="cosine_to_anchor", params=(V, _p("token", TOKEN), _p("anchors", ANCHORS, True)),
+        returns="DOUBLE", kernel=kernels.cosine_to_anchor,
+        doc="cosine of v with the token's anchor; anchors: 'unembed' (default with an LM head), "
+            "'embed' or 'unembed_folded'",
+    ),
+    TensorFunction(
+        name="nearest_anchors", params=(V, _p("k", INT), _p("anchors", ANCHORS, True)),
+        returns=NEAREST, kernel=kernels.nearest_anchors,
+        doc="the k anchors most similar to v: list of {token_id, token, cosine}",
+    ),
+    TensorFunction(
+        name="dim_contribution", params=(V, _p("dim", INT)), returns="DOUBLE",
+        kernel=kernels.dim_contribution, doc="v[dim] / ||v||: the signed share of one dimension",
+    ),
+    TensorFunction(
+        name="top_dims", params=(V, _p("k", INT)), returns=TOP_DIMS, kernel=kernels.top_dims,
+        doc="the k dims with the largest |v[dim]| / ||v||: list of {dim, contribution}",
+    ),
+    TensorFunction(
+        name="logit", params=(V, _p("token", TOKEN)), returns="DOUBLE", kernel=kernels.logit,
+        doc="logit lens: W_U[t] . final_norm(v) + b_U[t]; at the final site, the model's logit",
+    ),
+    TensorFunction(
+        name="logit_contribution", params=(V, _p("dim", INT), _p("token", TOKEN)),
+        returns="DOUBLE", kernel=kernels.logit_contribution,
+        doc="final_norm(v)[dim] * W_U[t, dim]; summed over dims it is logit - b_U[t]",
+    ),
+    TensorFunction(
+        name="top_logits", params=(V, _p("k", INT)), returns=TOP_LOGITS,
+        kernel=kernels.top_logits, doc="the k tokens with the largest logit: list of "
+                                       "{token_id, token, logit}",
+    ),
+    TensorFunction(
+        name="uniform_angle", params=(V,), returns="DOUBLE", kernel=kernels.uniform_angle,
+        doc="degrees between v and the all-ones vector",
+    ),
+    TensorFunction(
+        name="rotation_angle", params=(V,), returns="DOUBLE", kernel=kernels.rotation_angle,
+        doc="degrees between the site's input v and its output normed(v)",
+    ),
+    TensorFunction(
+        name="vec_norm", params=(V,), returns="DOUBLE", kernel=kernels.vec_norm,
+        doc="||v||, the Euclidean norm",
+    ),
+    TensorFunction(
+        name="cosine", params=(_p("v1", VEC), _p("v2", VEC)), returns="DOUBLE",
+        kernel=kernels.cosine, doc="cosine between two vectors of the same width",
+    ),
+    TensorFunction(
+        name="angle", params=(_p("v1", VEC), _p("v2", VEC)), returns="DOUBLE",
+        kernel=kernels.angle, doc="degrees between two vectors of the same width",
+    ),
+    TensorFunction(
+        name="normalized", params=(V,), returns="vec", view="normalized",
+        doc="view: z, the norm's output before gain and bias",
+    ),
+    TensorFunction(
+        name="normed", params=(V,), returns="vec", view="normed",
+        doc="view: y, the site's real output (gain and bias applied)",
+    ),
+    TensorFunction(
+        name="final_norm", params=(V,), returns="vec", view="final_norm",
+        doc="view: v passed through the model's final norm",
+    ),
+    TensorFunction(
+        name="to_list", params=(V,), returns="FLOAT[]", kernel=kernels.to_list,
+        doc="the vector (with its view applied) as FLOAT[] for export",
+    ),
+)
+
+REGISTRY: dict[str, TensorFunction] = {f.name: f for f in FUNCTIONS}
+
+
+def describe() -> list[dict[str, Any]]:
+    """Rows for `actdb functions`: name, signature, doc."""
+    return [{"name": f.name, "signature": f.signature, "doc": f.doc} for f in FUNCTIONS]

@@ -1,0 +1,252 @@
+"""Batched implementations of the tensor functions: one call per DuckDB vector of rows.
+
+Each kernel takes a VectorSource and numpy/list arguments for a batch of rows and returns
+one value per row (NaN or None for NULL). Vectors are read per (model, site, view) group
+and computed with torch on the source's device; never one Python call per row for maths.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import QueryError
+from .vectors import Group, VectorSource
+
+_BLOCK = 512  # rows per matrix product against a whole vocabulary
+
+
+def _unit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = torch.linalg.vector_norm(x, dim=-1)  # [n]
+    return x / torch.where(n > 0, n, torch.ones_like(n)).unsqueeze(-1), n > 0
+
+
+def _require_width(name: str, g: Group, want: int, what: str) -> None:
+    have = g.x.shape[-1]
+    if have != want:
+        raise QueryError(
+            f"{name} needs a vector of width {want} ({what}); site {g.site.site!r} of model "
+            f"{g.model.model!r} has width {have}"
+        )
+
+
+def _check_k(name: str, k: int, limit: int) -> int:
+    if k < 1:
+        raise QueryError(f"{name}: k must be at least 1, got {k}")
+    return min(int(k), limit)
+
+
+def _check_dim(g: Group, dim: int) -> int:
+    d = g.x.shape[-1] if g.x.numel() else g.site.d
+    if not 0 <= dim < d:
+        raise QueryError(
+            f"dim {dim} is out of range for site {g.site.site!r} of model {g.model.model!r} "
+            f"(d = {d}: dims are 0..{d - 1})"
+        )
+    return int(dim)
+
+
+def _final_normed(src: VectorSource, g: Group) -> torch.Tensor:
+    """final_norm(v): the final norm applied to the group's vectors (a final_norm view is kept)."""
+    if g.view == "final_norm":
+        return g.x
+    return src.apply_view(g.model, g.site, "final_norm", g.x, g.mean if g.view == "raw" else None)
+
+
+def _softcap(model: Any, logits: torch.Tensor) -> torch.Tensor:
+    cap = model.logit_softcap
+    return cap * torch.tanh(logits / cap) if cap else logits
+
+
+def _degrees(cos: torch.Tensor) -> torch.Tensor:
+    return torch.rad2deg(torch.arccos(cos.clamp(-1.0, 1.0)))
+
+
+def _per_value(values: list[Any], index: np.ndarray) -> dict[Any, np.ndarray]:
+    """Positions (into `index`) of each distinct argument value within a group."""
+    out: dict[Any, list[int]] = {}
+    for j, i in enumerate(index):
+        out.setdefault(values[i], []).append(j)
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+# -- scalar kernels: fill `out` (float64 [n], NaN = NULL) ---------------------------------------
+
+
+def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: list[str],
+                     ttype: list[str], anchors: list[str]) -> None:
+    for g in src.groups(h):
+        _require_width("cosine_to_anchor", g, g.model.d_model, "d_model")
+        u, ok = _unit(g.x)
+        keys = [(t, ty, a) for t, ty, a in zip(token, ttype, anchors, strict=True)]
+        for (t, ty, a), pos in _per_value(keys, g.index).items():
+            a_set = src.anchors(g.model, a or None)
+            tid = src.resolve_token(g.model, t, ty)
+            anchor = a_set[tid]
+            cos = u[pos] @ anchor  # [m]
+            valid = ok[pos] & bool(anchor.abs().sum() > 0)
+            out[g.index[pos]] = torch.where(valid, cos, torch.nan).double().cpu().numpy()
+
+
+def dim_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: np.ndarray) -> None:
+    for g in src.groups(h):
+        u, ok = _unit(g.x)
+        for dv, pos in _per_value(list(dim), g.index).items():
+            c = u[pos, _check_dim(g, int(dv))]
+            out[g.index[pos]] = torch.where(ok[pos], c, torch.nan).double().cpu().numpy()
+
+
+def logit(src: VectorSource, h: np.ndarray, out: np.ndarray, token: list[str],
+          ttype: list[str]) -> None:
+    for g in src.groups(h):
+        w, b = src.unembed(g.model)
+        _require_width("logit", g, w.shape[1], "the LM head's width")
+        hn = _final_normed(src, g)
+        for (t, ty), pos in _per_value(list(zip(token, ttype, strict=True)), g.index).items():
+            tid = src.resolve_token(g.model, t, ty)
+            val = hn[pos] @ w[tid] + (b[tid] if b is not None else 0.0)
+            out[g.index[pos]] = _softcap(g.model, val).double().cpu().numpy()
+
+
+def logit_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: np.ndarray,
+                       token: list[str], ttype: list[str]) -> None:
+    for g in src.groups(h):
+        w, _ = src.unembed(g.model)
+        _require_width("logit_contribution", g, w.shape[1], "the LM head's width")
+        hn = _final_normed(src, g)
+        keys = list(zip(dim.tolist(), token, ttype, strict=True))
+        for (dv, t, ty), pos in _per_value(keys, g.index).items():
+            d = _check_dim(g, int(dv))
+            tid = src.resolve_token(g.model, t, ty)
+            out[g.index[pos]] = (hn[pos, d] * w[tid, d]).double().cpu().numpy()
+
+
+def uniform_angle(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:
+    for g in src.groups(h, raw_vectors=False):
+        if g.view == "raw":  # from the stored norm and mean alone: cos = mean * sqrt(d) / norm
+            n = g.norm.double()
+            cos = g.mean.double() * math.sqrt(g.site.d) / torch.where(n > 0, n, 1.0)
+            ok = n > 0
+        else:
+            n = torch.linalg.vector_norm(g.x, dim=-1)
+            ok = n > 0
+            cos = g.x.sum(-1) / (torch.where(ok, n, 1.0) * math.sqrt(g.x.shape[-1]))
+        out[g.index] = torch.where(ok, _degrees(cos.double()), torch.nan).cpu().numpy()
+
+
+def rotation_angle(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:
+    for g in src.groups(h):
+        if g.view != "raw":
+            raise QueryError("rotation_angle takes a raw vec (the norm's input), not a view")
+        y = src.site_output(g.model, g.site, g.x, g.mean)
+        ux, okx = _unit(g.x)
+        uy, oky = _unit(y)
+        cos = (ux * uy).sum(-1)
+        out[g.index] = torch.where(okx & oky, _degrees(cos), torch.nan).double().cpu().numpy()
+
+
+def vec_norm(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:
+    for g in src.groups(h, raw_vectors=False):
+        n = g.norm if g.view == "raw" else torch.linalg.vector_norm(g.x, dim=-1)
+        out[g.index] = n.double().cpu().numpy()
+
+
+def _gather(src: VectorSource, h: np.ndarray, name: str) -> torch.Tensor:
+    parts: list[tuple[np.ndarray, torch.Tensor]] = [(g.index, g.x) for g in src.groups(h)]
+    widths = {x.shape[-1] for _, x in parts}
+    if len(widths) > 1:
+        raise QueryError(f"{name} needs two vectors of the same width; got widths {sorted(widths)}")
+    x = torch.zeros((len(h), widths.pop() if widths else 0), device=src.device)
+    for index, part in parts:
+        x[torch.from_numpy(index).to(src.device)] = part
+    return x
+
+
+def cosine(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) -> None:
+    a, b = _gather(src, h1, "cosine"), _gather(src, h2, "cosine")
+    if a.shape[-1] != b.shape[-1]:
+        raise QueryError(
+            f"cosine needs two vectors of the same width; got {a.shape[-1]} and {b.shape[-1]}"
+        )
+    ua, oka = _unit(a)
+    ub, okb = _unit(b)
+    cos = (ua * ub).sum(-1)
+    out[:] = torch.where(oka & okb, cos, torch.nan).double().cpu().numpy()
+
+
+def angle(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) -> None:
+    cosine(src, h1, h2, out)
+    out[:] = np.degrees(np.arccos(np.clip(out, -1.0, 1.0)))
+
+
+# -- list kernels: return one Python list (or None) per row ----------------------------------
+
+
+def nearest_anchors(src: VectorSource, h: np.ndarray, out: list[Any], k: np.ndarray,
+                    anchors: list[str]) -> None:
+    for g in src.groups(h):
+        _require_width("nearest_anchors", g, g.model.d_model, "d_model")
+        u, ok = _unit(g.x)
+        strings = src.token_strings(g.model)
+        keys = list(zip(k.tolist(), anchors, strict=True))
+        for (kv, a), pos in _per_value(keys, g.index).items():
+            a_set = src.anchors(g.model, a or None)
+            kk = _check_k("nearest_anchors", kv, a_set.shape[0])
+            _topk_rows(u[pos], a_set, None, kk, g.index[pos], ok[pos], out, strings, "cosine")
+
+
+def top_logits(src: VectorSource, h: np.ndarray, out: list[Any], k: np.ndarray) -> None:
+    for g in src.groups(h):
+        w, b = src.unembed(g.model)
+        _require_width("top_logits", g, w.shape[1], "the LM head's width")
+        hn = _final_normed(src, g)
+        strings = src.token_strings(g.model)
+        for kv, pos in _per_value(k.tolist(), g.index).items():
+            kk = _check_k("top_logits", kv, w.shape[0])
+            ok = torch.ones(len(pos), dtype=torch.bool, device=hn.device)
+            _topk_rows(hn[pos], w, b, kk, g.index[pos], ok, out, strings, "logit", g.model)
+
+
+def _topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
+               index: np.ndarray, ok: torch.Tensor, out: list[Any], strings: list[str | None],
+               label: str, model: Any = None) -> None:
+    for lo in range(0, x.shape[0], _BLOCK):
+        scores = x[lo : lo + _BLOCK] @ w.T  # [block, V]
+        if b is not None:
+            scores = scores + b
+        if model is not None:
+            scores = _softcap(model, scores)
+        vals, ids = torch.topk(scores, k, dim=-1)
+        vals_l, ids_l = vals.double().cpu().tolist(), ids.cpu().tolist()
+        oks = ok[lo : lo + _BLOCK].cpu().tolist()
+        for j, (vs, ts, good) in enumerate(zip(vals_l, ids_l, oks, strict=True)):
+            out[index[lo + j]] = [
+                {"token_id": t, "token": strings[t] if t < len(strings) else None, label: v}
+                for t, v in zip(ts, vs, strict=True)
+            ] if good else None
+
+
+def top_dims(src: VectorSource, h: np.ndarray, out: list[Any], k: np.ndarray) -> None:
+    for g in src.groups(h):
+        u, ok = _unit(g.x)
+        for kv, pos in _per_value(k.tolist(), g.index).items():
+            kk = _check_k("top_dims", kv, u.shape[-1])
+            c = u[pos]
+            _, dims = torch.topk(c.abs(), kk, dim=-1)
+            vals = torch.gather(c, 1, dims).double().cpu().tolist()
+            dims_l, oks = dims.cpu().tolist(), ok[pos].cpu().tolist()
+            for j, (ds, vs, good) in enumerate(zip(dims_l, vals, oks, strict=True)):
+                out[g.index[pos[j]]] = [
+                    {"dim": d, "contribution": v} for d, v in zip(ds, vs, strict=True)
+                ] if good else None
+
+
+def to_list(src: VectorSource, h: np.ndarray, out: list[Any]) -> None:
+    for g in src.groups(h):
+        rows = g.x.cpu().numpy()
+        for j, i in enumerate(g.index):
+            out[i] = rows[j]
+

@@ -1,0 +1,110 @@
+"""Check a query before DuckDB runs it: one read-only statement, known functions, sane arguments.
+
+DuckDB decides the statement type (it is the engine that will run it); sqlglot's tree is
+walked for function calls, so a misspelt function gets the closest names, a tensor function
+gets its signature when called wrongly, and literal arguments are checked up front.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import duckdb
+import sqlglot
+from sqlglot import exp
+from sqlglot.errors import ParseError
+
+from ..errors import QueryError, QuerySyntaxError
+from .functions import ANCHORS, INT, REGISTRY, TOKEN
+from .vectors import ANCHOR_SETS
+
+_READ_ONLY = {"SELECT", "EXPLAIN"}
+
+
+def check(query: str, con: duckdb.DuckDBPyConnection, known: set[str]) -> None:
+    """Raise a QueryError unless `query` is one read-only statement calling known functions."""
+    if not query.strip():
+        raise QueryError("the query is empty")
+    try:
+        statements = con.extract_statements(query)
+    except duckdb.ParserException as e:
+        raise _syntax_error(query, e) from None
+    if len(statements) != 1:
+        raise QueryError(f"give one statement at a time; the query holds {len(statements)}")
+    kind = str(statements[0].type).rsplit(".", 1)[-1]
+    if kind not in _READ_ONLY:
+        raise QueryError(f"queries are read-only: a {kind} statement would change the store "
+                         "or the session, so it is refused")
+    try:
+        tree = sqlglot.parse_one(query, read="duckdb")
+    except (ParseError, sqlglot.errors.TokenError):
+        return  # DuckDB parses what sqlglot does not: let the binder judge it
+    for node in tree.find_all(exp.Anonymous):
+        _check_call(node, known)
+
+
+def _check_call(node: exp.Anonymous, known: set[str]) -> None:
+    name = str(node.name).lower()
+    fn = REGISTRY.get(name)
+    if fn is None:
+        if name in known:
+            return
+        close = difflib.get_close_matches(name, list(REGISTRY) + sorted(known), n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise QueryError(f"unknown function {name!r}{hint}")
+    args = node.expressions
+    lo, hi = fn.arity
+    if not lo <= len(args) <= hi:
+        want = str(lo) if lo == hi else f"{lo} to {hi}"
+        raise QueryError(
+            f"{name}() takes {want} arguments, got {len(args)}; signature: {fn.signature}"
+        )
+    for param, arg in zip(fn.params, args, strict=False):
+        if not isinstance(arg, exp.Literal):
+            continue
+        value = arg.this
+        if param.kind == ANCHORS and (not arg.is_string or value not in ANCHOR_SETS):
+            raise QueryError(f"unknown anchor set {value!r} in {name}(); anchor sets are "
+                             f"{list(ANCHOR_SETS)}")
+        if param.kind == INT and (arg.is_string or not value.lstrip("-").isdigit()):
+            raise QueryError(f"{name}(): {param.name} must be an integer, got {arg.sql()}; "
+                             f"signature: {fn.signature}")
+        if param.kind == INT and param.name == "k" and int(value) < 1:
+            raise QueryError(f"{name}(): k must be at least 1, got {value}")
+        if param.kind == INT and param.name == "dim" and int(value) < 0:
+            raise QueryError(f"{name}(): dim must be 0 or more, got {value}")
+        if param.kind == TOKEN and not arg.is_string and not value.isdigit():
+            raise QueryError(f"{name}(): token must be a string or a token id, got {arg.sql()}")
+
+
+def _syntax_error(query: str, e: duckdb.ParserException) -> QuerySyntaxError:
+    """Line and column from sqlglot's parse of the same text, DuckDB's words otherwise."""
+    line, col, what = 1, 1, str(e).split("\n")[0].removeprefix("Parser Error: ")
+    try:
+        sqlglot.parse(query, read="duckdb")
+    except ParseError as pe:
+        if pe.errors:
+            err = pe.errors[0]
+            line, col = int(err.get("line") or 1), int(err.get("col") or 1)
+    except sqlglot.errors.TokenError:
+        pass
+    else:
+        pos = _duckdb_position(str(e), query)
+        if pos is not None:
+            line, col = pos
+    return QuerySyntaxError(
+        f"syntax error at line {line}, column {col}: {what}", query=query, line=line, column=col
+    )
+
+
+def _duckdb_position(message: str, query: str) -> tuple[int, int] | None:
+    """DuckDB quotes the text near the error; find it in the query."""
+    marker = 'at or near "'
+    if marker not in message:
+        return None
+    near = message.split(marker, 1)[1].split('"', 1)[0]
+    at = query.find(near)
+    if at < 0:
+        return None
+    before = query[:at]
+    return before.count("\n") + 1, at - (before.rfind("\n") + 1) + 1

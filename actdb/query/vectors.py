@@ -1,0 +1,268 @@
+"""Reading stored vectors for handles: chunk cache, views, weights, anchors, token lookup."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import norms
+from ..errors import QueryError, TokenError
+from ..store.records import ModelRecord, SiteRecord
+from ..store.store import Store
+from . import handles as H
+
+INT_TYPES = {"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT",
+             "UINTEGER", "UBIGINT", "UHUGEINT"}
+ANCHOR_SETS = ("unembed", "embed", "unembed_folded")
+
+
+class ChunkCache:
+    """Whole Zarr chunks kept in memory, least recently used first out, at most `max_bytes`."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[tuple[object, ...], np.ndarray] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.chunks_read = 0
+        self.bytes_read = 0
+        self.keys_read: set[tuple[object, ...]] = set()
+
+    def get(self, key: tuple[object, ...], load: Callable[[], np.ndarray]) -> np.ndarray:
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None:
+                self._items.move_to_end(key)
+                return hit
+        value = load()
+        with self._lock:
+            self.chunks_read += 1
+            self.bytes_read += value.nbytes
+            self.keys_read.add(key)
+            self._items[key] = value
+            self._bytes += value.nbytes
+            while self._bytes > self.max_bytes and len(self._items) > 1:
+                _, old = self._items.popitem(last=False)
+                self._bytes -= old.nbytes
+        return value
+
+
+@dataclass(frozen=True)
+class Group:
+    """Handles of one (model, site, view): positions in the batch and their vectors."""
+
+    index: np.ndarray  # positions in the input batch
+    model: ModelRecord
+    site: SiteRecord
+    view: str
+    x: torch.Tensor  # float32 [n, d] on the device, the view applied
+    norm: torch.Tensor  # float32 [n], ||x|| of the stored input (before any view)
+    mean: torch.Tensor  # float32 [n], mean(x) of the stored input
+
+
+class VectorSource:
+    """Everything tensor functions read from a store, cached, on one device."""
+
+    def __init__(self, store: Store, device: torch.device, *, cache_bytes: int = 512 << 20):
+        self.store = store
+        self.device = device
+        self.cache = ChunkCache(cache_bytes)
+        self.models = {m.model_id: m for m in store.catalog.models()}
+        self.sites: dict[tuple[int, int], SiteRecord] = {}
+        for m in self.models.values():
+            for s in store.catalog.sites(m.model):
+                self.sites[(m.model_id, s.site_id)] = s
+        self._weights: dict[tuple[object, ...], torch.Tensor | None] = {}
+        self._vocab: dict[int, dict[str, list[int]]] = {}
+        self._tokens: dict[int, list[str | None]] = {}
+        self._lock = threading.RLock()  # anchors() builds on cached weights under the lock
+        # Read up front: UDFs run inside a query on the catalog connection and may not use it.
+        for m in self.models.values():
+            rows = store.catalog.con.execute(
+                "SELECT token FROM vocab WHERE model = ? ORDER BY token_id", [m.model]
+            ).fetchall()
+            self._tokens[m.model_id] = [r[0] for r in rows]
+
+    # -- identity --------------------------------------------------------------------------
+
+    def model(self, model_id: int) -> ModelRecord:
+        return self.models[int(model_id)]
+
+    def site(self, model_id: int, site_id: int) -> SiteRecord:
+        return self.sites[(int(model_id), int(site_id))]
+
+    def final_site(self, model: ModelRecord) -> SiteRecord:
+        final = next((s for (mid, _), s in self.sites.items()
+                      if mid == model.model_id and s.site == model.final_site), None)
+        if final is None:
+            raise QueryError(f"model {model.model!r} has no final norm site, so no final_norm")
+        return final
+
+    # -- raw fields ------------------------------------------------------------------------
+
+    def field(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
+              heads: np.ndarray) -> np.ndarray:
+        """Stored `name` (direction, norm or mean) for token rows, reading whole chunks."""
+        arr = self.store.arrays.act_array(model.model_id, site.site, name)
+        c = model.chunk_tokens
+        chunk_of = rows // c
+        tail = arr.shape[2:] if site.n_heads else arr.shape[1:]
+        out = np.empty((len(rows), *tail), dtype=arr.dtype)
+        for chunk in np.unique(chunk_of):
+            sel = np.nonzero(chunk_of == chunk)[0]
+            lo = int(chunk) * c
+            data = self.cache.get(
+                (model.model_id, site.site, name, int(chunk)),
+                lambda lo=lo: np.asarray(arr[lo : min(lo + c, arr.shape[0])]),
+            )
+            local = rows[sel] - lo
+            out[sel] = data[local, heads[sel]] if site.n_heads else data[local]
+        return out
+
+    def groups(self, handles: np.ndarray, *, raw_vectors: bool = True) -> Iterator[Group]:
+        """Split a batch of handles by (model, site, view) and read each group's vectors.
+
+        With `raw_vectors=False`, groups of raw handles carry only norm and mean (functions
+        such as vec_norm and uniform_angle need nothing else, so no direction is read).
+        """
+        dec = H.decode(handles)
+        key = (dec.model_id << 20) | (dec.site_id << 2) | dec.view
+        for k in np.unique(key):
+            index = np.nonzero(key == k)[0]
+            model = self.model(int(dec.model_id[index[0]]))
+            site = self.site(model.model_id, int(dec.site_id[index[0]]))
+            view = H.VIEWS[int(dec.view[index[0]])]
+            order = np.argsort(dec.row[index], kind="stable")  # chunk-friendly reading order
+            index = index[order]
+            rows, heads = dec.row[index], dec.head[index]
+            if np.any(rows >= model.n_rows):
+                raise QueryError(f"a vec handle points past the stored rows of {model.model!r}")
+            norm = torch.from_numpy(self.field(model, site, "norm", rows, heads)).to(self.device)
+            mean = torch.from_numpy(self.field(model, site, "mean", rows, heads)).to(self.device)
+            if view == "raw" and not raw_vectors:
+                yield Group(index, model, site, view, torch.empty(0), norm, mean)
+                continue
+            d16 = torch.from_numpy(self.field(model, site, "direction", rows, heads))
+            x = d16.to(self.device).float() * norm.unsqueeze(-1)  # [n, d]
+            if view != "raw":
+                x = self.apply_view(model, site, view, x, mean)
+            yield Group(index, model, site, view, x, norm, mean)
+
+    def apply_view(self, model: ModelRecord, site: SiteRecord, view: str, x: torch.Tensor,
+                   mean: torch.Tensor) -> torch.Tensor:
+        if view == "normalized":
+            return norms.normalize(site.kind, x, site.eps, mean)
+        if view == "normed":
+            return self.site_output(model, site, x, mean)
+        final = self.final_site(model)
+        if final.d != x.shape[-1]:
+            raise QueryError(
+                f"final_norm needs width {final.d}, but site {site.site!r} has width {x.shape[-1]}"
+            )
+        return self.site_output(model, final, x, mean if final.site_id == site.site_id else None)
+
+    def site_output(self, model: ModelRecord, site: SiteRecord, x: torch.Tensor,
+                    mean: torch.Tensor | None) -> torch.Tensor:
+        gain = self.param(model, site, "gain")
+        bias = self.param(model, site, "bias")
+        return norms.apply(site.kind, x, gain=gain, bias=bias, eps=site.eps, mean=mean)
+
+    # -- weights and anchors ---------------------------------------------------------------
+
+    def _cached(self, key: tuple[object, ...], make: Callable[[], torch.Tensor | None]
+                ) -> torch.Tensor | None:
+        with self._lock:
+            if key not in self._weights:
+                self._weights[key] = make()
+            return self._weights[key]
+
+    def _weight(self, model_id: int, name: str) -> torch.Tensor | None:
+        def make() -> torch.Tensor | None:
+            w = self.store.arrays.weight(model_id, name)
+            return None if w is None else torch.from_numpy(w).to(self.device)
+        return self._cached(("w", model_id, name), make)
+
+    def param(self, model: ModelRecord, site: SiteRecord, name: str) -> torch.Tensor | None:
+        return self._weight(model.model_id, f"sites/{site.site}/{name}")
+
+    def unembed(self, model: ModelRecord) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """W_U [V, d] and b_U [V] (or None)."""
+        if not model.has_lm_head:
+            raise QueryError(f"model {model.model!r} has no LM head, so no logits")
+        w = self._weight(model.model_id, "embed" if model.tied_embeddings else "lm_head")
+        assert w is not None
+        return w, self._weight(model.model_id, "lm_head_bias")
+
+    def anchors(self, model: ModelRecord, anchor_set: str | None) -> torch.Tensor:
+        """Unit anchor directions [V, d] (zero rows stay zero)."""
+        name = anchor_set or ("unembed" if model.has_lm_head else "embed")
+        if name not in ANCHOR_SETS:
+            raise QueryError(f"unknown anchor set {name!r}; anchor sets are {list(ANCHOR_SETS)}")
+
+        def make() -> torch.Tensor:
+            if name == "embed":
+                w = self._weight(model.model_id, "embed")
+                assert w is not None
+            else:
+                w, _ = self.unembed(model)
+                if name == "unembed_folded":
+                    final = self.final_site(model)
+                    g = norms.effective_gain(final.kind, self.param(model, final, "gain"),
+                                             final.d).to(self.device)
+                    w = w * g  # [V, d]
+                    if final.kind == "layernorm":
+                        w = w - w.mean(dim=-1, keepdim=True)
+            n = torch.linalg.vector_norm(w, dim=-1, keepdim=True)
+            return w / torch.where(n > 0, n, torch.ones_like(n))
+
+        out = self._cached(("anchors", model.model_id, name), make)
+        assert out is not None
+        return out
+
+    # -- tokens ----------------------------------------------------------------------------
+
+    def token_strings(self, model: ModelRecord) -> list[str | None]:
+        return self._tokens[model.model_id]
+
+    def resolve_token(self, model: ModelRecord, value: str, sqltype: str) -> int:
+        """A token argument (a string that is one token, or a token id) -> token id."""
+        strings = self.token_strings(model)
+        if sqltype.upper() in INT_TYPES:
+            tid = int(value)
+            if not 0 <= tid < len(strings):
+                raise QueryError(
+                    f"token id {tid} is out of range for model {model.model!r} "
+                    f"(vocabulary of {len(strings)})"
+                )
+            return tid
+        if model.model_id not in self._vocab:
+            index: dict[str, list[int]] = {}
+            for i, s in enumerate(strings):
+                if s is not None:
+                    index.setdefault(s, []).append(i)
+            self._vocab[model.model_id] = index
+        ids = self._vocab[model.model_id].get(value, [])
+        encoded = self._encode(model, value) if len(ids) != 1 else None
+        if len(ids) > 1 and encoded and len(encoded) == 1 and encoded[0] in ids:
+            return encoded[0]
+        if ids:
+            return ids[0]
+        how = ""
+        if encoded:
+            pieces = [strings[i] if i < len(strings) else str(i) for i in encoded]
+            how = f": it tokenizes as {pieces} ({len(encoded)} tokens)"
+        raise TokenError(f"{value!r} is not one token of model {model.model!r}{how}")
+
+    def _encode(self, model: ModelRecord, text: str) -> list[int] | None:
+        folder = self.store.tokenizer_dir(model.model_id)
+        if not folder.is_dir():
+            return None
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        return list(tok(text, add_special_tokens=False)["input_ids"])

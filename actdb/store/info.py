@@ -1,0 +1,36 @@
+"""What a store holds: models, prompts, sites with their faithfulness, bytes on disk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .store import Store
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreInfo:
+    path: str
+    format_version: int
+    models: list[dict[str, Any]]
+    sites: list[dict[str, Any]]
+    n_prompts: int
+    bytes_on_disk: dict[str, int]
+
+
+def describe(store: Store) -> StoreInfo:
+    con = store.catalog.con
+    models = con.execute(
+        "SELECT m.model, m.architecture, m.d_model, m.n_layers, m.vocab_size, m.n_sites, "
+        "m.has_lm_head, (SELECT count(*) FROM prompt_runs r WHERE r.model = m.model) AS prompts, "
+        "m.n_rows AS tokens, m.dtype, m.source FROM models m ORDER BY m.model_id"
+    ).fetchdf().to_dict("records")
+    sites = con.execute(
+        "SELECT model, site, layer, role, kind, d, n_heads, module, max_rel_error "
+        "FROM sites JOIN models USING (model) ORDER BY model_id, site_id"
+    ).fetchdf().to_dict("records")
+    n_prompts = (con.execute("SELECT count(*) FROM prompts").fetchone() or (0,))[0]
+    return StoreInfo(
+        path=str(store.path), format_version=store.catalog.format_version(), models=models,
+        sites=sites, n_prompts=int(n_prompts), bytes_on_disk=store.disk_bytes(),
+    )
