@@ -21,7 +21,9 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return direction, norm, mean
 
 
-def normalize(kind: str, x: torch.Tensor, eps: float, mean: torch.Tensor | None = None) -> torch.Tensor:
+def normalize(
+    kind: str, x: torch.Tensor, eps: float, mean: torch.Tensor | None = None
+) -> torch.Tensor:
     """z: the norm's output before gain and bias. `mean` may pass the exact stored mean."""
     d = x.shape[-1]
     if kind == "layernorm":

@@ -22,7 +22,6 @@ from .functions import describe as describe_functions
 from .result import Result, translate
 from .vectors import VectorSource
 
-
 _OPEN: weakref.WeakSet[Database] = weakref.WeakSet()
 
 

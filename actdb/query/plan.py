@@ -49,7 +49,9 @@ def _check_call(node: exp.Anonymous, known: set[str]) -> None:
     if fn is None:
         if name in known:
             return
-        close = difflib.get_close_matches(name, list(REGISTRY) + sorted(known), n=3, cutoff=0.6)
+        builtin = {n for n in known if not n.startswith("_")} - set(REGISTRY)
+        names = list(REGISTRY) + sorted(builtin)
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise QueryError(f"unknown function {name!r}{hint}")
     args = node.expressions
@@ -79,7 +81,8 @@ def _check_call(node: exp.Anonymous, known: set[str]) -> None:
 
 def _syntax_error(query: str, e: duckdb.ParserException) -> QuerySyntaxError:
     """Line and column from sqlglot's parse of the same text, DuckDB's words otherwise."""
-    line, col, what = 1, 1, str(e).split("\n")[0].removeprefix("Parser Error: ")
+    what = str(e).split("\n")[0].removeprefix("Parser Error: ").removeprefix("syntax error ")
+    line, col = 1, 1
     try:
         sqlglot.parse(query, read="duckdb")
     except ParseError as pe:

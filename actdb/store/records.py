@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ROLES = ("embed", "pre_attn", "pre_mlp", "post_attn", "post_mlp", "final", "q_norm", "k_norm", "other")
+ROLES = (
+    "embed", "pre_attn", "pre_mlp", "post_attn", "post_mlp", "final", "q_norm", "k_norm", "other"
+)
 KINDS = ("layernorm", "rmsnorm", "rmsnorm_1p")
 
 

@@ -86,7 +86,8 @@ class Store:
         if (path / TENSORS_NAME).exists():
             targets.append(path / TENSORS_NAME)
         for t in targets:
-            if not os.access(t, os.W_OK | os.X_OK):
+            # The mode bits count too: root passes os.access on a directory made read-only.
+            if not os.access(t, os.W_OK | os.X_OK) or not t.stat().st_mode & 0o222:
                 raise StoreNotWritableError(f"store directory {str(t)!r} is not writable")
 
     def _check_version(self, version: int) -> None:

@@ -43,7 +43,9 @@ def verify(store: Store) -> list[str]:
     return problems
 
 
-def _check_weights(store: Store, model_id: int, has_head: bool, tied: bool, where: str) -> list[str]:
+def _check_weights(
+    store: Store, model_id: int, has_head: bool, tied: bool, where: str
+) -> list[str]:
     out = []
     if not store.arrays.has_model(model_id):
         return [f"{where}: no weights in the tensors (models/{model_id} is missing)"]

@@ -1,0 +1,87 @@
+"""Write a query result as a table, CSV, JSON Lines or Parquet, streaming record batches."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from .result import Result
+
+
+def _json_default(value: Any) -> Any:
+    return str(value)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    return value
+
+
+def write_result(result: Result, fmt: str, output: Path | None) -> None:
+    """Write `result` in `fmt` to `output` (stdout when None)."""
+    if fmt == "parquet":
+        assert output is not None
+        writer: pq.ParquetWriter | None = None
+        try:
+            for batch in result.record_batches():
+                if writer is None:
+                    writer = pq.ParquetWriter(str(output), batch.schema)
+                writer.write_batch(batch)
+            if writer is None:  # no rows: still write the schema
+                pq.write_table(result.to_arrow_table(), str(output))
+        finally:
+            if writer is not None:
+                writer.close()
+        return
+    stream: IO[str] = open(output, "w", encoding="utf-8") if output else sys.stdout
+    try:
+        if fmt == "table":
+            _write_table(result, stream)
+        elif fmt == "csv":
+            _write_csv(result, stream)
+        else:
+            for batch in result.record_batches():
+                for row in batch.to_pylist():
+                    stream.write(json.dumps(_clean(row), default=_json_default) + "\n")
+    finally:
+        if output:
+            stream.close()
+
+
+def _write_csv(result: Result, stream: IO[str]) -> None:
+    header = True
+    for batch in result.record_batches():
+        table = pa.Table.from_batches([batch])
+        # Nested columns (lists, structs) go out as JSON text; CSV has no nesting.
+        for i, field in enumerate(table.schema):
+            if pa.types.is_nested(field.type):
+                text = [json.dumps(_clean(v), default=_json_default) if v is not None else None
+                        for v in table.column(i).to_pylist()]
+                table = table.set_column(i, field.name, pa.array(text, pa.string()))
+        sink = pa.BufferOutputStream()
+        pacsv.write_csv(table, sink, pacsv.WriteOptions(include_header=header))
+        stream.write(sink.getvalue().to_pybytes().decode("utf-8"))
+        header = False
+    if header:  # no rows at all: the header alone
+        stream.write(",".join(f'"{c}"' for c in result.columns) + "\n")
+
+
+def _write_table(result: Result, stream: IO[str]) -> None:
+    import pandas as pd
+
+    df = result.df()
+    with pd.option_context("display.max_colwidth", 80, "display.width", 200):
+        stream.write((df.to_string(index=False) if len(df) else f"(no rows) {list(df.columns)}")
+                     + "\n")

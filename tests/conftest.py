@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny local models (built once per session) and stores ingested from them.
+
+Nothing here touches the network: every model is built from a config and saved to a
+temporary directory, then loaded through the real `from_pretrained` path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import build_tiny_model  # noqa: E402
+
+# Prompts of different lengths so batches are padded; one repeats a word to vary anchors.
+PROMPTS = [
+    "The capital of France is Paris.",
+    "One two three four five six seven eight nine ten.",
+    "the the the the",
+    "A quick brown fox jumps over the lazy dog near the river bank today.",
+    "She sells sea shells by the sea shore.",
+    "Water boils at one hundred degrees.",
+]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """family -> directory holding a saved tiny model of that family (built once)."""
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = build_tiny_model(family, tmp_path_factory.mktemp(f"model-{family}"))
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def family_store(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Callable[[str], Path]
+) -> Callable[[str], Path]:
+    """family -> a store holding that family's tiny model ingested over PROMPTS (read-only use).
+
+    Small chunks (8 token rows) so that laziness is visible: PROMPTS span several chunks.
+    """
+    import actdb
+
+    stores: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in stores:
+            path = tmp_path_factory.mktemp(f"store-{family}") / "s.actdb"
+            actdb.ingest(path, model=str(model_dir(family)), prompts=PROMPTS, batch_size=4,
+                         device="cpu", name=family, chunk_tokens=8)
+            stores[family] = path
+        return stores[family]
+
+    return get
