@@ -112,12 +112,19 @@ def _role(
     if call.start < attn.start:
         return "pre_attn"
     if mlp is None or call.start < mlp.start:
-        same = (
-            call.input is not None and attn.output is not None
-            and call.input.shape == attn.output.shape and torch.equal(call.input, attn.output)
-        )
-        return "post_attn" if same else "pre_mlp"
+        # Between the sublayers: a norm whose output feeds the MLP is its pre-norm (whatever
+        # its name, e.g. Llama's post_attention_layernorm); one that does not, normalizes
+        # the attention output (Gemma 2, OLMo 2).
+        if mlp is not None and _same(call.output, mlp.input):
+            return "pre_mlp"
+        if mlp is None or mlp.input is None:
+            return "post_attn" if _same(call.input, attn.output) else "pre_mlp"
+        return "post_attn"
     return "post_mlp"
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
 
 
 def find_sites(
