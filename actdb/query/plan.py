@@ -15,7 +15,7 @@ from sqlglot import exp
 from sqlglot.errors import ParseError
 
 from ..errors import QueryError, QuerySyntaxError
-from .functions import ANCHORS, INT, REGISTRY, TOKEN
+from .functions import ANCHORS, INT, REGISTRY, TOKEN, VEC
 from .vectors import ANCHOR_SETS
 
 _READ_ONLY = {"SELECT", "EXPLAIN"}
@@ -33,8 +33,9 @@ def check(query: str, con: duckdb.DuckDBPyConnection, known: set[str]) -> None:
         raise QueryError(f"give one statement at a time; the query holds {len(statements)}")
     kind = str(statements[0].type).rsplit(".", 1)[-1]
     if kind not in _READ_ONLY:
-        raise QueryError(f"queries are read-only: a {kind} statement would change the store "
-                         "or the session, so it is refused")
+        article = "an" if kind[:1] in "AEIOU" else "a"
+        raise QueryError(f"queries are read-only: {article} {kind} statement would change the "
+                         "store or the session, so it is refused")
     try:
         tree = sqlglot.parse_one(query, read="duckdb")
     except (ParseError, sqlglot.errors.TokenError):
@@ -65,6 +66,9 @@ def _check_call(node: exp.Anonymous, known: set[str]) -> None:
         if not isinstance(arg, exp.Literal):
             continue
         value = arg.this
+        if param.kind == VEC:
+            raise QueryError(f"{name}(): {param.name} must be a vec handle (a vec column or a "
+                             f"view of one), got {arg.sql()}; signature: {fn.signature}")
         if param.kind == ANCHORS and (not arg.is_string or value not in ANCHOR_SETS):
             raise QueryError(f"unknown anchor set {value!r} in {name}(); anchor sets are "
                              f"{list(ANCHOR_SETS)}")
@@ -80,34 +84,36 @@ def _check_call(node: exp.Anonymous, known: set[str]) -> None:
 
 
 def _syntax_error(query: str, e: duckdb.ParserException) -> QuerySyntaxError:
-    """Line and column from sqlglot's parse of the same text, DuckDB's words otherwise."""
-    what = str(e).split("\n")[0].removeprefix("Parser Error: ").removeprefix("syntax error ")
-    line, col = 1, 1
-    try:
-        sqlglot.parse(query, read="duckdb")
-    except ParseError as pe:
-        if pe.errors:
-            err = pe.errors[0]
-            line, col = int(err.get("line") or 1), int(err.get("col") or 1)
-    except sqlglot.errors.TokenError:
-        pass
-    else:
-        pos = _duckdb_position(str(e), query)
-        if pos is not None:
-            line, col = pos
+    """Line and column where DuckDB puts its caret; sqlglot's position if DuckDB gives none."""
+    text = str(e)
+    what = text.split("\n")[0].removeprefix("Parser Error: ").removeprefix("syntax error ")
+    pos = _duckdb_position(text) or _sqlglot_position(query) or (1, 1)
+    line, col = pos
     return QuerySyntaxError(
         f"syntax error at line {line}, column {col}: {what}", query=query, line=line, column=col
     )
 
 
-def _duckdb_position(message: str, query: str) -> tuple[int, int] | None:
-    """DuckDB quotes the text near the error; find it in the query."""
-    marker = 'at or near "'
-    if marker not in message:
+def _duckdb_position(message: str) -> tuple[int, int] | None:
+    """DuckDB prints `LINE n: <text>` and a caret line under it."""
+    lines = message.splitlines()
+    for i, ln in enumerate(lines[:-1]):
+        if ln.startswith("LINE ") and ":" in ln and "^" in lines[i + 1]:
+            head = ln.split(":", 1)[0]
+            prefix = len(head) + 2  # "LINE n: "
+            if not head[5:].isdigit():
+                return None
+            return int(head[5:]), lines[i + 1].index("^") - prefix + 1
+    return None
+
+
+def _sqlglot_position(query: str) -> tuple[int, int] | None:
+    try:
+        sqlglot.parse(query, read="duckdb")
+    except ParseError as pe:
+        if pe.errors:
+            err = pe.errors[0]
+            return int(err.get("line") or 1), int(err.get("col") or 1)
+    except sqlglot.errors.TokenError:
         return None
-    near = message.split(marker, 1)[1].split('"', 1)[0]
-    at = query.find(near)
-    if at < 0:
-        return None
-    before = query[:at]
-    return before.count("\n") + 1, at - (before.rfind("\n") + 1) + 1
+    return None

@@ -70,13 +70,14 @@ def translate(e: duckdb.Error, box: ErrorBox) -> Exception:
     for prefix in ("Binder Error: ", "Catalog Error: ", "Conversion Error: ",
                    "Invalid Input Error: ", "Parser Error: ", "Out of Range Error: "):
         first = first.removeprefix(prefix)
-    if "does not support the supplied arguments" in text:
+    wrong_types = ("does not support the supplied arguments", "No function matches the given")
+    if any(w in text for w in wrong_types):
         from .functions import REGISTRY
 
-        name = first.split("Macro ", 1)[-1].split("(", 1)[0]
-        if name in REGISTRY:
-            return QueryError(f"{name}() got arguments of the wrong type; signature: "
-                              f"{REGISTRY[name].signature}")
+        for fn in REGISTRY.values():
+            if f"{fn.udf_name}(" in text or f"Macro {fn.name}(" in text:
+                return QueryError(f"{fn.name}() got arguments of the wrong type; signature: "
+                                  f"{fn.signature}")
     if "Python exception occurred while executing the UDF" in first:
         first = first.split(": ", 1)[-1]
     return QueryError(first)

@@ -86,8 +86,14 @@ class Catalog:
 
     # -- reading ---------------------------------------------------------------------------
 
+    def one(self, sql: str, params: Sequence[Any] | None = None) -> tuple[Any, ...] | None:
+        """The first row of a query, fetched to the end: an unfinished result would block
+        the connection for every later statement."""
+        rows = self.con.execute(sql, list(params or [])).fetchall()
+        return rows[0] if rows else None
+
     def format_version(self) -> int:
-        row = self.con.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()
+        row = self.one("SELECT value FROM meta WHERE key = 'format_version'")
         if row is None:
             raise StoreFormatError(f"catalog {str(self.path)!r} has no format version")
         return int(row[0])
@@ -127,7 +133,7 @@ class Catalog:
         return {t: int(i) for t, i in rows}
 
     def next_prompt_id(self) -> int:
-        row = self.con.execute("SELECT coalesce(max(prompt_id) + 1, 0) FROM prompts").fetchone()
+        row = self.one("SELECT coalesce(max(prompt_id) + 1, 0) FROM prompts")
         return int(row[0]) if row else 0
 
     def ingested_prompt_ids(self, model: str) -> set[int]:
@@ -142,7 +148,7 @@ class Catalog:
         return {name: dtype for name, dtype in rows}
 
     def next_model_id(self) -> int:
-        row = self.con.execute("SELECT coalesce(max(model_id) + 1, 0) FROM models").fetchone()
+        row = self.one("SELECT coalesce(max(model_id) + 1, 0) FROM models")
         return int(row[0]) if row else 0
 
     # -- writing ---------------------------------------------------------------------------

@@ -29,7 +29,7 @@ def describe(store: Store) -> StoreInfo:
         "SELECT model, site, layer, role, kind, d, n_heads, module, max_rel_error "
         "FROM sites JOIN models USING (model) ORDER BY model_id, site_id"
     ).fetchdf().to_dict("records")
-    n_prompts = (con.execute("SELECT count(*) FROM prompts").fetchone() or (0,))[0]
+    n_prompts = (store.catalog.one("SELECT count(*) FROM prompts") or (0,))[0]
     return StoreInfo(
         path=str(store.path), format_version=store.catalog.format_version(), models=models,
         sites=sites, n_prompts=int(n_prompts), bytes_on_disk=store.disk_bytes(),

@@ -8,6 +8,7 @@ rows that make them visible, in one transaction).
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,7 @@ class Store:
         self._check_is_store()
         if not read_only:
             self._check_writable(self.path)
+        self._writers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="actdb-write")
         self.catalog = Catalog(self.path / CATALOG_NAME, read_only=read_only)
         try:
             self._check_version(self.catalog.format_version())
@@ -100,6 +102,7 @@ class Store:
             raise StoreFormatError(f"store {str(self.path)!r} has no valid format version")
 
     def close(self) -> None:
+        self._writers.shutdown()
         self.catalog.close()
 
     def __enter__(self) -> Store:
@@ -155,10 +158,12 @@ class Store:
         n = tokens.num_rows
         for site, batch in acts.items():
             assert batch.direction.shape[0] == n, (site, batch.direction.shape, n)
-            self.arrays.write_rows(
-                model.model_id, site, start,
-                {"direction": batch.direction, "norm": batch.norm, "mean": batch.mean},
-            )
+        # Arrays are independent files: write them concurrently, then commit the catalog.
+        list(self._writers.map(
+            lambda item: self.arrays.write_rows(model.model_id, item[0], start, {
+                "direction": item[1].direction, "norm": item[1].norm, "mean": item[1].mean}),
+            acts.items(),
+        ))
         self.catalog.commit_batch(
             model=model.model, new_prompts=new_prompts, prompt_runs=prompt_runs,
             tokens=tokens, site_errors=site_errors, n_rows=start + n,

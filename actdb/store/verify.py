@@ -10,31 +10,31 @@ from .store import Store
 def verify(store: Store) -> list[str]:
     """Problems found, one sentence each; an empty list means the store is consistent."""
     problems: list[str] = []
-    con = store.catalog.con
+    cat = store.catalog
     for m in store.catalog.models():
         where = f"model {m.model!r}"
         sites = store.catalog.sites(m.model)
         if len(sites) != m.n_sites:
             problems.append(f"{where}: catalog lists {len(sites)} sites, models says {m.n_sites}")
-        n_tokens, lo, hi, distinct = con.execute(
+        n_tokens, lo, hi, distinct = cat.one(
             'SELECT count(*), min("row"), max("row"), count(DISTINCT "row") FROM tokens '
             "WHERE model = ?", [m.model],
-        ).fetchone() or (0, None, None, 0)
+        ) or (0, None, None, 0)
         if n_tokens != m.n_rows or (n_tokens and (lo != 0 or hi != m.n_rows - 1
                                                    or distinct != n_tokens)):
             problems.append(
                 f"{where}: token rows are not exactly 0..{m.n_rows - 1} "
                 f"({n_tokens} rows, min {lo}, max {hi}, {distinct} distinct)"
             )
-        run_tokens = con.execute(
+        run_tokens = cat.one(
             "SELECT coalesce(sum(n_tokens), 0) FROM prompt_runs WHERE model = ?", [m.model]
-        ).fetchone()
+        )
         if run_tokens and int(run_tokens[0]) != m.n_rows:
             problems.append(f"{where}: prompt runs hold {run_tokens[0]} tokens, not {m.n_rows}")
-        orphans = con.execute(
+        orphans = cat.one(
             "SELECT count(*) FROM prompt_runs r ANTI JOIN prompts p USING (prompt_id) "
             "WHERE r.model = ?", [m.model],
-        ).fetchone()
+        )
         if orphans and orphans[0]:
             problems.append(f"{where}: {orphans[0]} prompt runs refer to no prompt")
         problems += _check_weights(store, m.model_id, m.has_lm_head, m.tied_embeddings, where)

@@ -1,0 +1,34 @@
+# The commands the README names. Everything installs into .venv from the project's own files.
+PYTHON ?= python3
+VENV ?= .venv
+# A CPU build of torch first: an unpinned torch would pull several GB of CUDA packages.
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STORE ?= demo.actdb
+PICTURES ?= demo-pictures
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev,demo]"
+	touch $@
+
+demo: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python examples/demo.py $(STORE)
+
+lint: setup
+	$(BIN)/ruff check actdb tests benchmarks examples
+	$(BIN)/mypy actdb
+
+test: lint
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+bench: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/run.py --output BENCHMARKS.md
+
+clean:
+	rm -rf $(STORE) $(PICTURES) bench-data .pytest_cache .mypy_cache .ruff_cache
