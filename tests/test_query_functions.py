@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 
-import actdb
 import numpy as np
 import pytest
 import torch
@@ -25,6 +24,8 @@ from query_reference import (
     unit,
 )
 from tiny_models import load_tiny_model
+
+import actdb
 
 FAMILIES = ("gpt2", "llama", "gemma", "bert")
 PROMPT_SUBSET = (0, 2, 3)  # short, shortest, longest (the longest spans several chunks)
@@ -540,7 +541,7 @@ def test_functions_in_sql_contexts(family, reference, database):
     for s in sub:
         want = max(v for k, v in ref_cta.items() if k[0] == s["prompt_id"])
         close(s["best"], want, atol=COS_TOL, what=f"correlated subquery prompt {s['prompt_id']}")
-    derived = fetch(db, f"""
+    derived = fetch(db, """
         SELECT prompt_id, position, site, dc FROM (
             SELECT prompt_id, position, site, dim_contribution(vec, 2) AS dc FROM acts
             WHERE prompt_id = 2) t
