@@ -105,7 +105,7 @@ def test_family_round_trip(family: str, family_store: Callable[[str], Path],
 
     group = zarr.open_group(str(store / "tensors.zarr"), mode="r")
     start = {text: (row, n) for text, row, n in prompt_rows}
-    for site, role, kind, d, n_heads, eps, module, has_gain, has_bias, err in sites:
+    for site, _role, kind, d, n_heads, eps, module, has_gain, has_bias, err in sites:
         acts = group[f"models/{model_id}/acts/{site}"]
         gain = np.asarray(group[f"models/{model_id}/sites/{site}/gain"][...], np.float64) \
             if has_gain else None

@@ -32,7 +32,8 @@ def _snapshot(store: Path, model: str) -> dict[str, object]:
         "USING (prompt_id) WHERE t.model = ? ORDER BY t.row", [model]).fetchall()
     mid, n_rows = con.execute("SELECT model_id, n_rows FROM models WHERE model = ?",
                               [model]).fetchone()
-    sites = [r[0] for r in con.execute("SELECT site FROM sites WHERE model = ?", [model]).fetchall()]
+    sites = [r[0] for r in con.execute("SELECT site FROM sites WHERE model = ?",
+                                       [model]).fetchall()]
     prompts = con.execute("SELECT prompt_id, text FROM prompts ORDER BY prompt_id").fetchall()
     con.close()
     group = zarr.open_group(str(store / "tensors.zarr"), mode="r")

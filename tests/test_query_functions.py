@@ -222,7 +222,8 @@ def test_vectors_equal_hooked_input(family, reference, database):
             params={"m": family, "p": pid}).fetchall()]
         assert got == ids, f"prompt {pid}: stored token ids differ from the tokenizer's"
 
-    q = "SELECT prompt_id, position, site, norm, mean, vec FROM acts ORDER BY site, prompt_id, position"
+    q = ("SELECT prompt_id, position, site, norm, mean, vec FROM acts "
+         "ORDER BY site, prompt_id, position")
     rows = fetch(db, q)
     vecs = db.vectors(q)
     assert isinstance(vecs, torch.Tensor)
@@ -375,8 +376,8 @@ def test_list_functions(family, reference, database):
     close_vectors(np.array(lists("l_y")), y, what="to_list(normed(vec))")
 
     def anchors_check(k, name, n):
-        check_topk(lists(k), unit(x) @ ref.anchors(name).T, n, key="cosine", id_key="token_id", tol=COS_TOL,
-                   what=f"{family} {cols[k]}", strings=strings)
+        check_topk(lists(k), unit(x) @ ref.anchors(name).T, n, key="cosine", id_key="token_id",
+                   tol=COS_TOL, what=f"{family} {cols[k]}", strings=strings)
 
     anchors_check("na_emb", "embed", 3)
     for k, v, n in (("td", x, 4), ("td_y", y, 3)):
@@ -389,8 +390,8 @@ def test_list_functions(family, reference, database):
         close_vectors(np.array(lists("l_f")), f, what="to_list(final_norm(vec))")
         b = ref.b_U if ref.b_U is not None else 0.0
         for k, h, n in (("tl", f, 5), ("tl_y", ref.final.normed(y), 2)):
-            check_topk(lists(k), h @ ref.W_U.T + b, n, key="logit", id_key="token_id", tol=LOGIT_ATOL,
-                       what=f"{family} {cols[k]}", strings=strings)
+            check_topk(lists(k), h @ ref.W_U.T + b, n, key="logit", id_key="token_id",
+                       tol=LOGIT_ATOL, what=f"{family} {cols[k]}", strings=strings)
 
 
 def test_bert_functions_needing_an_lm_head_raise(database):
@@ -653,10 +654,8 @@ def test_zero_vector_gives_null(zero_store):
         assert db.sql("SELECT count(*) FROM acts WHERE norm = 0").fetchall()[0][0] == 1
 
 
-def test_per_head_sites(family_store, model_dir):
-    from query_reference import build_reference
-
-    ref = build_reference("qwen3", model_dir("qwen3"), PROMPTS)
+def test_per_head_sites(family_store, reference):
+    ref = reference("qwen3")
     db = actdb.connect(family_store("qwen3"), device="cpu")
     try:
         sites = fetch(db, "SELECT site, module, role, d, n_heads FROM sites WHERE model = 'qwen3' "

@@ -179,10 +179,10 @@ def _vocab_table(tok: Any, size: int) -> pa.Table:
     })
 
 
-def _weights(model: nn.Module) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, bool]:
-    emb = model.get_input_embeddings()
+def _weights(model: Any) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, bool]:
+    emb: Any = model.get_input_embeddings()
     embed = emb.weight.detach().float().cpu().numpy()
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head: Any = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         return embed, None, None, False
     tied = head.weight.data_ptr() == emb.weight.data_ptr()
@@ -401,7 +401,9 @@ def _batch_tables(
     for c in columns:
         values = [column_value(w.prompt.extra.get(c), types[c]) for w in new]
         prompts[c] = pa.array(values)
-    runs, tok_rows = [], {"prompt_id": [], "position": [], "token_id": [], "token": [], "row": []}
+    runs: list[tuple[int, int, int, bool]] = []
+    tok_rows: dict[str, list[Any]] = {k: [] for k in ("prompt_id", "position", "token_id",
+                                                      "token", "row")}
     row = start
     for w in batch:
         runs.append((w.prompt_id, row, len(w.ids), w.truncated))

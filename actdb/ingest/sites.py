@@ -198,7 +198,7 @@ def find_sites(
 
     found.sort(key=lambda t: t[0])
     globs = [g.strip() for g in sites_glob.split(",")] if sites_glob else None
-    out = []
+    out: list[FoundSite] = []
     for _, rec, module in found:
         if globs and not any(
             fnmatch.fnmatchcase(rec.site, g) or fnmatch.fnmatchcase(rec.module, g) for g in globs

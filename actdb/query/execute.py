@@ -9,6 +9,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from duckdb.func import PythonUDFType
 
 from ..errors import ActdbError
 from . import handles as H
@@ -112,13 +113,13 @@ def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox) ->
             con.create_function(
                 fn.udf_name, _make_udf(fn, src, box),
                 [duckdb.sqltype(t) for t in fn.udf_params()], duckdb.sqltype(fn.returns),
-                type="arrow", side_effects=False,
+                type=PythonUDFType.ARROW, side_effects=False,
             )
         con.execute(fn.macro_sql())
     for name in ("norm", "mean"):
         con.create_function(
             f"_actdb_stored_{name}", _stored_field_udf(src, name), [duckdb.sqltype("BIGINT")],
-            duckdb.sqltype("DOUBLE"), type="arrow", side_effects=False,
+            duckdb.sqltype("DOUBLE"), type=PythonUDFType.ARROW, side_effects=False,
         )
     con.execute(
         "CREATE OR REPLACE TEMP TABLE _actdb_site_heads AS SELECT model, site, "

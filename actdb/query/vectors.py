@@ -116,10 +116,11 @@ class VectorSource:
         for chunk in np.unique(chunk_of):
             sel = np.nonzero(chunk_of == chunk)[0]
             lo = int(chunk) * c
-            data = self.cache.get(
-                (model.model_id, site.site, name, int(chunk)),
-                lambda lo=lo: np.asarray(arr[lo : min(lo + c, arr.shape[0])]),
-            )
+
+            def load(lo: int = lo) -> np.ndarray:
+                return np.asarray(arr[lo : min(lo + c, arr.shape[0])])
+
+            data = self.cache.get((model.model_id, site.site, name, int(chunk)), load)
             local = rows[sel] - lo
             out[sel] = data[local, heads[sel]] if site.n_heads else data[local]
         return out
@@ -154,7 +155,8 @@ class VectorSource:
             yield Group(index, model, site, view, x, norm, mean)
 
     def apply_view(self, model: ModelRecord, site: SiteRecord, view: str, x: torch.Tensor,
-                   mean: torch.Tensor) -> torch.Tensor:
+                   mean: torch.Tensor | None) -> torch.Tensor:
+        """A view of raw vectors x; `mean` is their stored mean (None: computed from x)."""
         if view == "normalized":
             return norms.normalize(site.kind, x, site.eps, mean)
         if view == "normed":

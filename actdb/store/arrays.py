@@ -52,7 +52,8 @@ class Arrays:
         return cls(path, read_only=False)
 
     def format_version(self) -> int:
-        return int(self.group.attrs.get("actdb_format_version", -1))
+        v = self.group.attrs.get("actdb_format_version", -1)
+        return int(v) if isinstance(v, int | float | str) else -1
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -96,6 +97,7 @@ class Arrays:
             arr = self.group[key]
         except KeyError:
             return None
+        assert isinstance(arr, zarr.Array)
         return np.asarray(arr[...])
 
     def site_param(self, model_id: int, site: str, name: str) -> np.ndarray | None:
