@@ -233,6 +233,18 @@ def functions(fmt: str) -> None:
         click.echo(f"{r['signature']}\n    {r['doc']}")
 
 
+def _add_plot_commands() -> None:
+    """`actdb plot ...` lives with the pictures (actdb/plot/commands.py)."""
+    try:
+        from .plot.commands import plot
+    except ImportError:  # the pictures module is optional at import time
+        return
+    cli.add_command(plot)
+
+
+_add_plot_commands()
+
+
 def main() -> None:
     cli(prog_name="actdb")
 
