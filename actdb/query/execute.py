@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -9,7 +10,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from duckdb.func import PythonUDFType
+from duckdb.func import FunctionNullHandling, PythonUDFType
 
 from ..errors import ActdbError
 from . import handles as H
@@ -20,6 +21,9 @@ _ARROW_TYPES = {
     "DOUBLE": pa.float64(),
     "FLOAT[]": pa.list_(pa.float32()),
 }
+
+
+_SESSIONS = itertools.count()
 
 
 class ErrorBox:
@@ -99,7 +103,7 @@ def _stored_field_udf(src: VectorSource, name: str) -> Callable[[pa.Array], pa.A
     def udf(h: pa.Array) -> pa.Array:
         values = pc.fill_null(h, 0).to_numpy(zero_copy_only=False).astype(np.int64)
         out = np.full(len(values), np.nan)
-        for g in src.groups(values, raw_vectors=False):
+        for g in src.groups(values):
             out[g.index] = (g.norm if name == "norm" else g.mean).double().cpu().numpy()
         return pa.array(out, type=pa.float64(), mask=h.is_null().to_numpy(zero_copy_only=False))
 
@@ -108,18 +112,21 @@ def _stored_field_udf(src: VectorSource, name: str) -> Callable[[pa.Array], pa.A
 
 def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox) -> None:
     """Register UDFs, macros and the temp views `acts` and its helpers on `con`."""
+    session = f"s{next(_SESSIONS)}"
     for fn in FUNCTIONS:
         if fn.kernel is not None:
             con.create_function(
-                fn.udf_name, _make_udf(fn, src, box),
+                fn.udf_name(session), _make_udf(fn, src, box),
                 [duckdb.sqltype(t) for t in fn.udf_params()], duckdb.sqltype(fn.returns),
-                type=PythonUDFType.ARROW, side_effects=False,
+                type=PythonUDFType.ARROW, null_handling=FunctionNullHandling.SPECIAL,
+                side_effects=False,
             )
-        con.execute(fn.macro_sql())
+        con.execute(fn.macro_sql(session))
     for name in ("norm", "mean"):
         con.create_function(
-            f"_actdb_stored_{name}", _stored_field_udf(src, name), [duckdb.sqltype("BIGINT")],
-            duckdb.sqltype("DOUBLE"), type=PythonUDFType.ARROW, side_effects=False,
+            f"_actdb_stored_{name}_{session}", _stored_field_udf(src, name),
+            [duckdb.sqltype("BIGINT")], duckdb.sqltype("DOUBLE"), type=PythonUDFType.ARROW,
+            null_handling=FunctionNullHandling.SPECIAL, side_effects=False,
         )
     con.execute(
         "CREATE OR REPLACE TEMP TABLE _actdb_site_heads AS SELECT model, site, "
@@ -130,7 +137,8 @@ def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox) ->
     con.execute(f"""
         CREATE OR REPLACE TEMP VIEW acts AS
         SELECT model, prompt_id, position, token_id, token, site, layer, role, head,
-               _actdb_stored_norm(vec) AS norm, _actdb_stored_mean(vec) AS mean, vec
+               _actdb_stored_norm_{session}(vec) AS norm,
+               _actdb_stored_mean_{session}(vec) AS mean, vec
         FROM (
             SELECT t.model, t.prompt_id, t.position, t.token_id, t.token,
                    s.site, s.layer, s.role, h.head, {handle} AS vec

@@ -48,9 +48,10 @@ class TensorFunction:
     def arity(self) -> tuple[int, int]:
         return sum(not p.optional for p in self.params), len(self.params)
 
-    @property
-    def udf_name(self) -> str:
-        return f"_actdb_{self.name}"
+    def udf_name(self, session: str) -> str:
+        """The internal UDF's name; DuckDB shares functions between the connections of one
+        process to one file, so each connection registers its own under its session tag."""
+        return f"_actdb_{self.name}_{session}"
 
     def udf_params(self) -> list[str]:
         """SQL types of the internal UDF's parameters (a token is its text and its type)."""
@@ -60,7 +61,7 @@ class TensorFunction:
                       ANCHORS: ["VARCHAR"]}[p.kind]
         return types
 
-    def macro_sql(self) -> str:
+    def macro_sql(self, session: str) -> str:
         """CREATE MACRO with one overload per accepted arity."""
         overloads = []
         lo, hi = self.arity
@@ -78,7 +79,7 @@ class TensorFunction:
                         args.append(f"CAST({p.name} AS VARCHAR)" if given else "''")
                     else:
                         args.append(p.name)
-                body = f"{self.udf_name}({', '.join(args)})"
+                body = f"{self.udf_name(session)}({', '.join(args)})"
             overloads.append(f"({', '.join(names)}) AS {body}")
         return f"CREATE OR REPLACE TEMP MACRO {self.name}{', '.join(overloads)}"
 

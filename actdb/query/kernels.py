@@ -25,7 +25,7 @@ def _unit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _require_width(name: str, g: Group, want: int, what: str) -> None:
-    have = g.x.shape[-1]
+    have = g.site.d
     if have != want:
         raise QueryError(
             f"{name} needs a vector of width {want} ({what}); site {g.site.site!r} of model "
@@ -40,7 +40,7 @@ def _check_k(name: str, k: int, limit: int) -> int:
 
 
 def _check_dim(g: Group, dim: int) -> int:
-    d = g.x.shape[-1] if g.x.numel() else g.site.d
+    d = g.site.d
     if not 0 <= dim < d:
         raise QueryError(
             f"dim {dim} is out of range for site {g.site.site!r} of model {g.model.model!r} "
@@ -80,14 +80,20 @@ def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: l
                      ttype: list[str], anchors: list[str]) -> None:
     for g in src.groups(h):
         _require_width("cosine_to_anchor", g, g.model.d_model, "d_model")
-        u, ok = _unit(g.x)
         keys = [(t, ty, a) for t, ty, a in zip(token, ttype, anchors, strict=True)]
         for (t, ty, a), pos in _per_value(keys, g.index).items():
             a_set = src.anchors(g.model, a or None)
             tid = src.resolve_token(g.model, t, ty)
-            anchor = a_set[tid]
-            cos = u[pos] @ anchor  # [m]
-            valid = ok[pos] & bool(anchor.abs().sum() > 0)
+            anchor = a_set[tid]  # [d], unit
+            if g.view == "raw":
+                # The stored direction is x / ||x|| already: one half-precision product
+                # against the anchor, no conversion of the whole batch to float32.
+                cos = (g.direction[pos] @ anchor.to(g.direction.dtype)).float()
+                ok = g.norm[pos] > 0
+            else:
+                u, ok_all = _unit(g.x)
+                cos, ok = u[pos] @ anchor, ok_all[pos]
+            valid = ok & bool(anchor.abs().sum() > 0)
             out[g.index[pos]] = torch.where(valid, cos, torch.nan).double().cpu().numpy()
 
 
@@ -125,7 +131,7 @@ def logit_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: n
 
 
 def uniform_angle(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:
-    for g in src.groups(h, raw_vectors=False):
+    for g in src.groups(h):
         if g.view == "raw":  # from the stored norm and mean alone: cos = mean * sqrt(d) / norm
             n = g.norm.double()
             cos = g.mean.double() * math.sqrt(g.site.d) / torch.where(n > 0, n, 1.0)
@@ -149,7 +155,7 @@ def rotation_angle(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:
 
 
 def vec_norm(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:
-    for g in src.groups(h, raw_vectors=False):
+    for g in src.groups(h):
         n = g.norm if g.view == "raw" else torch.linalg.vector_norm(g.x, dim=-1)
         out[g.index] = n.double().cpu().numpy()
 

@@ -75,7 +75,7 @@ def translate(e: duckdb.Error, box: ErrorBox) -> Exception:
         from .functions import REGISTRY
 
         for fn in REGISTRY.values():
-            if f"{fn.udf_name}(" in text or f"Macro {fn.name}(" in text:
+            if f"_actdb_{fn.name}_s" in text or f"Macro {fn.name}(" in text:
                 return QueryError(f"{fn.name}() got arguments of the wrong type; signature: "
                                   f"{fn.signature}")
     if "Python exception occurred while executing the UDF" in first:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -52,17 +51,46 @@ class ChunkCache:
         return value
 
 
-@dataclass(frozen=True)
 class Group:
-    """Handles of one (model, site, view): positions in the batch and their vectors."""
+    """Handles of one (model, site, view): their positions in the batch, and their stored
+    fields read on first use (a function that needs only the norm reads no direction)."""
 
-    index: np.ndarray  # positions in the input batch
-    model: ModelRecord
-    site: SiteRecord
-    view: str
-    x: torch.Tensor  # float32 [n, d] on the device, the view applied
-    norm: torch.Tensor  # float32 [n], ||x|| of the stored input (before any view)
-    mean: torch.Tensor  # float32 [n], mean(x) of the stored input
+    def __init__(self, src: VectorSource, index: np.ndarray, model: ModelRecord,
+                 site: SiteRecord, view: str, rows: np.ndarray, heads: np.ndarray) -> None:
+        self.src, self.index, self.model, self.site, self.view = src, index, model, site, view
+        self.rows, self.heads = rows, heads
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def _field(self, name: str) -> torch.Tensor:
+        if name not in self._cache:
+            data = self.src.field(self.model, self.site, name, self.rows, self.heads)
+            self._cache[name] = torch.from_numpy(data).to(self.src.device)
+        return self._cache[name]
+
+    @property
+    def norm(self) -> torch.Tensor:
+        """float32 [n]: ||x|| of the stored input (before any view)."""
+        return self._field("norm")
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """float32 [n]: mean(x) of the stored input."""
+        return self._field("mean")
+
+    @property
+    def direction(self) -> torch.Tensor:
+        """float16 [n, d]: the stored unit direction of x."""
+        return self._field("direction")
+
+    @property
+    def x(self) -> torch.Tensor:
+        """float32 [n, d]: the vector with the group's view applied."""
+        if "x" not in self._cache:
+            x = self.direction.float() * self.norm.unsqueeze(-1)
+            if self.view != "raw":
+                x = self.src.apply_view(self.model, self.site, self.view, x, self.mean)
+            self._cache["x"] = x
+        return self._cache["x"]
 
 
 class VectorSource:
@@ -107,52 +135,45 @@ class VectorSource:
 
     def field(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
               heads: np.ndarray) -> np.ndarray:
-        """Stored `name` (direction, norm or mean) for token rows, reading whole chunks."""
-        arr = self.store.arrays.act_array(model.model_id, site.site, name)
+        """Stored `name` (direction, norm or mean) for sorted token rows, by whole chunks."""
         c = model.chunk_tokens
-        chunk_of = rows // c
-        tail = arr.shape[2:] if site.n_heads else arr.shape[1:]
-        out = np.empty((len(rows), *tail), dtype=arr.dtype)
-        for chunk in np.unique(chunk_of):
-            sel = np.nonzero(chunk_of == chunk)[0]
-            lo = int(chunk) * c
+        first, last = int(rows[0]) // c, int(rows[-1]) // c
+        parts = []
+        for chunk in range(first, last + 1):
+            lo = chunk * c
+            a, b = np.searchsorted(rows, [lo, lo + c])
+            if a == b:
+                continue
+            data = self.cache.get(
+                (model.model_id, site.site, name, chunk),
+                lambda chunk=chunk: self.store.arrays.read_chunk(
+                    model.model_id, site.site, name, chunk),
+            )
+            local = rows[a:b] - lo
+            if local[-1] - local[0] + 1 == len(local):  # contiguous: a view, no gather
+                part = data[local[0] : local[-1] + 1]
+            else:
+                part = data[local]
+            parts.append(part[np.arange(len(local)), heads[a:b]] if site.n_heads else part)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-            def load(lo: int = lo) -> np.ndarray:
-                return np.asarray(arr[lo : min(lo + c, arr.shape[0])])
-
-            data = self.cache.get((model.model_id, site.site, name, int(chunk)), load)
-            local = rows[sel] - lo
-            out[sel] = data[local, heads[sel]] if site.n_heads else data[local]
-        return out
-
-    def groups(self, handles: np.ndarray, *, raw_vectors: bool = True) -> Iterator[Group]:
-        """Split a batch of handles by (model, site, view) and read each group's vectors.
-
-        With `raw_vectors=False`, groups of raw handles carry only norm and mean (functions
-        such as vec_norm and uniform_angle need nothing else, so no direction is read).
-        """
+    def groups(self, handles: np.ndarray) -> Iterator[Group]:
+        """Split a batch of handles by (model, site, view); fields are read when first used."""
         dec = H.decode(handles)
         key = (dec.model_id << 20) | (dec.site_id << 2) | dec.view
-        for k in np.unique(key):
-            index = np.nonzero(key == k)[0]
+        keys = np.unique(key)
+        for k in keys:
+            index = np.nonzero(key == k)[0] if len(keys) > 1 else np.arange(len(key))
             model = self.model(int(dec.model_id[index[0]]))
             site = self.site(model.model_id, int(dec.site_id[index[0]]))
             view = H.VIEWS[int(dec.view[index[0]])]
-            order = np.argsort(dec.row[index], kind="stable")  # chunk-friendly reading order
-            index = index[order]
-            rows, heads = dec.row[index], dec.head[index]
-            if np.any(rows >= model.n_rows):
+            rows = dec.row[index]
+            if np.any(rows[1:] < rows[:-1]):  # chunk-friendly reading order
+                order = np.argsort(rows, kind="stable")
+                index, rows = index[order], rows[order]
+            if rows[-1] >= model.n_rows:
                 raise QueryError(f"a vec handle points past the stored rows of {model.model!r}")
-            norm = torch.from_numpy(self.field(model, site, "norm", rows, heads)).to(self.device)
-            mean = torch.from_numpy(self.field(model, site, "mean", rows, heads)).to(self.device)
-            if view == "raw" and not raw_vectors:
-                yield Group(index, model, site, view, torch.empty(0), norm, mean)
-                continue
-            d16 = torch.from_numpy(self.field(model, site, "direction", rows, heads))
-            x = d16.to(self.device).float() * norm.unsqueeze(-1)  # [n, d]
-            if view != "raw":
-                x = self.apply_view(model, site, view, x, mean)
-            yield Group(index, model, site, view, x, norm, mean)
+            yield Group(self, index, model, site, view, rows, dec.head[index])
 
     def apply_view(self, model: ModelRecord, site: SiteRecord, view: str, x: torch.Tensor,
                    mean: torch.Tensor | None) -> torch.Tensor:

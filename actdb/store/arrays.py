@@ -132,6 +132,39 @@ class Arrays:
         assert isinstance(arr, zarr.Array)
         return arr
 
+    def read_chunk(self, model_id: int, site: str, field: str, chunk: int) -> np.ndarray:
+        """One whole chunk of a site's field (the rows chunk * C .. chunk * C + C - 1).
+
+        Chunks are stored raw (no compression), so where the array is laid out as this
+        format writes it, the chunk file is read straight into memory: about 20x less
+        overhead per chunk than going through zarr-python. Anything else goes through zarr.
+        """
+        arr = self.act_array(model_id, site, field)
+        c = arr.chunks[0]
+        path = self._raw_chunk_path(arr, chunk)
+        if path is not None:
+            shape = (c, *arr.shape[1:])
+            if not path.exists():
+                return np.zeros(shape, dtype=arr.dtype)
+            return np.fromfile(path, dtype=arr.dtype).reshape(shape)
+        lo = chunk * c
+        return np.asarray(arr[lo : min(lo + c, arr.shape[0])])
+
+    def _raw_chunk_path(self, arr: zarr.Array, chunk: int) -> Path | None:
+        meta = arr.metadata
+        codecs = getattr(meta, "codecs", ())
+        raw = (
+            isinstance(self.zstore, zarr.storage.LocalStore)
+            and len(codecs) == 1 and type(codecs[0]).__name__ == "BytesCodec"
+            and str(getattr(codecs[0], "endian", "little")).endswith("little")
+            and np.little_endian and getattr(meta, "fill_value", None) == 0
+            and all(s == c for s, c in zip(arr.shape[1:], arr.chunks[1:], strict=True))
+        )
+        if not raw:
+            return None
+        key = meta.chunk_key_encoding.encode_chunk_key((chunk, *[0] * (arr.ndim - 1)))
+        return Path(str(self.zstore.root)) / arr.path / key
+
     def write_rows(
         self, model_id: int, site: str, start: int, values: dict[str, np.ndarray]
     ) -> None:
