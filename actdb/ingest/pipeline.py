@@ -26,6 +26,9 @@ from .prompts import Prompt, PromptsLike, column_value, extra_columns, read_prom
 from .sites import FoundSite, find_sites
 
 FAITHFULNESS_LIMIT = 1e-2
+# Batches are buffered to at least this many token rows before a write and commit: fewer
+# DuckDB transactions and partial-chunk rewrites (a crash loses at most this much work).
+_FLUSH_TOKENS = 2048
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -380,7 +383,7 @@ def _run(
             pending.append((batch, sink.out, sink.errors))
             n = sum(len(w.ids) for w in batch)
             buffered += n
-            if buffered >= record.chunk_tokens or i + batch_size >= len(work):
+            if buffered >= max(record.chunk_tokens, _FLUSH_TOKENS) or i + batch_size >= len(work):
                 start = flush()
                 buffered = 0
             bar.update(n)

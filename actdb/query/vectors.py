@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from functools import partial
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
@@ -136,7 +137,7 @@ class VectorSource:
     def field(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
               heads: np.ndarray) -> np.ndarray:
         """Stored `name` (direction, norm or mean) for sorted token rows, by whole chunks."""
-        c = model.chunk_tokens
+        c = self.store.arrays.act_array(model.model_id, site.site, name).chunks[0]
         first, last = int(rows[0]) // c, int(rows[-1]) // c
         parts = []
         for chunk in range(first, last + 1):
@@ -146,8 +147,7 @@ class VectorSource:
                 continue
             data = self.cache.get(
                 (model.model_id, site.site, name, chunk),
-                lambda chunk=chunk: self.store.arrays.read_chunk(
-                    model.model_id, site.site, name, chunk),
+                partial(self.store.arrays.read_chunk, model.model_id, site.site, name, chunk),
             )
             local = rows[a:b] - lo
             if local[-1] - local[0] + 1 == len(local):  # contiguous: a view, no gather

@@ -21,11 +21,15 @@ import zarr.storage
 from .catalog import FORMAT_VERSION
 
 ACT_FIELDS = ("direction", "norm", "mean")
-_TARGET_CHUNK_BYTES = 2 << 20
+# Small direction chunks keep selective queries from reading much they do not need (a
+# 128-token prompt of a d=768 model is one chunk); chunk files are read raw, so many small
+# chunks cost a full scan little. norm and mean are 4 bytes a row: their chunks hold more rows.
+_TARGET_CHUNK_BYTES = 256 << 10
+SCALAR_CHUNK_FACTOR = 32
 
 
 def default_chunk_tokens(width: int) -> int:
-    """Token rows per chunk so that one direction chunk is about 2 MiB."""
+    """Token rows per direction chunk: about 256 KiB, a power of two, at least 64."""
     rows = max(_TARGET_CHUNK_BYTES // (2 * max(width, 1)), 64)
     return int(2 ** round(np.log2(rows)))
 
@@ -40,6 +44,9 @@ class Arrays:
             str(path), read_only=read_only
         )
         self.group = zarr.open_group(self.zstore, mode="r" if read_only else "r+")
+        # Opening an array reads its metadata file: keep the handles (and raw chunk paths).
+        self._handles: dict[tuple[int, str, str], zarr.Array] = {}
+        self._raw: dict[tuple[int, str, str], Path | None] = {}
 
     @classmethod
     def create(cls, path: Path) -> Arrays:
@@ -110,6 +117,8 @@ class Arrays:
     ) -> None:
         """Create the site's arrays or grow them to at least `rows` token rows."""
         g = self._model_group(model_id).require_group(f"acts/{site}")
+        for name in ACT_FIELDS:
+            self._handles.pop((model_id, site, name), None)
         specs = {
             "direction": ((*inner,), "float16"),
             "norm": (inner[:-1], "float32"),
@@ -122,14 +131,19 @@ class Arrays:
                 if arr.shape[0] < rows:
                     arr.resize((rows, *tail))
             else:
+                step = chunk_tokens * (1 if name == "direction" else SCALAR_CHUNK_FACTOR)
                 g.create_array(
-                    name, shape=(rows, *tail), dtype=dtype, chunks=(chunk_tokens, *tail),
+                    name, shape=(rows, *tail), dtype=dtype, chunks=(step, *tail),
                     compressors=None, fill_value=0, dimension_names=None,
                 )
 
     def act_array(self, model_id: int, site: str, field: str) -> zarr.Array:
-        arr = self.group[f"models/{model_id}/acts/{site}/{field}"]
-        assert isinstance(arr, zarr.Array)
+        key = (model_id, site, field)
+        arr = self._handles.get(key)
+        if arr is None:
+            found = self.group[f"models/{model_id}/acts/{site}/{field}"]
+            assert isinstance(found, zarr.Array)
+            arr = self._handles[key] = found
         return arr
 
     def read_chunk(self, model_id: int, site: str, field: str, chunk: int) -> np.ndarray:
@@ -141,8 +155,12 @@ class Arrays:
         """
         arr = self.act_array(model_id, site, field)
         c = arr.chunks[0]
-        path = self._raw_chunk_path(arr, chunk)
-        if path is not None:
+        key = (model_id, site, field)
+        if key not in self._raw:
+            self._raw[key] = self._raw_folder(arr)
+        folder = self._raw[key]
+        if folder is not None:
+            path = folder / str(chunk) / "/".join(["0"] * (arr.ndim - 1))
             shape = (c, *arr.shape[1:])
             if not path.exists():
                 return np.zeros(shape, dtype=arr.dtype)
@@ -150,20 +168,23 @@ class Arrays:
         lo = chunk * c
         return np.asarray(arr[lo : min(lo + c, arr.shape[0])])
 
-    def _raw_chunk_path(self, arr: zarr.Array, chunk: int) -> Path | None:
-        meta = arr.metadata
-        codecs = getattr(meta, "codecs", ())
+    def _raw_folder(self, arr: zarr.Array) -> Path | None:
+        """The folder of chunk files `c/{i}/0...` when the array is stored raw, else None."""
+        meta: Any = arr.metadata
+        codecs: tuple[Any, ...] = tuple(getattr(meta, "codecs", ()))
+        encoding: Any = getattr(meta, "chunk_key_encoding", None)
         raw = (
             isinstance(self.zstore, zarr.storage.LocalStore)
             and len(codecs) == 1 and type(codecs[0]).__name__ == "BytesCodec"
             and str(getattr(codecs[0], "endian", "little")).endswith("little")
             and np.little_endian and getattr(meta, "fill_value", None) == 0
             and all(s == c for s, c in zip(arr.shape[1:], arr.chunks[1:], strict=True))
+            and type(encoding).__name__ == "DefaultChunkKeyEncoding"
+            and getattr(encoding, "separator", None) == "/"
         )
         if not raw:
             return None
-        key = meta.chunk_key_encoding.encode_chunk_key((chunk, *[0] * (arr.ndim - 1)))
-        return Path(str(self.zstore.root)) / arr.path / key
+        return Path(str(self.zstore.root)) / arr.path / "c"
 
     def write_rows(
         self, model_id: int, site: str, start: int, values: dict[str, np.ndarray]

@@ -84,8 +84,8 @@ def _check_site(
     if out or not n_rows:
         return out
     # Every chunk holding committed rows must exist on disk (a missing one reads as zeros).
-    chunks_needed = (n_rows + chunk_tokens - 1) // chunk_tokens
     for field, arr in arrays.items():
+        chunks_needed = (n_rows + arr.chunks[0] - 1) // arr.chunks[0]
         folder = store.arrays.path / "models" / str(model_id) / "acts" / s.site / field / "c"
         tail_key = "/0" * (arr.ndim - 1)
         missing = [i for i in range(chunks_needed) if not (folder / f"{i}{tail_key}").is_file()]

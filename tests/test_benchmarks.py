@@ -1,0 +1,30 @@
+"""The benchmark suite at its tiny scale, so the scripts cannot rot (no timing assertions)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_tiny_benchmark_writes_every_workload(tmp_path: Path) -> None:
+    out = tmp_path / "BENCH.md"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--scale", "tiny", "--output",
+         str(out), "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = out.read_text()
+    for title in ("1. Ingest overhead", "2. Full scan", "3. Selective query",
+                  "4. Nearest anchors", "5. Storage", "6. Memory", "## Machine"):
+        assert title in text
+    # Every baseline and ratio is reported, and actdb's answer agrees with the baselines'.
+    for label in ("DuckDB array_cosine_similarity", "NumPy float16 memmap", "raw chunk-file read",
+                  "torch matmul", "bare forward", "peak RSS"):
+        assert label in text
+    spread = float(text.split("(spread ")[1].split(")")[0])
+    assert spread < 1e-3
+    assert not (tmp_path / "work").exists()
