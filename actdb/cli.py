@@ -235,10 +235,8 @@ def functions(fmt: str) -> None:
 
 def _add_plot_commands() -> None:
     """`actdb plot ...` lives with the pictures (actdb/plot/commands.py)."""
-    try:
-        from .plot.commands import plot
-    except ImportError:  # the pictures module is optional at import time
-        return
+    from .plot.commands import plot
+
     cli.add_command(plot)
 
 

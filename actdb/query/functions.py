@@ -110,6 +110,12 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
         doc="the k dims with the largest |v[dim]| / ||v||: list of {dim, contribution}",
     ),
     TensorFunction(
+        name="anchor_contribution",
+        params=(V, _p("dim", INT), _p("token", TOKEN), _p("anchors", ANCHORS, True)),
+        returns="DOUBLE", kernel=kernels.anchor_contribution,
+        doc="(v[dim] / ||v||) * anchor[dim]: summed over dims it is cosine_to_anchor(v, token)",
+    ),
+    TensorFunction(
         name="logit", params=(V, _p("token", TOKEN)), returns="DOUBLE", kernel=kernels.logit,
         doc="logit lens: W_U[t] . final_norm(v) + b_U[t]; at the final site, the model's logit",
     ),

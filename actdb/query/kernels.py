@@ -105,6 +105,19 @@ def dim_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: np.
             out[g.index[pos]] = torch.where(ok[pos], c, torch.nan).double().cpu().numpy()
 
 
+def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: np.ndarray,
+                        token: list[str], ttype: list[str], anchors: list[str]) -> None:
+    for g in src.groups(h):
+        _require_width("anchor_contribution", g, g.model.d_model, "d_model")
+        u, ok = _unit(g.x)
+        keys = list(zip(dim.tolist(), token, ttype, anchors, strict=True))
+        for (dv, t, ty, a), pos in _per_value(keys, g.index).items():
+            d = _check_dim(g, int(dv))
+            anchor = src.anchors(g.model, a or None)[src.resolve_token(g.model, t, ty)]
+            val = u[pos, d] * anchor[d]
+            out[g.index[pos]] = torch.where(ok[pos], val, torch.nan).double().cpu().numpy()
+
+
 def logit(src: VectorSource, h: np.ndarray, out: np.ndarray, token: list[str],
           ttype: list[str]) -> None:
     for g in src.groups(h):

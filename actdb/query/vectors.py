@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import threading
-from functools import partial
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import numpy as np
 import torch

@@ -1,0 +1,203 @@
+"""`actdb plot ...`: draw a picture from a store into a PNG, SVG or PDF file (or print its SQL).
+
+Library errors become `click.ClickException` here (exit 1, one sentence on stderr); a file name
+with another extension is a usage error (exit 2). matplotlib loads only when a command runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from ..errors import ActdbError
+from ..query import Database
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+ANCHOR_SETS = ("unembed", "embed", "unembed_folded")
+EXTENSIONS = (".png", ".svg", ".pdf")
+
+
+@contextmanager
+def _errors(ctx: click.Context) -> Iterator[None]:
+    """ActdbError -> one sentence and exit 1 (or the traceback with `actdb --debug`)."""
+    try:
+        yield
+    except ActdbError as e:
+        root = ctx.find_root().obj
+        if isinstance(root, dict) and root.get("debug"):
+            raise
+        raise click.ClickException(str(e)) from None
+
+
+def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
+                  ) -> Path | None:
+    if value is not None and value.suffix.lower() not in EXTENSIONS:
+        raise click.BadParameter(
+            f"{str(value)!r} must end in .png, .svg or .pdf (the extension picks the format)"
+        )
+    return value
+
+
+def _common(func: F) -> F:
+    """Options every picture takes: -o FILE, --sql, --device."""
+    func = click.option("--device", default="auto", show_default=True,
+                        help="Where the tensor functions run: auto, cpu, cuda or cuda:i.")(func)
+    func = click.option("--sql", "show_sql", is_flag=True,
+                        help="Print the SQL behind the picture (runnable with `actdb query`) "
+                             "instead of drawing it.")(func)
+    func = click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+                        default=None, callback=_check_output,
+                        help="The file to write; .png, .svg or .pdf picks the format "
+                             "(default: <kind>.png here).")(func)
+    return func
+
+
+def _draw(ctx: click.Context, kind: str, store: Path, device: str, output: Path | None,
+          show_sql: bool, make_spec: Callable[[Database], Any]) -> None:
+    """Resolve the request, then print its SQL or draw and save the figure."""
+    from . import figures
+    from .data import inline_sql, opened
+
+    draw = {"lens": figures.lens_figure, "angles": figures.profile_figure,
+            "norms": figures.profile_figure, "rotation": figures.profile_figure,
+            "dims": figures.dims_figure}[kind]
+    with _errors(ctx), opened(store, device) as db:
+        spec = make_spec(db)
+        if show_sql:
+            click.echo(inline_sql(spec.sql, spec.params))
+            return
+        fig = draw(spec, spec.run(db).df)
+        path = figures.save(fig, output if output is not None else Path(f"{kind}.png"))
+    click.echo(f"wrote {path}")
+
+
+@click.group()
+def plot() -> None:
+    """Draw pictures of a store: PNG, SVG or PDF by the -o file's extension.
+
+    Each picture comes from one SQL query through the query layer; --sql prints it.
+
+    \b
+    Example:
+      actdb plot lens runs.actdb --prompt-id 3 -o lens.png
+      actdb plot angles runs.actdb --model gpt2 --model pythia -o angles.svg
+    """
+
+
+@plot.command()
+@click.argument("store", type=click.Path(path_type=Path))
+@click.option("--prompt-id", type=int, required=True, help="The prompt to follow.")
+@click.option("--model", default=None, help="Model in the store (default: the only one).")
+@click.option("--anchors", type=click.Choice(ANCHOR_SETS), default=None,
+              help="Anchor set for nearest_anchors (default: unembed with an LM head, "
+                   "else embed).")
+@click.option("--role", default=None,
+              help="Role of the sites to show, one per layer (default: pre_attn if present, "
+                   "else post_mlp); the final norm is added when there is one.")
+@_common
+@click.pass_context
+def lens(ctx: click.Context, store: Path, prompt_id: int, model: str | None,
+         anchors: str | None, role: str | None, output: Path | None, show_sql: bool,
+         device: str) -> None:
+    """The logit lens on the sphere: layers (rows) by token positions (columns).
+
+    Each cell is labelled with the token of the anchor nearest to that layer's input at
+    that position, and coloured by the cosine to it.
+
+    \b
+    Example:
+      actdb plot lens runs.actdb --prompt-id 3 -o lens.png
+      actdb plot lens runs.actdb --prompt-id 3 --anchors embed --role pre_mlp --sql
+    """
+    from .data import lens_spec
+
+    _draw(ctx, "lens", store, device, output, show_sql,
+          lambda db: lens_spec(db, prompt_id, model=model, anchors=anchors, role=role))
+
+
+def _profile_command(kind: str, doc: str, several_models: bool) -> None:
+    model_help = ("Model in the store; repeat to compare models, a line each (default: the "
+                  "only one)." if several_models else
+                  "Model in the store (default: the only one).")
+
+    @plot.command(name=kind, help=doc)
+    @click.argument("store", type=click.Path(path_type=Path))
+    @click.option("--model", "models", multiple=several_models, default=None, help=model_help)
+    @click.option("--role", "roles", multiple=True,
+                  help="Role to show; repeatable (default: every role at the model width).")
+    @_common
+    @click.pass_context
+    def command(ctx: click.Context, store: Path, models: Any, roles: tuple[str, ...],
+                output: Path | None, show_sql: bool, device: str) -> None:
+        from .data import profile_spec
+
+        _draw(ctx, kind, store, device, output, show_sql,
+              lambda db: profile_spec(db, kind, models=models or None, roles=roles or None))
+
+
+_profile_command("angles", """The angle to the all-ones vector per layer, 90 degrees marked.
+
+    A panel per role, a line per model (give --model several times to compare): the mean of
+    uniform_angle(vec) over all tokens, with a band from the 10th to the 90th percentile.
+
+    \b
+    Example:
+      actdb plot angles runs.actdb -o angles.png
+      actdb plot angles runs.actdb --model gpt2 --model llama --role pre_attn -o angles.pdf
+    """, True)
+
+_profile_command("norms", """The norm of each norm site's input divided by sqrt(d), per layer.
+
+    ||x|| / sqrt(d) is the RMS of x. A panel per role: the mean over all tokens, with a band
+    from the 10th to the 90th percentile.
+
+    \b
+    Example:
+      actdb plot norms runs.actdb -o norms.png
+    """, False)
+
+_profile_command("rotation", """The rotation angle between each norm's input and output, per layer.
+
+    rotation_angle(vec) in degrees, a panel per role: the mean over all tokens, with a band
+    from the 10th to the 90th percentile.
+
+    \b
+    Example:
+      actdb plot rotation runs.actdb --role pre_attn --role pre_mlp -o rotation.svg
+    """, False)
+
+
+@plot.command()
+@click.argument("store", type=click.Path(path_type=Path))
+@click.option("--prompt-id", type=int, required=True, help="The prompt.")
+@click.option("--position", type=int, required=True,
+              help="Token position in the prompt; negative counts from the end (-1: last).")
+@click.option("--token", required=True, help="The token whose logit is split, e.g. ' Paris'.")
+@click.option("--model", default=None, help="Model in the store (default: the only one).")
+@click.option("--site", default=None,
+              help="Norm site whose input is read (default: the final norm).")
+@click.option("--k", "k", type=click.IntRange(min=1), default=20, show_default=True,
+              help="How many dims to show, by |contribution|.")
+@_common
+@click.pass_context
+def dims(ctx: click.Context, store: Path, prompt_id: int, position: int, token: str,
+         model: str | None, site: str | None, k: int, output: Path | None, show_sql: bool,
+         device: str) -> None:
+    """The dims that push toward and pull away from a token most (logit_contribution).
+
+    Diverging bars for the k dims with the largest |logit_contribution(vec, dim, token)|;
+    the title gives the total over all dims, which is the logit minus the bias.
+
+    \b
+    Example:
+      actdb plot dims runs.actdb --prompt-id 3 --position -1 --token ' Paris' -o dims.png
+    """
+    from .data import dims_spec
+
+    _draw(ctx, "dims", store, device, output, show_sql,
+          lambda db: dims_spec(db, prompt_id, position, token, model=model, site=site, k=k))

@@ -1,0 +1,352 @@
+"""The pictures: each a matplotlib Figure drawn from the query layer's answer to one SQL query.
+
+Figures are made with `matplotlib.figure.Figure` on an Agg canvas, never through pyplot, so
+drawing needs no display and leaves a notebook's own backend alone; a returned Figure shows
+itself in Jupyter. `save` is the one place that writes a figure to a file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
+
+from .data import (
+    BAND,
+    DbOrPath,
+    PlotData,
+    PlotError,
+    Spec,
+    dims_spec,
+    is_missing,
+    lens_spec,
+    opened,
+    profile_spec,
+)
+
+FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+DPI = 150
+CMAP = "viridis"  # lightness rises monotonically: reads in greyscale
+# Diverging bars: a dark and a light colour (viridis ends), told apart in greyscale too.
+PUSH, PULL = "#3b528b", "#b5de2b"
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+DASHES: tuple[Any, ...] = ("-", "--", ":", "-.")
+_BAND_TEXT = f"band: {BAND[0] * 100:.0f}th to {BAND[1] * 100:.0f}th percentile over tokens"
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _figure(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def show_token(token: Any, limit: int = 12) -> str:
+    """A token as text with its whitespace made visible; long ones are cut with an ellipsis."""
+    if is_missing(token):
+        return "—"
+    text = str(token)
+    for a, b in ((" ", "␣"), ("\n", "↵"), ("\t", "→"), ("\r", "␍")):
+        text = text.replace(a, b)
+    text = "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in text)
+    if not text:
+        return "∅"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _short(text: str, limit: int = 70) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _shades(n: int) -> list[Any]:
+    """n colours of clearly different lightness (dark to light along viridis)."""
+    cmap = colormaps[CMAP]
+    return [cmap(x) for x in (np.linspace(0.0, 0.8, n) if n > 1 else [0.0])]
+
+
+def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
+    """Write a figure; the format is the file's extension (.png, .svg or .pdf)."""
+    p = Path(path)
+    fmt = FORMATS.get(p.suffix.lower())
+    if fmt is None:
+        raise PlotError(f"cannot write {str(p)!r}: the file name must end in .png, .svg or .pdf")
+    if not p.parent.is_dir():
+        raise PlotError(f"cannot write {str(p)!r}: the folder {str(p.parent)!r} does not exist")
+    try:
+        fig.savefig(p, format=fmt, dpi=DPI)
+    except OSError as e:
+        raise PlotError(f"cannot write {str(p)!r}: {e.strerror or e}") from None
+    return p
+
+
+# -- lens: layers x positions, nearest anchor per cell ----------------------------------------
+
+
+def lens_figure(spec: Spec, df: pd.DataFrame) -> Figure:
+    m = spec.meta
+    rows = df[["layer", "site"]].drop_duplicates().reset_index(drop=True)
+    positions = sorted(int(p) for p in df["position"].unique())
+    col = {p: j for j, p in enumerate(positions)}
+    row = {s: i for i, s in enumerate(rows["site"])}
+    grid = np.full((len(rows), len(positions)), np.nan)
+    labels = [[""] * len(positions) for _ in range(len(rows))]
+    tokens = {int(p): t for p, t in zip(df["position"], df["token"], strict=True)}
+    for site, pos, anchor, cos in zip(df["site"], df["position"], df["anchor"], df["cosine"],
+                                      strict=True):
+        i, j = row[site], col[int(pos)]
+        grid[i, j] = np.nan if is_missing(cos) else float(cos)
+        labels[i][j] = show_token(anchor, 8)
+
+    n_cols, n_rows = len(positions), len(rows)
+    dense = n_cols > 60  # too many columns to label each cell readably
+    cell_w = 0.22 if dense else 0.62
+    fig = _figure(max(6.5, 3.6 + cell_w * n_cols), max(3.5, 2.6 + 0.45 * n_rows))
+    ax = fig.add_subplot()
+    cmap = colormaps[CMAP].with_extremes(bad="#d9d9d9")  # NULL cells (zero vectors): grey
+    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, aspect="auto", origin="lower",
+                   interpolation="nearest")
+    if not dense:
+        for i in range(n_rows):
+            for j in range(n_cols):
+                v = grid[i, j]
+                light = bool(np.isnan(v) or np.asarray(im.norm(v)) > 0.55)
+                ax.text(j, i, labels[i][j], ha="center", va="center", fontsize=8,
+                        color="black" if light else "white")
+    if dense:  # every few positions, by number
+        step = -(-n_cols // 40)
+        ticks = list(range(0, n_cols, step))
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([str(positions[j]) for j in ticks])
+        ax.set_xlabel(f"token position (0 to {n_cols - 1}; too many tokens to name each)")
+    else:
+        ax.set_xticks(range(n_cols))
+        ax.set_xticklabels([show_token(tokens[p]) for p in positions], rotation=60,
+                           ha="right", rotation_mode="anchor")
+        ax.set_xlabel(f"input token (positions 0 to {n_cols - 1}, ␣ marks a space)")
+    ax.set_yticks(range(n_rows))
+    ax.set_yticklabels(list(rows["site"]))
+    ax.set_ylabel("layer (norm site, input side)")
+    cbar = fig.colorbar(im, ax=ax, pad=0.01)
+    cbar.set_label(f"cosine to the nearest {m['anchors']} anchor (unitless)")
+    roles = " + ".join(m["roles"])
+    ax.set_title(
+        f"Logit lens on the sphere: model {m['model']}, prompt {m['prompt_id']}, "
+        f"{roles} sites\nEach cell: the token of the nearest {m['anchors']} anchor, "
+        f"coloured by its cosine\n\u201c{_short(m['text'])}\u201d",
+        fontsize=11,
+    )
+    return fig
+
+
+# -- per-layer profiles: angles, norms, rotation ----------------------------------------------
+
+_PROFILE_TEXT = {
+    "angles": ("Angle between each norm site's input and the all-ones vector",
+               "angle to the all-ones vector (degrees)"),
+    "norms": ("Size of each norm site's input: \u2016x\u2016 / \u221ad (the RMS of x)",
+              "\u2016x\u2016 / \u221ad (RMS of the input, model units)"),
+    "rotation": ("Rotation by each norm: angle between its input x and its output y",
+                 "angle(x, y) (degrees)"),
+}
+
+
+def profile_figure(spec: Spec, df: pd.DataFrame) -> Figure:
+    """A panel per role (shared y axis), a line per model in each: mean with its band."""
+    m = spec.meta
+    models, roles = m["models"], m["roles"]
+    several = len(models) > 1
+    colour = dict(zip(models, _shades(len(models)), strict=True))
+    layers = {r: sorted(df.loc[df["role"] == r, "layer"].unique()) for r in roles}
+    roles = [r for r in roles if len(layers[r])] or roles
+    spans = [max(len(layers[r]), 1) for r in roles]
+    ratios = [max(s, 0.35 * max(spans)) for s in spans]  # a one-layer role still gets room
+    fig = _figure(max(7.5, 2.2 + 1.3 * len(roles) + 0.12 * sum(spans)), 5.0)
+    axes = fig.subplots(1, len(roles), sharey=True, squeeze=False,
+                        gridspec_kw={"width_ratios": ratios})[0]
+    title, ylabel = _PROFILE_TEXT[spec.kind]
+    for ax, role in zip(axes, roles, strict=True):
+        for mi, model in enumerate(models):
+            part = df[(df["model"] == model) & (df["role"] == role)].sort_values("layer")
+            if part.empty:
+                continue
+            c = colour[model]
+            x = part["layer"].to_numpy(dtype=float)
+            lo, hi = part["lo"].to_numpy(dtype=float), part["hi"].to_numpy(dtype=float)
+            if len(part) > 1:
+                ax.fill_between(x, lo, hi, color=c, alpha=0.2, linewidth=0)
+            else:  # one layer: the band as a bar, side by side when several models
+                dx = (mi - (len(models) - 1) / 2) * 0.12
+                ax.vlines(x + dx, lo, hi, color=c, alpha=0.35, linewidth=6)
+            ax.plot(x, part["mean"].to_numpy(dtype=float), color=c,
+                    linestyle=DASHES[mi % len(DASHES)], marker=MARKERS[mi % len(MARKERS)],
+                    markersize=6, linewidth=1.8, label=f"{model} \u00b7 {role}", gid="mean")
+        if spec.kind == "angles":
+            ax.axhline(90.0, color="black", linewidth=1.0, linestyle=(0, (4, 3)),
+                       gid="reference")
+        ax.set_title(role, fontsize=10)
+        if len(layers[role]) <= 8:
+            ax.set_xticks([int(v) for v in layers[role]])
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
+        if len(layers[role]) == 1:
+            ax.set_xlim(layers[role][0] - 0.6, layers[role][0] + 0.6)
+        ax.set_xlabel("layer")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel(ylabel)
+    tokens = ", ".join(f"{m['n_tokens'][x]} tokens" for x in models)
+    who = ("models " + ", ".join(models)) if several else f"model {models[0]}"
+    fig.suptitle(f"{title}\n{who}: mean per layer over {tokens}, a panel per role",
+                 fontsize=11)
+    handles: list[Any] = [Line2D([], [], color=colour[x], linestyle=DASHES[i % len(DASHES)],
+                                 marker=MARKERS[i % len(MARKERS)], label=x)
+                          for i, x in enumerate(models)] if several else []
+    handles.append(Patch(color=colour[models[0]] if not several else "grey", alpha=0.3,
+                         linewidth=0, label=_BAND_TEXT))
+    if spec.kind == "angles":
+        handles.append(Line2D([], [], color="black", linewidth=1.0, linestyle=(0, (4, 3)),
+                              label="90\u00b0: orthogonal to the all-ones vector"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 3),
+               fontsize=9, frameon=False)
+    return fig
+
+
+# -- dims: which dimensions push toward a token ------------------------------------------------
+
+
+def dims_figure(spec: Spec, df: pd.DataFrame) -> Figure:
+    m = spec.meta
+    values = df["contribution"].to_numpy(dtype=float)
+    n = len(values)
+    fig = _figure(8.0, max(3.5, 2.2 + 0.28 * n))
+    ax = fig.add_subplot()
+    colours = [PUSH if v >= 0 else PULL for v in values]
+    ax.barh(np.arange(n), values, color=colours, edgecolor="#222222", linewidth=0.6)
+    ax.set_yticks(np.arange(n))
+    ax.set_yticklabels([f"dim {int(d)}" for d in df["dim"]])
+    ax.set_ylim(n - 0.5, -0.5)  # the largest |contribution| on top
+    ax.axvline(0.0, color="black", linewidth=0.8)
+    ax.grid(True, axis="x", alpha=0.3)
+    token = m["token"]
+    tok = repr(token) if isinstance(token, str) else f"token id {token}"
+    total = float(df["total"].iloc[0]) if n else float("nan")
+    n_dims = int(df["n_dims"].iloc[0]) if n else 0
+    if m.get("measure", "logit") == "logit":
+        ax.set_xlabel(f"contribution to the logit of {tok} (logit units)")
+        whole = df["logit"].iloc[0] if n else float("nan")
+        summary = (f"total over all {n_dims} dims = {total:.4g} = logit \u2212 bias "
+                   f"(logit = {float(whole):.4g})")
+    else:
+        ax.set_xlabel(f"contribution to the cosine with the embedding anchor of {tok}")
+        whole = df["cosine"].iloc[0] if n else float("nan")
+        summary = (f"no LM head: total over all {n_dims} dims = {total:.4g} = cosine to the "
+                   f"embedding anchor ({float(whole):.4g})")
+    ax.set_ylabel(f"dimension (top {n} by |contribution|)")
+    ax.set_title(
+        f"Which dimensions push toward {tok} and which pull away\n"
+        f"model {m['model']}, prompt {m['prompt_id']}, position {m['position']} "
+        f"(input token \u201c{show_token(m['at_token'])}\u201d), site {m['site']}\n"
+        f"{summary}",
+        fontsize=11,
+    )
+    fig.legend(handles=[Patch(facecolor=PUSH, edgecolor="#222222", label="pushes toward"),
+                        Patch(facecolor=PULL, edgecolor="#222222", label="pulls away")],
+               loc="outside lower center", ncols=2, fontsize=9, frameon=False)
+    return fig
+
+
+# -- the public functions ---------------------------------------------------------------------
+
+
+def lens_data(db_or_path: DbOrPath, prompt_id: int, *, model: str | None = None,
+              anchors: str | None = None, role: str | None = None,
+              device: str = "auto") -> PlotData:
+    """The lens picture's (sql, params, DataFrame): nearest anchor per site and position."""
+    with opened(db_or_path, device) as db:
+        return lens_spec(db, prompt_id, model=model, anchors=anchors, role=role).run(db)
+
+
+def lens(db_or_path: DbOrPath, prompt_id: int, *, model: str | None = None,
+         anchors: str | None = None, role: str | None = None, device: str = "auto") -> Figure:
+    """Heatmap of layers by positions for one prompt: nearest anchor token and its cosine."""
+    with opened(db_or_path, device) as db:
+        spec = lens_spec(db, prompt_id, model=model, anchors=anchors, role=role)
+        return lens_figure(spec, spec.run(db).df)
+
+
+def _profile_data(kind: str, db_or_path: DbOrPath, models: str | Sequence[str] | None,
+                  roles: str | Sequence[str] | None, device: str) -> PlotData:
+    with opened(db_or_path, device) as db:
+        return profile_spec(db, kind, models=models, roles=roles).run(db)
+
+
+def _profile(kind: str, db_or_path: DbOrPath, models: str | Sequence[str] | None,
+             roles: str | Sequence[str] | None, device: str) -> Figure:
+    with opened(db_or_path, device) as db:
+        spec = profile_spec(db, kind, models=models, roles=roles)
+        return profile_figure(spec, spec.run(db).df)
+
+
+def angles_data(db_or_path: DbOrPath, *, model: str | Sequence[str] | None = None,
+                roles: str | Sequence[str] | None = None, device: str = "auto") -> PlotData:
+    """Per model, layer and role: uniform_angle (degrees) mean, std and percentile band."""
+    return _profile_data("angles", db_or_path, model, roles, device)
+
+
+def angles(db_or_path: DbOrPath, *, model: str | Sequence[str] | None = None,
+           roles: str | Sequence[str] | None = None, device: str = "auto") -> Figure:
+    """Angle to the all-ones vector per layer and role (a line per model), 90 degrees marked."""
+    return _profile("angles", db_or_path, model, roles, device)
+
+
+def norms_data(db_or_path: DbOrPath, *, model: str | None = None,
+               roles: str | Sequence[str] | None = None, device: str = "auto") -> PlotData:
+    """Per layer and role: norm / sqrt(d) mean, std and percentile band."""
+    return _profile_data("norms", db_or_path, model, roles, device)
+
+
+def norms(db_or_path: DbOrPath, *, model: str | None = None,
+          roles: str | Sequence[str] | None = None, device: str = "auto") -> Figure:
+    """The input's norm divided by sqrt(d) per layer and role, mean and spread."""
+    return _profile("norms", db_or_path, model, roles, device)
+
+
+def rotation_data(db_or_path: DbOrPath, *, model: str | None = None,
+                  roles: str | Sequence[str] | None = None, device: str = "auto") -> PlotData:
+    """Per layer and role: rotation_angle (degrees) mean, std and percentile band."""
+    return _profile_data("rotation", db_or_path, model, roles, device)
+
+
+def rotation(db_or_path: DbOrPath, *, model: str | None = None,
+             roles: str | Sequence[str] | None = None, device: str = "auto") -> Figure:
+    """The angle between each norm's input and output per layer and role."""
+    return _profile("rotation", db_or_path, model, roles, device)
+
+
+def dims_data(db_or_path: DbOrPath, prompt_id: int, position: int, token: str | int, *,
+              model: str | None = None, site: str | None = None, k: int = 20,
+              device: str = "auto") -> PlotData:
+    """The top-k dims by |logit_contribution| toward a token, with the total over all dims."""
+    with opened(db_or_path, device) as db:
+        return dims_spec(db, prompt_id, position, token, model=model, site=site, k=k).run(db)
+
+
+def dims(db_or_path: DbOrPath, prompt_id: int, position: int, token: str | int, *,
+         model: str | None = None, site: str | None = None, k: int = 20,
+         device: str = "auto") -> Figure:
+    """Diverging bars: the dims that push toward and pull away from a token most."""
+    with opened(db_or_path, device) as db:
+        spec = dims_spec(db, prompt_id, position, token, model=model, site=site, k=k)
+        return dims_figure(spec, spec.run(db).df)

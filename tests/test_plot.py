@@ -1,0 +1,418 @@
+"""`actdb plot` and `actdb.plot`: valid image files, numbers that equal the query layer's, errors.
+
+For each picture: the CLI writes a valid PNG, SVG or PDF (by magic bytes or XML root); the
+numbers drawn (heatmap array, line y-data, bar widths) equal the DataFrame the query layer
+returns for the picture's own SQL, and that SQL agrees with an independently written query;
+`--sql` prints SQL that runs as is. Bad input is exit 1 with one sentence naming the value.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner, Result
+from matplotlib.figure import Figure
+
+import actdb
+import actdb.plot
+from actdb.cli import cli
+
+KINDS = ("lens", "angles", "norms", "dims", "rotation")
+DIMS_ARGS = ["--prompt-id", "0", "--position", "-1", "--token", " the"]
+KIND_ARGS = {"lens": ["--prompt-id", "0"], "angles": [], "norms": [], "rotation": [],
+             "dims": DIMS_ARGS}
+
+
+def run(*args: object) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def error_line(result: Result, *needles: str) -> str:
+    """Exit 1, one line on stderr starting 'Error:', no traceback, naming every needle."""
+    assert result.exit_code == 1, (result.exit_code, result.stdout, result.stderr,
+                                   result.exception)
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error:"), lines[0]
+    for needle in needles:
+        assert needle.lower() in lines[0].lower(), f"{needle!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def assert_image(path: Path, fmt: str) -> None:
+    data = path.read_bytes()
+    assert len(data) > 1000, f"{path} is suspiciously small"
+    if fmt == "png":
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    elif fmt == "pdf":
+        assert data[:5] == b"%PDF-"
+    else:
+        root = ET.fromstring(data)
+        assert root.tag.endswith("svg"), root.tag
+
+
+def close(a: object, b: object, tol: float = 1e-6) -> None:
+    np.testing.assert_allclose(np.asarray(a, dtype=float), np.asarray(b, dtype=float),
+                               rtol=tol, atol=tol)
+
+
+@pytest.fixture(scope="module")
+def gpt2(family_store: Callable[[str], Path]) -> Path:
+    return family_store("gpt2")
+
+
+@pytest.fixture(scope="module")
+def bert(family_store: Callable[[str], Path]) -> Path:
+    return family_store("bert")
+
+
+@pytest.fixture(scope="module")
+def db(gpt2: Path) -> Iterator[actdb.Database]:
+    with actdb.connect(gpt2, device="cpu") as database:
+        yield database
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory: pytest.TempPathFactory,
+               model_dir: Callable[[str], Path]) -> Path:
+    """A store with two models (gpt2 and llama) over the same two prompts."""
+    path = tmp_path_factory.mktemp("plot-two") / "two.actdb"
+    for family in ("gpt2", "llama"):
+        actdb.ingest(path, model=str(model_dir(family)), prompts=["The capital of France.",
+                                                                   "the the the the"],
+                     device="cpu", name=family, chunk_tokens=8)
+    return path
+
+
+def mean_lines(fig: Figure) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """label -> (x, y) of every mean line in every panel."""
+    out = {}
+    for ax in fig.axes:
+        for line in ax.lines:
+            if line.get_gid() == "mean":
+                out[str(line.get_label())] = (np.asarray(line.get_xdata(), float),
+                                              np.asarray(line.get_ydata(), float))
+    return out
+
+
+# -- files: every kind, every format -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,fmt", [("lens", "png"), ("lens", "svg"), ("angles", "pdf"),
+                                      ("norms", "svg"), ("dims", "png"), ("dims", "pdf"),
+                                      ("rotation", "png"), ("angles", "png")])
+def test_cli_writes_a_valid_image(gpt2: Path, tmp_path: Path, kind: str, fmt: str) -> None:
+    out = tmp_path / f"{kind}.{fmt}"
+    result = run("plot", kind, gpt2, *KIND_ARGS[kind], "-o", out, "--device", "cpu")
+    assert result.exit_code == 0, result.stderr
+    assert str(out) in result.stdout
+    assert_image(out, fmt)
+
+
+def test_default_output_is_kind_png_here(gpt2: Path, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = run("plot", "norms", gpt2)
+    assert result.exit_code == 0, result.stderr
+    assert "norms.png" in result.stdout
+    assert_image(tmp_path / "norms.png", "png")
+
+
+def test_save_by_extension(gpt2: Path, tmp_path: Path) -> None:
+    fig = actdb.plot.rotation(gpt2, device="cpu")
+    for fmt in ("png", "svg", "pdf"):
+        assert_image(actdb.plot.save(fig, tmp_path / f"r.{fmt.upper()}"), fmt)
+    with pytest.raises(actdb.plot.PlotError, match="r.jpg"):
+        actdb.plot.save(fig, tmp_path / "r.jpg")
+
+
+# -- --sql: the picture's SQL, runnable as printed -------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sql_flag_prints_runnable_sql_that_gives_the_plotted_data(
+        gpt2: Path, db: actdb.Database, kind: str) -> None:
+    result = run("plot", kind, gpt2, *KIND_ARGS[kind], "--sql")
+    assert result.exit_code == 0, result.stderr
+    printed = result.stdout
+    assert "$" not in printed  # parameters are written in as literals
+    data_fn = getattr(actdb.plot, f"{kind}_data")
+    kwargs = ({"prompt_id": 0} if kind == "lens" else
+              {"prompt_id": 0, "position": -1, "token": " the"} if kind == "dims" else {})
+    sql, params, df = data_fn(db, **kwargs)
+    pd.testing.assert_frame_equal(db.sql(printed).df(), df)
+    pd.testing.assert_frame_equal(db.sql(sql, params=params).df(), df)
+
+
+# -- lens ---------------------------------------------------------------------------------------
+
+
+def test_lens_heatmap_equals_query_layer(db: actdb.Database) -> None:
+    sql, params, df = actdb.plot.lens_data(db, prompt_id=0)
+    assert params["roles"] == ["pre_attn", "final"]
+    # The same request written by hand.
+    ref = db.sql("""
+        SELECT layer, site, position, token, n.token AS anchor, n.cosine AS cosine
+        FROM (SELECT *, nearest_anchors(vec, 1)[1] AS n FROM acts
+              WHERE prompt_id = 0 AND role IN ('pre_attn', 'final'))
+        ORDER BY layer, position""").df()
+    n_tokens = db.sql("SELECT n_tokens FROM prompts WHERE prompt_id = 0").fetchall()[0][0]
+    assert len(df) == len(ref) == 3 * n_tokens  # 2 blocks + final
+    close(df["cosine"], ref["cosine"])
+    assert list(df["anchor"]) == list(ref["anchor"])
+
+    fig = actdb.plot.lens(db, prompt_id=0)
+    ax = fig.axes[0]
+    grid = np.ma.filled(ax.images[0].get_array().astype(float), np.nan)
+    want = df.pivot(index="layer", columns="position", values="cosine").to_numpy()
+    assert grid.shape == want.shape == (3, n_tokens)
+    close(grid, want)  # row 0 = first layer (drawn at the bottom)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["blocks.0.ln1", "blocks.1.ln1",
+                                                            "final"]
+    labels = [t.get_text() for t in ax.texts]
+    assert labels == [actdb.plot.figures.show_token(a, 8) for a in
+                      df.sort_values(["layer", "position"])["anchor"]]
+    tokens = [t.get_text() for t in ax.get_xticklabels()]
+    assert tokens[0] == "The" and tokens[-1] == "."
+    title = ax.get_title()
+    assert "gpt2" in title and "prompt 0" in title and "pre_attn" in title
+    assert ax.get_xlabel() and ax.get_ylabel()
+    assert "cosine" in fig.axes[1].get_ylabel()  # the colour bar
+
+
+def test_lens_anchor_set_and_role(db: actdb.Database) -> None:
+    sql, params, df = actdb.plot.lens_data(db, prompt_id=2, anchors="embed", role="pre_mlp")
+    assert params["roles"] == ["pre_mlp", "final"] and params["anchors"] == "embed"
+    # Each cell's cosine is the cosine to that anchor, by another function.
+    check = db.sql("""
+        SELECT cosine_to_anchor(vec, $tid, 'embed') AS c FROM acts
+        WHERE prompt_id = 2 AND site = $site AND position = $pos""",
+                   params={"tid": int(df["anchor_id"][0]), "site": df["site"][0],
+                           "pos": int(df["position"][0])}).fetchall()[0][0]
+    close(check, df["cosine"][0], 1e-3)  # cosine_to_anchor works in half precision
+    fig = actdb.plot.lens(db, prompt_id=2, anchors="embed", role="pre_mlp")
+    assert "embed" in fig.axes[0].get_title()
+
+
+def test_lens_without_lm_head_uses_post_mlp_and_embed_anchors(bert: Path) -> None:
+    sql, params, df = actdb.plot.lens_data(bert, prompt_id=1, device="cpu")
+    assert params["roles"] == ["post_mlp"]
+    assert set(df["site"]) == {"blocks.0.ln2_post", "blocks.1.ln2_post"}
+    fig = actdb.plot.lens(bert, prompt_id=1, device="cpu")
+    assert "embed anchor" in fig.axes[0].get_title()
+
+
+# -- angles, norms, rotation --------------------------------------------------------------------
+
+
+def test_angles_lines_equal_query_layer(db: actdb.Database) -> None:
+    sql, params, df = actdb.plot.angles_data(db)
+    ref = db.sql("""
+        SELECT layer, role, avg(uniform_angle(vec)) AS mean,
+               quantile_cont(uniform_angle(vec), 0.1) AS lo
+        FROM acts GROUP BY layer, role ORDER BY role, layer""").df()
+    merged = df.merge(ref, on=["layer", "role"], suffixes=("", "_ref"))
+    assert len(merged) == len(df) == len(ref) == 5
+    close(merged["mean"], merged["mean_ref"])
+    close(merged["lo"], merged["lo_ref"])
+
+    fig = actdb.plot.angles(db)
+    lines = mean_lines(fig)
+    assert set(lines) == {"gpt2 · pre_attn", "gpt2 · pre_mlp", "gpt2 · final"}
+    for role in ("pre_attn", "pre_mlp", "final"):
+        part = df[df["role"] == role].sort_values("layer")
+        x, y = lines[f"gpt2 · {role}"]
+        close(x, part["layer"])
+        close(y, part["mean"])
+    refs = [ln for ax in fig.axes for ln in ax.lines if ln.get_gid() == "reference"]
+    assert refs and all(np.allclose(ln.get_ydata(), 90.0) for ln in refs)
+    assert "degrees" in fig.axes[0].get_ylabel()
+    assert "gpt2" in fig.get_suptitle() and "all-ones" in fig.get_suptitle()
+
+
+def test_angles_compares_models_a_line_each(two_models: Path, tmp_path: Path) -> None:
+    with actdb.connect(two_models, device="cpu") as db:
+        sql, params, df = actdb.plot.angles_data(db, model=["gpt2", "llama"],
+                                                 roles=["pre_attn"])
+        fig = actdb.plot.angles(db, model=["gpt2", "llama"], roles=["pre_attn"])
+        ref = db.sql("SELECT model, layer, avg(uniform_angle(vec)) AS mean FROM acts "
+                     "WHERE role = 'pre_attn' GROUP BY ALL ORDER BY model, layer").df()
+    close(df["mean"], ref["mean"])
+    lines = mean_lines(fig)
+    assert set(lines) == {"gpt2 · pre_attn", "llama · pre_attn"}
+    for model in ("gpt2", "llama"):
+        close(lines[f"{model} · pre_attn"][1], df[df["model"] == model]["mean"])
+    out = tmp_path / "a.svg"
+    result = run("plot", "angles", two_models, "--model", "gpt2", "--model", "llama",
+                 "--role", "pre_attn", "-o", out)
+    assert result.exit_code == 0, result.stderr
+    assert_image(out, "svg")
+
+
+def test_norms_lines_equal_query_layer(db: actdb.Database) -> None:
+    sql, params, df = actdb.plot.norms_data(db)
+    ref = db.sql("SELECT layer, role, avg(vec_norm(vec) / sqrt(64)) AS mean FROM acts "
+                 "GROUP BY ALL").df()
+    merged = df.merge(ref, on=["layer", "role"], suffixes=("", "_ref"))
+    assert len(merged) == len(df) == 5
+    close(merged["mean"], merged["mean_ref"], 1e-5)
+    lines = mean_lines(actdb.plot.norms(db))
+    for role, part in df.groupby("role"):
+        close(lines[f"gpt2 · {role}"][1], part.sort_values("layer")["mean"])
+
+
+def test_rotation_lines_equal_query_layer(db: actdb.Database) -> None:
+    sql, params, df = actdb.plot.rotation_data(db, roles=["pre_attn", "final"])
+    ref = db.sql("SELECT layer, role, avg(rotation_angle(vec)) AS mean, "
+                 "quantile_cont(rotation_angle(vec), 0.9) AS hi FROM acts "
+                 "WHERE role IN ('pre_attn', 'final') GROUP BY ALL ORDER BY role, layer").df()
+    merged = df.merge(ref, on=["layer", "role"], suffixes=("", "_ref"))
+    assert len(merged) == len(df) == 3
+    close(merged["mean"], merged["mean_ref"])
+    close(merged["hi"], merged["hi_ref"])
+    fig = actdb.plot.rotation(db, roles=["pre_attn", "final"])
+    lines = mean_lines(fig)
+    assert set(lines) == {"gpt2 · pre_attn", "gpt2 · final"}
+    close(lines["gpt2 · final"][1], df[df["role"] == "final"]["mean"])
+
+
+# -- dims ---------------------------------------------------------------------------------------
+
+
+def test_dims_bars_equal_query_layer(db: actdb.Database) -> None:
+    sql, params, df = actdb.plot.dims_data(db, prompt_id=0, position=-1, token=" the", k=12)
+    n = db.sql("SELECT n_tokens FROM prompts WHERE prompt_id = 0").fetchall()[0][0]
+    assert params["position"] == n - 1 and params["site"] == "final"
+    every = db.sql("""
+        SELECT dim, logit_contribution(vec, dim, ' the') AS c
+        FROM (SELECT vec, unnest(range(64)) AS dim FROM acts
+              WHERE prompt_id = 0 AND position = $p AND site = 'final')""",
+                   params={"p": n - 1}).df()
+    top = every.reindex(every["c"].abs().sort_values(ascending=False).index)[:12]
+    assert list(df["dim"]) == list(top["dim"])
+    close(df["contribution"], top["c"])
+    logit = db.sql("SELECT logit(vec, ' the') FROM acts WHERE prompt_id = 0 AND position = $p "
+                   "AND site = 'final'", params={"p": n - 1}).fetchall()[0][0]
+    close(df["total"][0], every["c"].sum(), 1e-5)
+    close(df["total"][0], logit, 1e-4)  # gpt2 here has no LM-head bias: total = logit
+
+    fig = actdb.plot.dims(db, prompt_id=0, position=-1, token=" the", k=12)
+    ax = fig.axes[0]
+    close([p.get_width() for p in ax.patches], df["contribution"])
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"dim {d}" for d in df["dim"]]
+    title = ax.get_title()
+    assert f"{df['total'][0]:.4g}" in title and "all 64 dims" in title
+    assert "' the'" in title and f"position {n - 1}" in title and "site final" in title
+    assert "logit" in ax.get_xlabel()
+
+
+def test_dims_other_site_and_k_past_d(db: actdb.Database) -> None:
+    sql, params, df = actdb.plot.dims_data(db, prompt_id=1, position=2, token=" the",
+                                           site="blocks.1.ln1", k=500)
+    assert len(df) == 64 and int(df["n_dims"][0]) == 64
+    close(df["total"][0], df["contribution"].sum(), 1e-5)
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def test_prompt_id_that_does_not_exist(gpt2: Path) -> None:
+    error_line(run("plot", "lens", gpt2, "--prompt-id", "99"), "prompt id 99")
+    error_line(run("plot", "dims", gpt2, "--prompt-id", "-4", "--position", "0",
+                   "--token", "the"), "prompt id -4")
+
+
+@pytest.mark.parametrize("position", ["16", "500", "-17"])
+def test_position_past_the_prompts_end(gpt2: Path, position: str) -> None:
+    line = error_line(run("plot", "dims", gpt2, "--prompt-id", "0", "--position", position,
+                          "--token", "the"), f"position {position}", "16 tokens")
+    assert line.count(". ") == 0  # one sentence
+
+
+def test_token_that_is_not_one_token(gpt2: Path) -> None:
+    error_line(run("plot", "dims", gpt2, "--prompt-id", "0", "--position", "3",
+                   "--token", "xyzzy"), "'xyzzy'", "not one token")
+
+
+def test_dims_without_lm_head_splits_the_embedding_cosine(bert: Path, tmp_path: Path) -> None:
+    out = tmp_path / "dims.png"
+    result = run("plot", "dims", bert, "--prompt-id", "0", "--position", "1", "--token", "the",
+                 "--k", "8", "-o", out)
+    assert result.exit_code == 0, result.stderr
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    sql, params, df = actdb.plot.dims_data(bert, 0, 1, "the", k=8, device="cpu")
+    with actdb.connect(bert, device="cpu") as db:
+        where = ("WHERE prompt_id = 0 AND position = 1 AND site = $site")
+        site = params["site"]
+        every = db.sql(f"SELECT d, anchor_contribution(vec, d, 'the', 'embed') AS c FROM "
+                       f"(SELECT vec, unnest(range(64)) AS d FROM acts {where})",
+                       params={"site": site}).df()
+        cos = db.sql(f"SELECT cosine_to_anchor(vec, 'the', 'embed') FROM acts {where}",
+                     params={"site": site}).fetchall()[0][0]
+    assert abs(every["c"].sum() - cos) < 1e-3
+    assert abs(df["total"].iloc[0] - every["c"].sum()) < 1e-9
+    top = every.reindex(every["c"].abs().sort_values(ascending=False).index).head(8)
+    assert list(df["dim"]) == list(top["d"])
+    fig = actdb.plot.dims(bert, 0, 1, "the", k=8, device="cpu")
+    widths = [p.get_width() for p in fig.axes[0].patches]
+    np.testing.assert_allclose(widths, df["contribution"].to_numpy())
+    assert "cosine" in fig.axes[0].get_xlabel()
+
+
+def test_unknown_site_role_model(gpt2: Path) -> None:
+    error_line(run("plot", "dims", gpt2, *DIMS_ARGS, "--site", "blocks.9.ln1"),
+               "'blocks.9.ln1'", "blocks.0.ln1")
+    error_line(run("plot", "lens", gpt2, "--prompt-id", "0", "--role", "q_norm"),
+               "'q_norm'", "pre_attn")
+    error_line(run("plot", "norms", gpt2, "--model", "gpt3"), "'gpt3'", "'gpt2'")
+
+
+def test_several_models_need_model(two_models: Path) -> None:
+    error_line(run("plot", "lens", two_models, "--prompt-id", "0"), "'gpt2'", "'llama'",
+               "--model")
+    error_line(run("plot", "angles", two_models, "--model", "gpt2", "--model", "opt"), "'opt'")
+
+
+def test_store_that_does_not_exist(tmp_path: Path) -> None:
+    error_line(run("plot", "angles", tmp_path / "nope.actdb"), "nope.actdb")
+
+
+def test_bad_output_extension_is_a_usage_error(gpt2: Path, tmp_path: Path) -> None:
+    result = run("plot", "norms", gpt2, "-o", tmp_path / "n.jpg")
+    assert result.exit_code == 2
+    assert "n.jpg" in result.stderr and ".png" in result.stderr
+    assert not (tmp_path / "n.jpg").exists()
+    error_line(run("plot", "norms", gpt2, "-o", tmp_path / "no" / "n.png"), "does not exist")
+
+
+def test_library_errors_are_actdb_errors(gpt2: Path) -> None:
+    with pytest.raises(actdb.QueryError, match="prompt id 42"):
+        actdb.plot.lens(gpt2, prompt_id=42, device="cpu")
+    with pytest.raises(actdb.ActdbError, match="position 99"):
+        actdb.plot.dims_data(gpt2, 0, 99, " the", device="cpu")
+
+
+# -- help ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_help_ends_with_an_example(kind: str) -> None:
+    result = run("plot", kind, "--help")
+    assert result.exit_code == 0
+    text = result.stdout
+    assert "Example:" in text and f"actdb plot {kind}" in text[text.index("Example:"):]
+    assert "--sql" in text and "-o, --output" in text
+
+
+def test_plot_group_lists_every_picture() -> None:
+    result = run("plot", "--help")
+    assert result.exit_code == 0 and "Example:" in result.stdout
+    for kind in KINDS:
+        assert kind in result.stdout
