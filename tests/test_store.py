@@ -22,7 +22,7 @@ def test_raw_chunk_reads_equal_zarr_reads(family_store: Callable[[str], Path]) -
                 arr = group[f"models/{model.model_id}/acts/{s.site}/{field}"]
                 c = arr.chunks[0]
                 n_chunks = -(-arr.shape[0] // c)
-                assert st.arrays._raw_folder(st.arrays.act_array(model.model_id, s.site, field))
+                assert st.arrays._raw_layout(st.arrays.act_array(model.model_id, s.site, field))
                 for chunk in range(n_chunks):
                     raw = st.arrays.read_chunk(model.model_id, s.site, field, chunk)
                     lo, hi = chunk * c, min(chunk * c + c, arr.shape[0])

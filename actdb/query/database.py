@@ -113,6 +113,7 @@ class Database:
                 "bytes_read": self.source.cache.bytes_read}
 
     def close(self) -> None:
+        self.source.cache.close()
         self.store.close()
 
     def __enter__(self) -> Database:

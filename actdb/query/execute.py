@@ -14,7 +14,8 @@ from duckdb.func import FunctionNullHandling, PythonUDFType
 
 from ..errors import ActdbError
 from . import handles as H
-from .functions import ANCHORS, FUNCTIONS, INT, TOKEN, VEC, TensorFunction
+from .functions import ANCHORS, FUNCTIONS, TOKEN, VEC, TensorFunction
+from .kernels import Arg
 from .vectors import VectorSource
 
 _ARROW_TYPES = {
@@ -65,20 +66,22 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox) -> Callable[
 
     def udf(*arrays: pa.Array) -> pa.Array:
         n = len(arrays[0])
-        null = np.zeros(n, dtype=bool)
-        for a in arrays:
-            if a.null_count:
-                null |= a.is_null().to_numpy(zero_copy_only=False)
-        keep = np.nonzero(~null)[0]
+        if any(a.null_count for a in arrays):
+            null = np.zeros(n, dtype=bool)
+            for a in arrays:
+                if a.null_count:
+                    null |= a.is_null().to_numpy(zero_copy_only=False)
+            keep = np.nonzero(~null)[0]
+            arrays = tuple(a.take(pa.array(keep)) for a in arrays)
+        else:
+            keep = np.arange(n)
         vecs: list[np.ndarray] = []
-        rest: list[Any] = []
+        rest: list[Arg] = []
         for a, kind in zip(arrays, kinds, strict=True):
-            if kind in (VEC, INT):
-                values = pc.fill_null(a, 0).to_numpy(zero_copy_only=False).astype(np.int64)
-                (vecs if kind == VEC else rest).append(values[keep])
+            if kind == VEC:
+                vecs.append(a.to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
             else:
-                values = a.to_pylist()
-                rest.append([values[i] for i in keep])
+                rest.append(Arg.of(a))
         try:
             if scalar:
                 sub = np.full(len(keep), np.nan)

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from ..errors import QueryError
@@ -65,79 +66,107 @@ def _degrees(cos: torch.Tensor) -> torch.Tensor:
     return torch.rad2deg(torch.arccos(cos.clamp(-1.0, 1.0)))
 
 
-def _per_value(values: list[Any], index: np.ndarray) -> dict[Any, np.ndarray]:
-    """Positions (into `index`) of each distinct argument value within a group."""
-    out: dict[Any, list[int]] = {}
-    for j, i in enumerate(index):
-        out.setdefault(values[i], []).append(j)
-    return {k: np.asarray(v) for k, v in out.items()}
+class Arg:
+    """A non-vector argument column: its distinct values, and each row's index into them."""
+
+    def __init__(self, values: list[Any], codes: np.ndarray) -> None:
+        self.values, self.codes = values, codes
+
+    @classmethod
+    def of(cls, column: pa.Array | pa.ChunkedArray) -> Arg:
+        if isinstance(column, pa.ChunkedArray):
+            column = column.combine_chunks()
+        encoded = column.dictionary_encode()
+        return cls(encoded.dictionary.to_pylist(),
+                   encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64))
+
+
+def _per_value(args: list[Arg], index: np.ndarray) -> dict[tuple[Any, ...], np.ndarray]:
+    """Positions (into `index`) of each distinct combination of argument values in a group:
+    one entry when the arguments are constants, as they usually are."""
+    if all(len(a.values) == 1 for a in args):
+        return {tuple(a.values[0] for a in args): np.arange(len(index))}
+    combined = np.zeros(len(index), dtype=np.int64)
+    for a in args:
+        combined = combined * len(a.values) + a.codes[index]
+    uniq, inverse = np.unique(combined, return_inverse=True)
+    out = {}
+    for u, code in enumerate(uniq):
+        key, rest = [], int(code)
+        for a in reversed(args):
+            rest, c = divmod(rest, len(a.values))
+            key.append(a.values[c])
+        out[tuple(reversed(key))] = np.nonzero(inverse == u)[0]
+    return out
 
 
 # -- scalar kernels: fill `out` (float64 [n], NaN = NULL) ---------------------------------------
 
 
-def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: list[str],
-                     ttype: list[str], anchors: list[str]) -> None:
+def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg,
+                     ttype: Arg, anchors: Arg) -> None:
     for g in src.groups(h):
         _require_width("cosine_to_anchor", g, g.model.d_model, "d_model")
-        keys = [(t, ty, a) for t, ty, a in zip(token, ttype, anchors, strict=True)]
-        for (t, ty, a), pos in _per_value(keys, g.index).items():
+        for (t, ty, a), pos in _per_value([token, ttype, anchors], g.index).items():
             a_set = src.anchors(g.model, a or None)
             tid = src.resolve_token(g.model, t, ty)
             anchor = a_set[tid]  # [d], unit
+            if not bool(anchor.any()):
+                out[g.index[pos]] = np.nan  # a token whose anchor is the zero vector
+                continue
             if g.view == "raw":
-                # The stored direction is x / ||x|| already: one half-precision product
-                # against the anchor, no conversion of the whole batch to float32.
-                cos = (g.direction[pos] @ anchor.to(g.direction.dtype)).float()
-                ok = g.norm[pos] > 0
+                # The stored direction is x / ||x|| already, so no norm to divide by; a zero
+                # vector's direction is all zeros, so only rows whose cosine comes out exactly
+                # 0 need their norm read to tell NULL from a true 0.
+                cos = src.project(g, anchor.unsqueeze(-1))[:, 0]  # [n]
+                cos = cos if len(pos) == len(g.index) else cos[pos]
+                zero = cos == 0
+                if bool(zero.any()):
+                    cos = torch.where(zero & (g.norm[pos] == 0), torch.nan, cos)
             else:
-                u, ok_all = _unit(g.x)
-                cos, ok = u[pos] @ anchor, ok_all[pos]
-            valid = ok & bool(anchor.abs().sum() > 0)
-            out[g.index[pos]] = torch.where(valid, cos, torch.nan).double().cpu().numpy()
+                u, ok = _unit(g.x)
+                cos = torch.where(ok[pos], u[pos] @ anchor, torch.nan)
+            out[g.index[pos]] = cos.cpu().numpy()
 
 
-def dim_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: np.ndarray) -> None:
+def dim_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg) -> None:
     for g in src.groups(h):
         u, ok = _unit(g.x)
-        for dv, pos in _per_value(list(dim), g.index).items():
+        for (dv,), pos in _per_value([dim], g.index).items():
             c = u[pos, _check_dim(g, int(dv))]
             out[g.index[pos]] = torch.where(ok[pos], c, torch.nan).double().cpu().numpy()
 
 
-def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: np.ndarray,
-                        token: list[str], ttype: list[str], anchors: list[str]) -> None:
+def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg,
+                        token: Arg, ttype: Arg, anchors: Arg) -> None:
     for g in src.groups(h):
         _require_width("anchor_contribution", g, g.model.d_model, "d_model")
         u, ok = _unit(g.x)
-        keys = list(zip(dim.tolist(), token, ttype, anchors, strict=True))
-        for (dv, t, ty, a), pos in _per_value(keys, g.index).items():
+        for (dv, t, ty, a), pos in _per_value([dim, token, ttype, anchors], g.index).items():
             d = _check_dim(g, int(dv))
             anchor = src.anchors(g.model, a or None)[src.resolve_token(g.model, t, ty)]
             val = u[pos, d] * anchor[d]
             out[g.index[pos]] = torch.where(ok[pos], val, torch.nan).double().cpu().numpy()
 
 
-def logit(src: VectorSource, h: np.ndarray, out: np.ndarray, token: list[str],
-          ttype: list[str]) -> None:
+def logit(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: Arg) -> None:
     for g in src.groups(h):
         w, b = src.unembed(g.model)
         _require_width("logit", g, w.shape[1], "the LM head's width")
         hn = _final_normed(src, g)
-        for (t, ty), pos in _per_value(list(zip(token, ttype, strict=True)), g.index).items():
+        for (t, ty), pos in _per_value([token, ttype], g.index).items():
             tid = src.resolve_token(g.model, t, ty)
             val = hn[pos] @ w[tid] + (b[tid] if b is not None else 0.0)
             out[g.index[pos]] = _softcap(g.model, val).double().cpu().numpy()
 
 
-def logit_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: np.ndarray,
-                       token: list[str], ttype: list[str]) -> None:
+def logit_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg,
+                       token: Arg, ttype: Arg) -> None:
     for g in src.groups(h):
         w, _ = src.unembed(g.model)
         _require_width("logit_contribution", g, w.shape[1], "the LM head's width")
         hn = _final_normed(src, g)
-        keys = list(zip(dim.tolist(), token, ttype, strict=True))
-        for (dv, t, ty), pos in _per_value(keys, g.index).items():
+        for (dv, t, ty), pos in _per_value([dim, token, ttype], g.index).items():
             d = _check_dim(g, int(dv))
             tid = src.resolve_token(g.model, t, ty)
             out[g.index[pos]] = (hn[pos, d] * w[tid, d]).double().cpu().numpy()
@@ -204,26 +233,25 @@ def angle(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) ->
 # -- list kernels: return one Python list (or None) per row ----------------------------------
 
 
-def nearest_anchors(src: VectorSource, h: np.ndarray, out: list[Any], k: np.ndarray,
-                    anchors: list[str]) -> None:
+def nearest_anchors(src: VectorSource, h: np.ndarray, out: list[Any], k: Arg,
+                    anchors: Arg) -> None:
     for g in src.groups(h):
         _require_width("nearest_anchors", g, g.model.d_model, "d_model")
         u, ok = _unit(g.x)
         strings = src.token_strings(g.model)
-        keys = list(zip(k.tolist(), anchors, strict=True))
-        for (kv, a), pos in _per_value(keys, g.index).items():
+        for (kv, a), pos in _per_value([k, anchors], g.index).items():
             a_set = src.anchors(g.model, a or None)
             kk = _check_k("nearest_anchors", kv, a_set.shape[0])
             _topk_rows(u[pos], a_set, None, kk, g.index[pos], ok[pos], out, strings, "cosine")
 
 
-def top_logits(src: VectorSource, h: np.ndarray, out: list[Any], k: np.ndarray) -> None:
+def top_logits(src: VectorSource, h: np.ndarray, out: list[Any], k: Arg) -> None:
     for g in src.groups(h):
         w, b = src.unembed(g.model)
         _require_width("top_logits", g, w.shape[1], "the LM head's width")
         hn = _final_normed(src, g)
         strings = src.token_strings(g.model)
-        for kv, pos in _per_value(k.tolist(), g.index).items():
+        for (kv,), pos in _per_value([k], g.index).items():
             kk = _check_k("top_logits", kv, w.shape[0])
             ok = torch.ones(len(pos), dtype=torch.bool, device=hn.device)
             _topk_rows(hn[pos], w, b, kk, g.index[pos], ok, out, strings, "logit", g.model)
@@ -248,10 +276,10 @@ def _topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
             ] if good else None
 
 
-def top_dims(src: VectorSource, h: np.ndarray, out: list[Any], k: np.ndarray) -> None:
+def top_dims(src: VectorSource, h: np.ndarray, out: list[Any], k: Arg) -> None:
     for g in src.groups(h):
         u, ok = _unit(g.x)
-        for kv, pos in _per_value(k.tolist(), g.index).items():
+        for (kv,), pos in _per_value([k], g.index).items():
             kk = _check_k("top_dims", kv, u.shape[-1])
             c = u[pos]
             _, dims = torch.topk(c.abs(), kk, dim=-1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -22,16 +23,23 @@ ANCHOR_SETS = ("unembed", "embed", "unembed_folded")
 
 
 class ChunkCache:
-    """Whole Zarr chunks kept in memory, least recently used first out, at most `max_bytes`."""
+    """Whole chunks kept in memory, least recently used first out, at most `max_bytes`.
 
-    def __init__(self, max_bytes: int) -> None:
+    A scan that walks an array chunk after chunk gets the next `readahead` chunks read by a
+    background thread while it computes on this one (file reads release the GIL), so reading
+    and computing overlap on two cores.
+    """
+
+    def __init__(self, max_bytes: int, *, readahead: int = 8) -> None:
         self.max_bytes = max_bytes
+        self.readahead = readahead
         self._items: OrderedDict[tuple[object, ...], np.ndarray] = OrderedDict()
+        self._pending: dict[tuple[object, ...], Future[np.ndarray]] = {}
         self._bytes = 0
         self._lock = threading.Lock()
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actdb-readahead")
         self.chunks_read = 0
         self.bytes_read = 0
-        self.keys_read: set[tuple[object, ...]] = set()
 
     def get(self, key: tuple[object, ...], load: Callable[[], np.ndarray]) -> np.ndarray:
         with self._lock:
@@ -39,17 +47,32 @@ class ChunkCache:
             if hit is not None:
                 self._items.move_to_end(key)
                 return hit
-        value = load()
+            pending = self._pending.pop(key, None)
+        value = pending.result() if pending is not None else load()
+        self._insert(key, value)
+        return value
+
+    def prefetch(self, key: tuple[object, ...], load: Callable[[], np.ndarray]) -> None:
+        """Start reading `key` in the background unless it is cached or on its way."""
+        with self._lock:
+            if key in self._items or key in self._pending or len(self._pending) > 64:
+                return
+            self._pending[key] = self._reader.submit(load)
+
+    def _insert(self, key: tuple[object, ...], value: np.ndarray) -> None:
         with self._lock:
             self.chunks_read += 1
             self.bytes_read += value.nbytes
-            self.keys_read.add(key)
             self._items[key] = value
             self._bytes += value.nbytes
             while self._bytes > self.max_bytes and len(self._items) > 1:
                 _, old = self._items.popitem(last=False)
                 self._bytes -= old.nbytes
-        return value
+
+    def close(self) -> None:
+        for f in list(self._pending.values()):
+            f.cancel()
+        self._reader.shutdown(wait=True)
 
 
 class Group:
@@ -110,6 +133,9 @@ class VectorSource:
         self._vocab: dict[int, dict[str, list[int]]] = {}
         self._tokens: dict[int, list[str | None]] = {}
         self._lock = threading.RLock()  # anchors() builds on cached weights under the lock
+        self._local = threading.local()
+        self._last_chunk: dict[tuple[int, str, str], int] = {}
+        self._token_ids: dict[tuple[int, str, str], int] = {}
         # Read up front: UDFs run inside a query on the catalog connection and may not use it.
         for m in self.models.values():
             rows = store.catalog.con.execute(
@@ -137,12 +163,46 @@ class VectorSource:
     def field(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
               heads: np.ndarray) -> np.ndarray:
         """Stored `name` (direction, norm or mean) for sorted token rows, by whole chunks."""
+        parts = [p for _, _, p in self._pieces(model, site, name, rows, heads)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def project(self, g: Group, w: torch.Tensor) -> torch.Tensor:
+        """float32 [n, k]: the group's stored unit directions times `w` [d, k].
+
+        On the CPU each chunk's piece is converted to float32 in a small scratch buffer that
+        stays in cache and multiplied at once: the float32 copy of a batch never travels to
+        main memory (measured: a third less time on a full scan than converting the batch).
+        """
+        if self.device.type != "cpu":
+            return g.direction.float() @ w
+        n, d = len(g.rows), g.site.d
+        out = torch.empty((n, w.shape[1]))
+        scratch = getattr(self._local, "scratch", None)
+        for a, b, part in self._pieces(g.model, g.site, "direction", g.rows, g.heads):
+            m = b - a
+            if scratch is None or scratch.numel() < m * d:
+                scratch = self._local.scratch = torch.empty(m * d)
+            block = scratch[: m * d].view(m, d)
+            block.copy_(torch.from_numpy(part))
+            torch.mm(block, w, out=out[a:b])
+        return out
+
+    def _pieces(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
+                heads: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(start, end, values) for the sorted `rows` held by each chunk in turn."""
         c = self.store.arrays.act_array(model.model_id, site.site, name).chunks[0]
         first, last = int(rows[0]) // c, int(rows[-1]) // c
-        parts = []
+        where = (model.model_id, site.site, name)
+        if self._last_chunk.get(where) in (first - 1, first):  # walking the array: read ahead
+            n_chunks = -(-model.n_rows // c)
+            for ahead in range(last + 1, min(last + 1 + self.cache.readahead, n_chunks)):
+                self.cache.prefetch((*where, ahead),
+                                    partial(self.store.arrays.read_chunk, *where, ahead))
+        self._last_chunk[where] = last
+        bounds = np.searchsorted(rows, np.arange(first, last + 2) * c)
         for chunk in range(first, last + 1):
             lo = chunk * c
-            a, b = np.searchsorted(rows, [lo, lo + c])
+            a, b = bounds[chunk - first], bounds[chunk - first + 1]
             if a == b:
                 continue
             data = self.cache.get(
@@ -154,8 +214,8 @@ class VectorSource:
                 part = data[local[0] : local[-1] + 1]
             else:
                 part = data[local]
-            parts.append(part[np.arange(len(local)), heads[a:b]] if site.n_heads else part)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+            yield int(a), int(b), (part[np.arange(len(local)), heads[a:b]] if site.n_heads
+                                   else part)
 
     def groups(self, handles: np.ndarray) -> Iterator[Group]:
         """Split a batch of handles by (model, site, view); fields are read when first used."""
@@ -254,6 +314,12 @@ class VectorSource:
 
     def resolve_token(self, model: ModelRecord, value: str, sqltype: str) -> int:
         """A token argument (a string that is one token, or a token id) -> token id."""
+        key = (model.model_id, value, sqltype)
+        if key not in self._token_ids:
+            self._token_ids[key] = self._resolve_token(model, value, sqltype)
+        return self._token_ids[key]
+
+    def _resolve_token(self, model: ModelRecord, value: str, sqltype: str) -> int:
         strings = self.token_strings(model)
         if sqltype.upper() in INT_TYPES:
             tid = int(value)

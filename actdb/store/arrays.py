@@ -46,7 +46,7 @@ class Arrays:
         self.group = zarr.open_group(self.zstore, mode="r" if read_only else "r+")
         # Opening an array reads its metadata file: keep the handles (and raw chunk paths).
         self._handles: dict[tuple[int, str, str], zarr.Array] = {}
-        self._raw: dict[tuple[int, str, str], Path | None] = {}
+        self._raw: dict[tuple[int, str, str], Any] = {}
 
     @classmethod
     def create(cls, path: Path) -> Arrays:
@@ -153,23 +153,23 @@ class Arrays:
         format writes it, the chunk file is read straight into memory: about 20x less
         overhead per chunk than going through zarr-python. Anything else goes through zarr.
         """
-        arr = self.act_array(model_id, site, field)
-        c = arr.chunks[0]
         key = (model_id, site, field)
-        if key not in self._raw:
-            self._raw[key] = self._raw_folder(arr)
-        folder = self._raw[key]
-        if folder is not None:
-            path = folder / str(chunk) / "/".join(["0"] * (arr.ndim - 1))
-            shape = (c, *arr.shape[1:])
-            if not path.exists():
-                return np.zeros(shape, dtype=arr.dtype)
-            return np.fromfile(path, dtype=arr.dtype).reshape(shape)
-        lo = chunk * c
-        return np.asarray(arr[lo : min(lo + c, arr.shape[0])])
+        layout = self._raw.get(key)
+        if layout is None:
+            layout = self._raw[key] = self._raw_layout(self.act_array(*key))
+        if layout:
+            folder, tail, shape, dtype = layout
+            try:
+                return np.fromfile(f"{folder}/{chunk}{tail}", dtype=dtype).reshape(shape)
+            except FileNotFoundError:  # never written: the fill value
+                return np.zeros(shape, dtype=dtype)
+        arr = self.act_array(*key)
+        c = arr.chunks[0]
+        return np.asarray(arr[chunk * c : min(chunk * c + c, arr.shape[0])])
 
-    def _raw_folder(self, arr: zarr.Array) -> Path | None:
-        """The folder of chunk files `c/{i}/0...` when the array is stored raw, else None."""
+    def _raw_layout(self, arr: zarr.Array) -> tuple[Any, ...]:
+        """(folder, key tail, chunk shape, dtype) of chunk files `c/{i}/0...` when the array
+        is stored raw; () when it must be read through zarr."""
         meta: Any = arr.metadata
         codecs: tuple[Any, ...] = tuple(getattr(meta, "codecs", ()))
         encoding: Any = getattr(meta, "chunk_key_encoding", None)
@@ -183,8 +183,9 @@ class Arrays:
             and getattr(encoding, "separator", None) == "/"
         )
         if not raw:
-            return None
-        return Path(str(self.zstore.root)) / arr.path / "c"
+            return ()
+        folder = str(Path(str(self.zstore.root)) / arr.path / "c")
+        return folder, "/0" * (arr.ndim - 1), (arr.chunks[0], *arr.shape[1:]), arr.dtype
 
     def write_rows(
         self, model_id: int, site: str, start: int, values: dict[str, np.ndarray]
