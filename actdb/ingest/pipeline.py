@@ -6,6 +6,7 @@ import inspect
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,9 +111,8 @@ def ingest(
     started = time.perf_counter()
     with Store.open_or_create(store) as st:
         bytes_before = st.disk_bytes()["total"]
-        record, weight_bytes = _register(
-            st, loaded, found, n_layers, model_name, sites, limit, chunk_tokens
-        )
+        reg = _register(st, loaded, found, n_layers, model_name, sites, limit, chunk_tokens)
+        record = reg.record
         work = _plan_work(st, record.model, prompt_list, ids, truncated)
         records = [f.record for f in found]
         per_token = sum(_bytes_per_token(s) for s in records)
@@ -120,11 +120,11 @@ def ingest(
         plan = IngestPlan(
             model=record.model, prompts_total=len(prompt_list), prompts_todo=len(work),
             prompts_truncated=sum(truncated), tokens_todo=tokens_todo, sites=len(found),
-            bytes_estimate=per_token * tokens_todo + weight_bytes,
+            bytes_estimate=per_token * tokens_todo + reg.weight_bytes,
         )
         if on_plan:
             on_plan(plan)
-        errors = _run(st, loaded, record, found, work, batch_size, progress)
+        errors = _run(st, loaded, reg, found, work, batch_size, progress)
         bytes_after = st.disk_bytes()["total"]
     return IngestSummary(
         model=record.model, store=os.fspath(store), prompts_total=len(prompt_list),
@@ -173,7 +173,11 @@ def _bytes_per_token(s: SiteRecord) -> int:
 def _vocab_table(tok: Any, size: int) -> pa.Table:
     n = min(size, len(tok))
     pieces = tok.convert_ids_to_tokens(list(range(n)))
-    texts = tok.batch_decode([[i] for i in range(n)], clean_up_tokenization_spaces=False)
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:  # the Rust tokenizer decodes the whole vocabulary in one call
+        texts = backend.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+    else:
+        texts = tok.batch_decode([[i] for i in range(n)], clean_up_tokenization_spaces=False)
     pad = size - n
     return pa.table({
         "token_id": pa.array(range(size), pa.int32()),
@@ -195,11 +199,20 @@ def _weights(model: Any) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | No
     return embed, w, bias, tied
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Registration:
+    record: ModelRecord
+    token_str: list[str | None]  # each token id decoded alone
+    weight_bytes: int = 0
+    write: Callable[[], None] | None = None  # a new model's weights, tokenizer and rows
+
+
 def _register(
     st: Store, loaded: LoadedModel, found: list[FoundSite], n_layers: int, name: str,
     sites_glob: str | None, limit: int | None, chunk_tokens: int | None,
-) -> tuple[ModelRecord, int]:
-    """The model's catalog record, registering it (weights included) if it is new."""
+) -> _Registration:
+    """The model's catalog record, and for a new model the work of registering it: that
+    runs first on the commit thread, overlapping the first forward passes."""
     records = [f.record for f in found]
     existing = st.catalog.model(name)
     if existing is not None:
@@ -210,7 +223,10 @@ def _register(
                 f"model {name!r} is already in the store with other sites; "
                 "pass --name to store this one under another name"
             )
-        return existing, 0
+        rows = st.catalog.con.execute(
+            "SELECT token FROM vocab WHERE model = ? ORDER BY token_id", [name]
+        ).fetchall()
+        return _Registration(record=existing, token_str=[r[0] for r in rows])
     model = loaded.model
     embed, lm_head, lm_bias, tied = _weights(model)
     config = getattr(model, "config", None)
@@ -238,15 +254,17 @@ def _register(
         )
         for f in found
     }
-    loaded.tokenizer.save_pretrained(str(st.tokenizer_dir(record.model_id)))
-    st.register_model(
-        record, records, embed=embed, lm_head=lm_head, lm_head_bias=lm_bias,
-        site_params=params, vocab=_vocab_table(loaded.tokenizer, max(vocab_size, len(
-            loaded.tokenizer))),
-    )
+    vocab = _vocab_table(loaded.tokenizer, max(vocab_size, len(loaded.tokenizer)))
+
+    def write() -> None:
+        loaded.tokenizer.save_pretrained(str(st.tokenizer_dir(record.model_id)))
+        st.register_model(record, records, embed=embed, lm_head=lm_head,
+                          lm_head_bias=lm_bias, site_params=params, vocab=vocab)
+
     weight_bytes = sum(a.nbytes for a in (embed, lm_head, lm_bias) if a is not None)
     weight_bytes += sum(a.nbytes for pair in params.values() for a in pair if a is not None)
-    return record, weight_bytes
+    return _Registration(record=record, token_str=vocab.column("token").to_pylist(),
+                         weight_bytes=weight_bytes, write=write)
 
 
 def _plan_work(
@@ -325,19 +343,15 @@ def _forward_kwargs(model: nn.Module) -> dict[str, Any]:
 
 
 def _run(
-    st: Store, loaded: LoadedModel, record: ModelRecord, found: list[FoundSite],
+    st: Store, loaded: LoadedModel, reg: _Registration, found: list[FoundSite],
     work: list[_Work], batch_size: int, progress: bool,
 ) -> dict[str, float]:
+    record, token_str = reg.record, reg.token_str
     records = [f.record for f in found]
-    row = st.catalog.model(record.model)
-    start = row.n_rows if row else 0
+    start = record.n_rows
     st.reserve_rows(record, records, start + sum(len(w.ids) for w in work))
     backbone = getattr(loaded.model, "base_model", loaded.model)
     extra = _forward_kwargs(backbone)
-    vocab = st.catalog.con.execute(
-        "SELECT token FROM vocab WHERE model = ? ORDER BY token_id", [record.model]
-    ).fetchall()
-    token_str = [v[0] for v in vocab]
     sink = _SiteSink(found, loaded.device)
     worst: dict[str, float] = {}
     # Batches are buffered up to one chunk of rows, then written and committed together:
@@ -361,14 +375,23 @@ def _run(
         pending.clear()
         for k, v in errors.items():
             worst[k] = max(worst.get(k, 0.0), v)
-        return st.commit_batch(
-            record, start=start, acts=acts, new_prompts=new_prompts, prompt_runs=runs,
-            tokens=tokens, site_errors=errors,
-        )
+        # Writes and commit run in the background while the next batches go through the
+        # model; one flush at a time, in order, so commits keep the protocol's order.
+        if in_flight:
+            in_flight.pop().result()
+        in_flight.append(committer.submit(
+            st.commit_batch, record, start=start, acts=acts, new_prompts=new_prompts,
+            prompt_runs=runs, tokens=tokens, site_errors=errors,
+        ))
+        return start + tokens.num_rows
 
+    in_flight: list[Future[Any]] = []
+    committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actdb-commit")
     bar = tqdm(total=sum(len(w.ids) for w in work), unit="tok", unit_scale=True,
                disable=not progress, desc=f"ingest {record.model}", dynamic_ncols=True)
-    with bar, on_norm_io({f.record.module: f.module for f in found}, sink):
+    if reg.write is not None:
+        in_flight.append(committer.submit(reg.write))
+    with committer, bar, on_norm_io({f.record.module: f.module for f in found}, sink):
         buffered = 0
         for i in range(0, len(work), batch_size):
             batch = work[i : i + batch_size]
@@ -387,6 +410,8 @@ def _run(
                 start = flush()
                 buffered = 0
             bar.update(n)
+        if in_flight:
+            in_flight.pop().result()
     return worst
 
 
