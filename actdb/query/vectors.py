@@ -69,6 +69,12 @@ class ChunkCache:
                 _, old = self._items.popitem(last=False)
                 self._bytes -= old.nbytes
 
+    def clear(self) -> None:
+        """Forget every cached chunk (the counters stay)."""
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
     def close(self) -> None:
         for f in list(self._pending.values()):
             f.cancel()
@@ -120,7 +126,7 @@ class Group:
 class VectorSource:
     """Everything tensor functions read from a store, cached, on one device."""
 
-    def __init__(self, store: Store, device: torch.device, *, cache_bytes: int = 512 << 20):
+    def __init__(self, store: Store, device: torch.device, *, cache_bytes: int = 256 << 20):
         self.store = store
         self.device = device
         self.cache = ChunkCache(cache_bytes)
