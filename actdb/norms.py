@@ -7,6 +7,7 @@ All functions take float tensors whose last dimension is the site width `d`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 KINDS = ("layernorm", "rmsnorm", "rmsnorm_1p")
 
@@ -46,7 +47,18 @@ def apply(
     eps: float,
     mean: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y: the site's real output, gain and bias included (Gemma's `(1 + weight)` for rmsnorm_1p)."""
+    """y: the site's real output, gain and bias included (Gemma's `(1 + weight)` for rmsnorm_1p).
+
+    Without a stored `mean`, torch's fused layer_norm / rms_norm kernels compute the same
+    formulas in one pass (the ingest's faithfulness check runs this on every vector).
+    """
+    if mean is None and kind in KINDS:
+        d = x.shape[-1]
+        g = None if gain is None else (1.0 + gain if kind == "rmsnorm_1p" else gain)
+        if kind == "layernorm":
+            return F.layer_norm(x, (d,), g, bias, eps)
+        y = F.rms_norm(x, (d,), g, eps)
+        return y + bias if bias is not None else y
     z = normalize(kind, x, eps, mean)
     if gain is not None:
         z = z * (1.0 + gain) if kind == "rmsnorm_1p" else z * gain

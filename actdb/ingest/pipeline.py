@@ -320,7 +320,7 @@ class _SiteSink:
         direction16 = direction.half()
         gain, bias = self.params[module_path]
         rebuilt = direction16.float() * norm.unsqueeze(-1)
-        y_hat = norms.apply(s.kind, rebuilt, gain=gain, bias=bias, eps=s.eps, mean=mean)
+        y_hat = norms.apply(s.kind, rebuilt, gain=gain, bias=bias, eps=s.eps)
         err = torch.linalg.vector_norm(y_hat - y, dim=-1) / (
             torch.linalg.vector_norm(y, dim=-1) + 1e-6)
         worst = float(err.max()) if err.numel() else 0.0

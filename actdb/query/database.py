@@ -47,6 +47,8 @@ class Database:
         # One DuckDB thread by default: the UDFs hold the GIL anyway, and idle DuckDB workers
         # compete with torch for the cores (see BENCHMARKS.md).
         self.con.execute(f"SET threads = {int(threads)}")
+        # DuckDB draws a progress bar on stdout for long queries: not into our results.
+        self.con.execute("SET enable_progress_bar = false")
         self.source = VectorSource(self.store, self.device, cache_bytes=cache_bytes)
         self._box = ErrorBox()
         prepare(self.con, self.source, self._box)

@@ -1,8 +1,8 @@
 """Batched implementations of the tensor functions: one call per DuckDB vector of rows.
 
-Each kernel takes a VectorSource and numpy/list arguments for a batch of rows and returns
-one value per row (NaN or None for NULL). Vectors are read per (model, site, view) group
-and computed with torch on the source's device; never one Python call per row for maths.
+Each kernel takes a VectorSource, the batch's handles (numpy int64), an output to fill (NaN or
+None for NULL) and its other arguments as `Arg` columns. Vectors are read per (model, site,
+view) group and computed with torch on the source's device; never one Python call per row.
 """
 
 from __future__ import annotations
