@@ -16,17 +16,17 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .. import norms
 from ..errors import IngestError
 from ..store.arrays import default_chunk_tokens
 from ..store.records import ModelRecord, SiteRecord
 from ..store.store import ActBatch, Store
 from .capture import on_norm_io
+from .fields import SiteSink
 from .load import LoadedModel, load
-from .prompts import Prompt, PromptsLike, column_value, extra_columns, read_prompts
+from .prompts import Prompt, PromptsLike, extra_columns, read_prompts
+from .rows import Work, batch_tables
 from .sites import FoundSite, find_sites
 
-FAITHFULNESS_LIMIT = 1e-2
 # Batches are buffered to at least this many token rows before a write and commit: fewer
 # DuckDB transactions and partial-chunk rewrites (a crash loses at most this much work).
 _FLUSH_TOKENS = 2048
@@ -55,23 +55,13 @@ class IngestSummary:
     prompts_truncated: int
     tokens_written: int
     sites: int
-    bytes_estimate: int
-    bytes_written: int
+    bytes_stored: int  # vectors (2d + 8 bytes each) and, for a new model, its weights
     seconds: float
     max_rel_error: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens_written / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Work:
-    prompt_id: int
-    prompt: Prompt
-    ids: list[int]
-    truncated: bool
-    new_prompt: bool
 
 
 def ingest(
@@ -110,7 +100,6 @@ def ingest(
 
     started = time.perf_counter()
     with Store.open_or_create(store) as st:
-        bytes_before = st.disk_bytes()["total"]
         reg = _register(st, loaded, found, n_layers, model_name, sites, limit, chunk_tokens)
         record = reg.record
         work = _plan_work(st, record.model, prompt_list, ids, truncated)
@@ -125,12 +114,11 @@ def ingest(
         if on_plan:
             on_plan(plan)
         errors = _run(st, loaded, reg, found, work, batch_size, progress)
-        bytes_after = st.disk_bytes()["total"]
     return IngestSummary(
         model=record.model, store=os.fspath(store), prompts_total=len(prompt_list),
         prompts_new=len(work), prompts_skipped=len(prompt_list) - len(work),
         prompts_truncated=sum(truncated), tokens_written=tokens_todo, sites=len(found),
-        bytes_estimate=plan.bytes_estimate, bytes_written=bytes_after - bytes_before,
+        bytes_stored=plan.bytes_estimate,
         seconds=time.perf_counter() - started, max_rel_error=errors,
     )
 
@@ -269,7 +257,7 @@ def _register(
 
 def _plan_work(
     st: Store, model: str, prompts: list[Prompt], ids: list[list[int]], truncated: list[bool]
-) -> list[_Work]:
+) -> list[Work]:
     known = st.catalog.prompt_ids([p.text for p in prompts])
     done = st.catalog.ingested_prompt_ids(model)
     next_id = st.catalog.next_prompt_id()
@@ -283,58 +271,12 @@ def _plan_work(
             pid, next_id = next_id, next_id + 1
         assigned[p.text] = pid
         if pid not in done and len(i) > 0:
-            work.append(_Work(prompt_id=pid, prompt=p, ids=i, truncated=t,
+            work.append(Work(prompt_id=pid, prompt=p, ids=i, truncated=t,
                               new_prompt=p.text not in known))
     columns = extra_columns([w.prompt for w in work if w.new_prompt])
     if columns:
         st.catalog.add_prompt_columns(columns)
     return work
-
-
-class _SiteSink:
-    """Turns each hooked (input, output) into stored fields and a faithfulness figure."""
-
-    def __init__(self, found: list[FoundSite], device: torch.device) -> None:
-        self.by_module = {f.record.module: f for f in found}
-        self.params = {
-            f.record.module: (
-                f.gain.float().to(device) if f.gain is not None else None,
-                f.bias.float().to(device) if f.bias is not None else None,
-            )
-            for f in found
-        }
-        self.mask = torch.zeros(0, dtype=torch.bool)
-        self.out: dict[str, ActBatch] = {}
-        self.errors: dict[str, float] = {}
-
-    @torch.no_grad()
-    def __call__(self, module_path: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        f = self.by_module[module_path]
-        s = f.record
-        if s.site in self.out:
-            return  # a module called twice in one pass: keep its first call
-        b, t = self.mask.shape
-        x = x.reshape(b, t, *x.shape[-(2 if s.n_heads else 1):])[self.mask].float()
-        y = y.reshape(b, t, *y.shape[-(2 if s.n_heads else 1):])[self.mask].float()
-        direction, norm, mean = norms.split(x)  # [n, (h,) d], [n, (h)], [n, (h)]
-        direction16 = direction.half()
-        gain, bias = self.params[module_path]
-        rebuilt = direction16.float() * norm.unsqueeze(-1)
-        y_hat = norms.apply(s.kind, rebuilt, gain=gain, bias=bias, eps=s.eps)
-        err = torch.linalg.vector_norm(y_hat - y, dim=-1) / (
-            torch.linalg.vector_norm(y, dim=-1) + 1e-6)
-        worst = float(err.max()) if err.numel() else 0.0
-        if worst > FAITHFULNESS_LIMIT:
-            raise IngestError(
-                f"site {s.site!r} ({s.module}, kind {s.kind}): the output recomputed from the "
-                f"stored fields differs from the module's output by {worst:.3g} (relative), "
-                f"more than {FAITHFULNESS_LIMIT}; actdb's maths for this norm is wrong"
-            )
-        self.errors[s.site] = worst
-        self.out[s.site] = ActBatch(
-            direction=direction16.cpu().numpy(), norm=norm.cpu().numpy(),
-            mean=mean.cpu().numpy(),
-        )
 
 
 def _forward_kwargs(model: nn.Module) -> dict[str, Any]:
@@ -344,7 +286,7 @@ def _forward_kwargs(model: nn.Module) -> dict[str, Any]:
 
 def _run(
     st: Store, loaded: LoadedModel, reg: _Registration, found: list[FoundSite],
-    work: list[_Work], batch_size: int, progress: bool,
+    work: list[Work], batch_size: int, progress: bool,
 ) -> dict[str, float]:
     record, token_str = reg.record, reg.token_str
     records = [f.record for f in found]
@@ -352,11 +294,11 @@ def _run(
     st.reserve_rows(record, records, start + sum(len(w.ids) for w in work))
     backbone = getattr(loaded.model, "base_model", loaded.model)
     extra = _forward_kwargs(backbone)
-    sink = _SiteSink(found, loaded.device)
+    sink = SiteSink(found, loaded.device)
     worst: dict[str, float] = {}
     # Batches are buffered up to one chunk of rows, then written and committed together:
     # fewer partial-chunk rewrites, and each commit is still all-or-nothing.
-    pending: list[tuple[list[_Work], dict[str, ActBatch], dict[str, float]]] = []
+    pending: list[tuple[list[Work], dict[str, ActBatch], dict[str, float]]] = []
 
     def flush() -> int:
         works = [w for p in pending for w in p[0]]
@@ -371,7 +313,7 @@ def _run(
         for p in pending:
             for k, v in p[2].items():
                 errors[k] = max(errors.get(k, 0.0), v)
-        new_prompts, runs, tokens = _batch_tables(works, start, token_str)
+        new_prompts, runs, tokens = batch_tables(works, start, token_str)
         pending.clear()
         for k, v in errors.items():
             worst[k] = max(worst.get(k, 0.0), v)
@@ -413,46 +355,3 @@ def _run(
         if in_flight:
             in_flight.pop().result()
     return worst
-
-
-def _batch_tables(
-    batch: list[_Work], start: int, token_str: list[str | None]
-) -> tuple[pa.Table, pa.Table, pa.Table]:
-    new = [w for w in batch if w.new_prompt]
-    columns = sorted({k for w in new for k in w.prompt.extra})
-    types = extra_columns([w.prompt for w in new])
-    prompts = {
-        "prompt_id": pa.array([w.prompt_id for w in new], pa.int64()),
-        "text": pa.array([w.prompt.text for w in new], pa.string()),
-        "n_tokens": pa.array([len(w.ids) for w in new], pa.int32()),
-    }
-    for c in columns:
-        values = [column_value(w.prompt.extra.get(c), types[c]) for w in new]
-        prompts[c] = pa.array(values)
-    runs: list[tuple[int, int, int, bool]] = []
-    tok_rows: dict[str, list[Any]] = {k: [] for k in ("prompt_id", "position", "token_id",
-                                                      "token", "row")}
-    row = start
-    for w in batch:
-        runs.append((w.prompt_id, row, len(w.ids), w.truncated))
-        for pos, tid in enumerate(w.ids):
-            tok_rows["prompt_id"].append(w.prompt_id)
-            tok_rows["position"].append(pos)
-            tok_rows["token_id"].append(tid)
-            tok_rows["token"].append(token_str[tid] if tid < len(token_str) else None)
-            tok_rows["row"].append(row)
-            row += 1
-    prompt_runs = pa.table({
-        "prompt_id": pa.array([r[0] for r in runs], pa.int64()),
-        "row_start": pa.array([r[1] for r in runs], pa.int64()),
-        "n_tokens": pa.array([r[2] for r in runs], pa.int32()),
-        "truncated": pa.array([r[3] for r in runs], pa.bool_()),
-    })
-    tokens = pa.table({
-        "prompt_id": pa.array(tok_rows["prompt_id"], pa.int64()),
-        "position": pa.array(tok_rows["position"], pa.int32()),
-        "token_id": pa.array(tok_rows["token_id"], pa.int32()),
-        "token": pa.array(tok_rows["token"], pa.string()),
-        "row": pa.array(tok_rows["row"], pa.int64()),
-    })
-    return pa.table(prompts), prompt_runs, tokens

@@ -11,6 +11,8 @@ Layout (see docs/FORMAT.md):
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,7 @@ class Arrays:
         # Opening an array reads its metadata file: keep the handles (and raw chunk paths).
         self._handles: dict[tuple[int, str, str], zarr.Array] = {}
         self._raw: dict[tuple[int, str, str], Any] = {}
+        self._made: set[str] = set()  # chunk folders known to exist
 
     @classmethod
     def create(cls, path: Path) -> Arrays:
@@ -154,9 +157,7 @@ class Arrays:
         overhead per chunk than going through zarr-python. Anything else goes through zarr.
         """
         key = (model_id, site, field)
-        layout = self._raw.get(key)
-        if layout is None:
-            layout = self._raw[key] = self._raw_layout(self.act_array(*key))
+        layout = self._layout(key)
         if layout:
             folder, tail, shape, dtype = layout
             try:
@@ -193,7 +194,44 @@ class Arrays:
         """Write token rows [start, start + n) of a site's direction, norm and mean."""
         for name in ACT_FIELDS:
             value = values[name]
-            self.act_array(model_id, site, name)[start : start + value.shape[0]] = value
+            layout = self._layout((model_id, site, name))
+            if layout:
+                self._write_raw(layout, start, value)
+            else:
+                self.act_array(model_id, site, name)[start : start + value.shape[0]] = value
+
+    def _write_raw(self, layout: tuple[Any, ...], start: int, value: np.ndarray) -> None:
+        """Write rows straight into raw chunk files, each replaced whole and atomically
+        (a temporary file renamed over it), as zarr's local store would, minus its
+        per-chunk overhead. A chunk only partly covered is read, patched and replaced."""
+        folder, tail, shape, dtype = layout
+        c, stop = shape[0], start + value.shape[0]
+        value = np.ascontiguousarray(value, dtype=dtype)
+        for chunk in range(start // c, (stop - 1) // c + 1):
+            lo = chunk * c
+            a, b = max(start, lo), min(stop, lo + c)
+            path = f"{folder}/{chunk}{tail}"
+            if a == lo and b == lo + c:
+                data = value[a - start : b - start]
+            else:
+                try:
+                    data = np.fromfile(path, dtype=dtype).reshape(shape)
+                except FileNotFoundError:
+                    data = np.zeros(shape, dtype=dtype)
+                data[a - lo : b - lo] = value[a - start : b - start]
+            parent = os.path.dirname(path)
+            if parent not in self._made:
+                os.makedirs(parent, exist_ok=True)
+                self._made.add(parent)
+            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.partial"
+            data.tofile(tmp)
+            os.replace(tmp, path)
+
+    def _layout(self, key: tuple[int, str, str]) -> tuple[Any, ...]:
+        layout = self._raw.get(key)
+        if layout is None:
+            layout = self._raw[key] = self._raw_layout(self.act_array(*key))
+        return layout
 
     def has_model(self, model_id: int) -> bool:
         return f"models/{model_id}" in self.group
