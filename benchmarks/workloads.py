@@ -76,8 +76,19 @@ def ingest_overhead(scale: Any, work: Path, repeats: int) -> Result:
         actdb.ingest(work / f"ingest-{next(runs)}.actdb", model=model, tokenizer=tokenizer,
                      prompts=prompts, batch_size=scale.batch_size, device="cpu", name="gpt2")
 
+    def backbone() -> None:
+        with torch.no_grad():
+            for b in batches:
+                model.transformer(**b, use_cache=False)
+
+    def ingest_one() -> None:
+        actdb.ingest(work / f"ingest-{next(runs)}.actdb", model=model, tokenizer=tokenizer,
+                     prompts=prompts[:1], batch_size=1, device="cpu", name="gpt2")
+
     t_bare = timed(bare, repeats)
     t_ingest = timed(ingest, repeats)
+    t_backbone = timed(backbone, repeats)
+    t_fixed = timed(ingest_one, repeats)
     n_tokens = int(enc["attention_mask"].sum())
     r = Result(
         title="1. Ingest overhead",
@@ -90,8 +101,20 @@ def ingest_overhead(scale: Any, work: Path, repeats: int) -> Result:
     )
     r.figure("bare forward", f"{t_bare:.2f} s ({n_tokens / t_bare:.0f} tokens/s)")
     r.figure("actdb ingest", f"{t_ingest:.2f} s ({n_tokens / t_ingest:.0f} tokens/s)")
+    r.figure("the forward pass the ingest runs (no LM head, hooks off)", f"{t_backbone:.2f} s")
+    r.figure("an ingest of one prompt (fixed costs: new store, weights and vocabulary "
+             "written, sites found)", f"{t_fixed:.2f} s")
     ratio = t_ingest / t_bare
     r.ratio("ingest time / bare forward time", ratio, "<= 1.3", ratio <= 1.3)
+    if ratio > 1.3:
+        r.notes.append(
+            f"Where the time goes: the ingest runs the model without its LM head "
+            f"({t_backbone:.2f} s for these batches); about {t_fixed:.2f} s is fixed per "
+            "ingest into a new store (the 154 MB embedding and 50,257-token vocabulary "
+            "written, sites found with one small forward pass); the rest is the hooks "
+            "(splitting every norm input into direction, norm and mean and recomputing each "
+            "output to check faithfulness) and the chunk writes and commits, which run on a "
+            "second thread but share the machine's two cores with the forward pass.")
     return r
 
 
@@ -231,7 +254,6 @@ def full_scan(scan: ScanData, repeats: int) -> Result:
              "numpy": timed(numpy_mm, repeats), "zarr": timed(zarr_read, repeats),
              "raw": timed(raw_read, repeats)}
     con.close()
-    ours.close()
     rate = {k: n / t for k, t in times.items()}
     r = Result(
         title="2. Full scan",
@@ -258,7 +280,59 @@ def full_scan(scan: ScanData, repeats: int) -> Result:
     r.ratio("actdb / I/O floor rows/s", rate["actdb"] / floor, ">= 0.5",
             rate["actdb"] >= 0.5 * floor)
     r.figure("_seconds", str(times["actdb"]))
+    if rate["actdb"] < 1.5 * rate["duckdb"] or rate["actdb"] < 0.5 * floor:
+        r.notes += _scan_profile(ours, times, rate, floor)
+    ours.close()
     return r
+
+
+def _scan_profile(ours: ActdbScan, times: dict[str, float], rate: dict[str, float],
+                  floor: float) -> list[str]:
+    """Where a full scan's time goes, from one run under cProfile (shares of its total)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    ours()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+
+    def cum(pred: Callable[[str, str], bool], tot: bool = False) -> float:
+        return sum((st[2] if tot else st[3]) for (f, _, name), st in stats.items()
+                   if pred(f, name))
+
+    total = cum(lambda f, n: n == "submit" and "duckdb" in f)
+    # Chunk reads: those made on the query's thread plus waits for the read-ahead thread's.
+    reads = cum(lambda f, n: f.endswith("vectors.py") and n == "get")
+    compute = cum(lambda f, n: "copy_" in n or "torch.mm" in n or n == "<built-in method mm>",
+                  tot=True)
+    udf = cum(lambda f, n: f.endswith("execute.py") and n == "udf")
+    calls = sum(st[1] for (f, _, n), st in stats.items() if f.endswith("execute.py") and n == "udf")
+    glue = max(udf - reads - compute, 0.0)
+    outside = max(total - udf, 0.0)
+    budget = 1.0 / (1.5 * rate["duckdb"]) * (times["actdb"] * rate["actdb"])
+    return [
+        f"Where the time goes (one scan under cProfile, {total:.2f} s with profiling): reading "
+        f"chunk files or waiting for the read-ahead thread {reads / total:.0%}, "
+        f"float16-to-float32 conversion and the matrix "
+        f"product {compute / total:.0%}, per-batch Python work in the UDF (argument "
+        f"decoding, grouping, chunk bookkeeping) {glue / total:.0%}, DuckDB itself (the "
+        f"join that makes `acts`, calling {calls} UDF batches of at most 2,048 rows, the "
+        f"aggregate) {outside / total:.0%}.",
+        "",
+        f"Why the DuckDB and I/O-floor targets are missed on this machine: 1.5x DuckDB means "
+        f"the whole query in {budget:.2f} s, but just reading the direction bytes from the "
+        f"page cache takes {times['raw']:.2f} s, and DuckDB's Python UDFs receive at most "
+        f"2,048 rows a call, so the {calls} calls' fixed cost (Arrow conversion, Python, "
+        "grouping) comes on top, on two cores that the reads and the arithmetic share. "
+        "DuckDB's own `array_cosine_similarity` runs compiled over float32 arrays in its "
+        "buffer pool with no such boundary. Meeting the target needs a scan path that does "
+        "not cross the UDF boundary per 2,048 rows: e.g. the planner recognising an "
+        "aggregate of a tensor function over `acts` and computing it chunk by chunk in "
+        "bulk, or a compiled DuckDB extension. actdb does beat the NumPy memory-map "
+        "baseline, and a 1%-selective query reads about 1% of the bytes (workload 3).",
+    ]
 
 
 # -- 3. selective query ----------------------------------------------------------------------
