@@ -297,39 +297,29 @@ def profile_spec(db: Database, kind: str, *, models: str | Sequence[str] | None 
                 {"models": names, "roles": chosen, "n_tokens": n_tokens})
 
 
-# A model without an LM head has no logits: its dims picture splits the cosine with the
-# token's input-embedding anchor instead (anchor_contribution sums to cosine_to_anchor).
-COSINE_DIMS_SQL = """\
+# Which dims push toward a token: the split of its logit, or, for a model without an LM head
+# (no logits), the split of the cosine with its input-embedding anchor (anchor_contribution
+# sums to cosine_to_anchor over the dims).
+_DIMS_TEMPLATE = """\
 WITH v AS (
     SELECT a.vec, s.d
     FROM acts a JOIN sites s ON s.model = a.model AND s.site = a.site
     WHERE a.model = $model AND a.prompt_id = $prompt_id AND a.position = $position
       AND a.site = $site AND a.head IS NULL
 ), c AS (
-    SELECT dim, anchor_contribution(vec, dim, $token, 'embed') AS contribution
+    SELECT dim, {part} AS contribution
     FROM (SELECT vec, unnest(range(d)) AS dim FROM v)
 )
 SELECT dim, contribution, sum(contribution) OVER () AS total, count(*) OVER () AS n_dims,
-       (SELECT cosine_to_anchor(vec, $token, 'embed') FROM v) AS cosine
+       (SELECT {whole} FROM v) AS {name}
 FROM c
 ORDER BY abs(contribution) DESC, dim
 LIMIT $k"""
-
-DIMS_SQL = """\
-WITH v AS (
-    SELECT a.vec, s.d
-    FROM acts a JOIN sites s ON s.model = a.model AND s.site = a.site
-    WHERE a.model = $model AND a.prompt_id = $prompt_id AND a.position = $position
-      AND a.site = $site AND a.head IS NULL
-), c AS (
-    SELECT dim, logit_contribution(vec, dim, $token) AS contribution
-    FROM (SELECT vec, unnest(range(d)) AS dim FROM v)
-)
-SELECT dim, contribution, sum(contribution) OVER () AS total, count(*) OVER () AS n_dims,
-       (SELECT logit(vec, $token) FROM v) AS logit
-FROM c
-ORDER BY abs(contribution) DESC, dim
-LIMIT $k"""
+DIMS_SQL = _DIMS_TEMPLATE.format(part="logit_contribution(vec, dim, $token)",
+                                 whole="logit(vec, $token)", name="logit")
+COSINE_DIMS_SQL = _DIMS_TEMPLATE.format(
+    part="anchor_contribution(vec, dim, $token, 'embed')",
+    whole="cosine_to_anchor(vec, $token, 'embed')", name="cosine")
 
 
 def dims_spec(db: Database, prompt_id: int, position: int, token: str | int, *,
