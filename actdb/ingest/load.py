@@ -73,8 +73,10 @@ def load(
         source = os.fspath(model)
         path = Path(source).expanduser()
         local = path.exists()
-        if not local and (source.startswith((".", "/", "~")) or os.sep in source.strip("/")
-                          and source.count("/") > 1):
+        # A hub name is "name" or "org/name"; anything else that is not on disk is a path
+        # that does not exist (and asking the hub for it would only fail more slowly).
+        looks_like_path = source.startswith((".", "/", "~")) or source.count("/") > 1
+        if not local and looks_like_path:
             raise ModelLoadError(f"model path {source!r} does not exist")
         if local and not path.is_dir():
             raise ModelLoadError(f"model path {source!r} is a file, not a model directory")

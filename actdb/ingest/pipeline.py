@@ -291,7 +291,6 @@ def _run(
     record, token_str = reg.record, reg.token_str
     records = [f.record for f in found]
     start = record.n_rows
-    st.reserve_rows(record, records, start + sum(len(w.ids) for w in work))
     backbone = getattr(loaded.model, "base_model", loaded.model)
     extra = _forward_kwargs(backbone)
     sink = SiteSink(found, loaded.device)
@@ -331,8 +330,14 @@ def _run(
     committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actdb-commit")
     bar = tqdm(total=sum(len(w.ids) for w in work), unit="tok", unit_scale=True,
                disable=not progress, desc=f"ingest {record.model}", dynamic_ncols=True)
-    if reg.write is not None:
-        in_flight.append(committer.submit(reg.write))
+    # Registering a new model and sizing its arrays only need to be done before the first
+    # write: they run first on the commit thread, alongside the first forward passes.
+    def prepare() -> None:
+        if reg.write is not None:
+            reg.write()
+        st.reserve_rows(record, records, start + sum(len(w.ids) for w in work))
+
+    in_flight.append(committer.submit(prepare))
     with committer, bar, on_norm_io({f.record.module: f.module for f in found}, sink):
         buffered = 0
         for i in range(0, len(work), batch_size):
