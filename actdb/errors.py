@@ -23,6 +23,10 @@ class DeviceError(ActdbError, ValueError):
     """The device asked for does not exist here."""
 
 
+class StoreBusyError(ActdbError, RuntimeError):
+    """Another process holds the store's catalog open for writing (an ingest)."""
+
+
 class ModelLoadError(ActdbError, ValueError):
     """A model or tokenizer could not be loaded, or has nothing to capture."""
 

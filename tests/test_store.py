@@ -41,3 +41,31 @@ def test_missing_chunk_reads_as_fill_value(tmp_path: Path) -> None:
         assert (st.arrays.read_chunk(0, "x", "direction", 2) == 0).all()
     finally:
         st.close()
+
+
+def test_store_written_by_another_process_is_one_sentence(
+    family_store: Callable[[str], Path], tmp_path: Path
+) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from actdb.cli import cli
+
+    path = tmp_path / "busy.actdb"
+    shutil.copytree(family_store("gpt2"), path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import duckdb, sys, time; "
+         "c = duckdb.connect(sys.argv[1]); print('held', flush=True); time.sleep(60)",
+         str(path / "catalog.duckdb")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        result = CliRunner().invoke(cli, ["query", str(path), "SELECT count(*) FROM tokens"])
+        assert result.exit_code == 1
+        assert "being written by another process" in result.stderr
+        assert f"PID {holder.pid}" in result.stderr
+    finally:
+        holder.kill()
+        holder.wait()

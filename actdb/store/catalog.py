@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, fields
@@ -12,7 +13,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from ..errors import StoreFormatError, StoreNotWritableError
+from ..errors import StoreBusyError, StoreFormatError, StoreNotWritableError
 from .records import ModelRecord, SiteRecord
 
 FORMAT_VERSION = 1
@@ -56,6 +57,13 @@ class Catalog:
             # forward pass (measured: a 20x slower forward after the first catalog write).
             self.con = duckdb.connect(str(path), read_only=read_only, config={"threads": 1})
         except duckdb.IOException as e:
+            if "Could not set lock" in str(e):
+                pid = re.search(r"\(PID (\d+)\)", str(e))
+                who = f" (PID {pid.group(1)})" if pid else ""
+                raise StoreBusyError(
+                    f"store {str(path.parent)!r} is being written by another process{who}; "
+                    "try again when its ingest has finished"
+                ) from None
             if "Permission denied" in str(e) or "Read-only" in str(e):
                 raise StoreNotWritableError(f"cannot open catalog {str(path)!r} for writing") from e
             raise StoreFormatError(f"cannot open catalog {str(path)!r}: {e}") from e
