@@ -160,10 +160,15 @@ class Arrays:
         layout = self._layout(key)
         if layout:
             folder, tail, shape, dtype = layout
+            out = np.empty(shape, dtype=dtype)
             try:
-                return np.fromfile(f"{folder}/{chunk}{tail}", dtype=dtype).reshape(shape)
+                # readinto releases the GIL for the read itself, so a read-ahead thread
+                # reads while the query's thread computes (np.fromfile holds it).
+                with open(f"{folder}/{chunk}{tail}", "rb", buffering=0) as f:
+                    f.readinto(memoryview(out).cast("B"))
             except FileNotFoundError:  # never written: the fill value
-                return np.zeros(shape, dtype=dtype)
+                out[...] = 0
+            return out
         arr = self.act_array(*key)
         c = arr.chunks[0]
         return np.asarray(arr[chunk * c : min(chunk * c + c, arr.shape[0])])
