@@ -165,7 +165,7 @@ class Arrays:
                 # readinto releases the GIL for the read itself, so a read-ahead thread
                 # reads while the query's thread computes (np.fromfile holds it).
                 with open(f"{folder}/{chunk}{tail}", "rb", buffering=0) as f:
-                    f.readinto(memoryview(out).cast("B"))
+                    f.readinto(out.data.cast("B"))
             except FileNotFoundError:  # never written: the fill value
                 out[...] = 0
             return out
