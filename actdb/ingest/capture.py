@@ -50,14 +50,14 @@ class CallLog:
 
 
 @contextmanager
-def record_calls(modules: Mapping[str, nn.Module], *, keep: bool = True) -> Iterator[CallLog]:
-    """Record the order of calls of `modules` (and, if `keep`, their input and output)."""
+def record_calls(modules: Mapping[str, nn.Module]) -> Iterator[CallLog]:
+    """Record the order of calls of `modules`, with their input and output."""
     log = CallLog()
     handles = []
 
     def make(name: str) -> tuple[Callable[..., None], Callable[..., None]]:
         def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            x = first_tensor(args, kwargs) if keep else None
+            x = first_tensor(args, kwargs)
             log.calls.setdefault(name, []).append(Call(start=log.tick(), input=x))
 
         def post(
@@ -65,8 +65,7 @@ def record_calls(modules: Mapping[str, nn.Module], *, keep: bool = True) -> Iter
         ) -> None:
             call = log.calls[name][-1]
             call.end = log.tick()
-            if keep:
-                call.output = output_tensor(output)
+            call.output = output_tensor(output)
 
         return pre, post
 

@@ -110,9 +110,6 @@ class Arrays:
         assert isinstance(arr, zarr.Array)
         return np.asarray(arr[...])
 
-    def site_param(self, model_id: int, site: str, name: str) -> np.ndarray | None:
-        return self.weight(model_id, f"sites/{site}/{name}")
-
     # -- vectors ---------------------------------------------------------------------------
 
     def ensure_act_arrays(

@@ -5,11 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ROLES = (
-    "embed", "pre_attn", "pre_mlp", "post_attn", "post_mlp", "final", "q_norm", "k_norm", "other"
-)
-KINDS = ("layernorm", "rmsnorm", "rmsnorm_1p")
-
 
 @dataclass(frozen=True, kw_only=True)
 class SiteRecord:
@@ -24,7 +19,7 @@ class SiteRecord:
     site: str  # canonical name: blocks.3.ln1, final, embed
     site_id: int  # index within the model, stable across runs
     layer: int  # block index; -1 for embed, n_layers for final
-    role: str
+    role: str  # embed, pre_attn, pre_mlp, post_attn, post_mlp, final, q_norm, k_norm, other
     kind: str
     d: int  # width of one stored vector
     n_heads: int | None  # set where the input is [.., heads, d] (per-head q/k norms)

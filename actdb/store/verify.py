@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .records import SiteRecord
 from .store import Store
 
 
@@ -39,7 +40,7 @@ def verify(store: Store) -> list[str]:
             problems.append(f"{where}: {orphans[0]} prompt runs refer to no prompt")
         problems += _check_weights(store, m.model_id, m.has_lm_head, m.tied_embeddings, where)
         for s in sites:
-            problems += _check_site(store, m.model_id, m.n_rows, m.chunk_tokens, s, where)
+            problems += _check_site(store, m.model_id, m.n_rows, s, where)
     return problems
 
 
@@ -56,12 +57,8 @@ def _check_weights(
     return out
 
 
-def _check_site(
-    store: Store, model_id: int, n_rows: int, chunk_tokens: int, s: object, where: str
-) -> list[str]:
-    from .records import SiteRecord
-
-    assert isinstance(s, SiteRecord)
+def _check_site(store: Store, model_id: int, n_rows: int, s: SiteRecord, where: str
+                ) -> list[str]:
     out = []
     inner = (s.n_heads, s.d) if s.n_heads else (s.d,)
     arrays = {}
