@@ -180,6 +180,8 @@ def info(ctx: click.Context, store: Path) -> None:
             f"LM head {'yes' if m['has_lm_head'] else 'no'}, {m['prompts']} prompts, "
             f"{m['tokens']} tokens, {m['n_sites']} sites, {m['dtype']}, from {m['source']}"
         )
+        if m["has_lm_head"]:
+            click.echo(f"  logits: {_logit_text(m)}")
         click.echo(f"  {'site':<22} {'layer':>5}  {'role':<10} {'kind':<11} {'d':>5}  "
                    f"{'heads':>5}  {'max rel err':>11}  module")
         for s in (s for s in i.sites if s["model"] == m["model"]):
@@ -189,6 +191,21 @@ def info(ctx: click.Context, store: Path) -> None:
                 s["n_heads"])
             click.echo(f"  {s['site']:<22} {s['layer']:>5}  {s['role']:<10} {s['kind']:<11} "
                        f"{s['d']:>5}  {heads!s:>5}  {err_text:>11}  {s['module']}")
+
+
+def _number(v: object) -> float | None:
+    return None if v is None or v != v else float(v)  # type: ignore[arg-type]
+
+
+def _logit_text(m: dict[str, object]) -> str:
+    """How the model's logits are made, and how well the store reproduces them."""
+    scale, cap = _number(m.get("logit_scale")), _number(m.get("logit_softcap"))
+    formula = "pre" if scale is None else f"{scale:.6g} * pre"
+    if cap is not None:
+        formula = f"{cap:.6g} * tanh({formula} / {cap:.6g})"
+    err = _number(m.get("logit_max_rel_error"))
+    proof = "not checked" if err is None else f"max rel err {err:.1e} against the model's own"
+    return f"{formula} with pre = W_U . final_norm(x) + b_U; {proof}"
 
 
 @cli.command()

@@ -1,4 +1,9 @@
-"""The maths of the normalization kinds actdb stores, in torch, shared by ingest and query.
+"""The maths of a normalization site, in torch, shared by ingest and query.
+
+Every site is replayed with one formula, whatever the module's class: optionally centre,
+divide by the root mean square plus eps, then a per-dimension affine `y = gain * z + bias`
+whose gain and bias are the *effective* ones measured by probing the module at ingest
+(a Gemma-style `(1 + weight)` is already folded into the stored gain).
 
 Imports nothing of ours, so `ingest/` and `query/` can both use it without importing each other.
 All functions take float tensors whose last dimension is the site width `d`.
@@ -9,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-KINDS = ("layernorm", "rmsnorm", "rmsnorm_1p")
+# Kind names are for information (what the module looked like); the maths reads `centered`.
+KINDS = ("layernorm", "rmsnorm", "layernorm_1p", "rmsnorm_1p")
 
 
 def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -23,23 +29,19 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def normalize(
-    kind: str, x: torch.Tensor, eps: float, mean: torch.Tensor | None = None
+    centered: bool, x: torch.Tensor, eps: float, mean: torch.Tensor | None = None
 ) -> torch.Tensor:
     """z: the norm's output before gain and bias. `mean` may pass the exact stored mean."""
     d = x.shape[-1]
-    if kind == "layernorm":
+    if centered:
         m = x.mean(dim=-1, keepdim=True) if mean is None else mean.unsqueeze(-1)
-        xc = x - m  # [..., d]
-        var = (xc * xc).sum(dim=-1, keepdim=True) / d
-        return xc / torch.sqrt(var + eps)
-    if kind in ("rmsnorm", "rmsnorm_1p"):
-        ms = (x * x).sum(dim=-1, keepdim=True) / d
-        return x / torch.sqrt(ms + eps)
-    raise ValueError(f"unknown norm kind {kind!r}; kinds are {KINDS}")
+        x = x - m  # [..., d]
+    ms = (x * x).sum(dim=-1, keepdim=True) / d
+    return x / torch.sqrt(ms + eps)
 
 
 def apply(
-    kind: str,
+    centered: bool,
     x: torch.Tensor,
     *,
     gain: torch.Tensor | None,
@@ -47,28 +49,33 @@ def apply(
     eps: float,
     mean: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y: the site's real output, gain and bias included (Gemma's `(1 + weight)` for rmsnorm_1p).
+    """y: the site's real output from its effective gain and bias (None: ones, zeros).
 
     Without a stored `mean`, torch's fused layer_norm / rms_norm kernels compute the same
-    formulas in one pass (the ingest's faithfulness check runs this on every vector).
+    formulas in one pass (the ingest's faithfulness check runs this on every vector); a
+    per-head gain [heads, d] broadcasts over x [..., heads, d].
     """
-    if mean is None and kind in KINDS:
+    fused = mean is None and (gain is None or gain.dim() == 1)
+    if fused and x.dtype in (torch.float32, torch.float64):
         d = x.shape[-1]
-        g = None if gain is None else (1.0 + gain if kind == "rmsnorm_1p" else gain)
-        if kind == "layernorm":
-            return F.layer_norm(x, (d,), g, bias, eps)
-        y = F.rms_norm(x, (d,), g, eps)
+        if centered:
+            return F.layer_norm(x, (d,), gain, bias, eps)
+        y = F.rms_norm(x, (d,), gain, eps)
         return y + bias if bias is not None else y
-    z = normalize(kind, x, eps, mean)
+    z = normalize(centered, x, eps, mean)
     if gain is not None:
-        z = z * (1.0 + gain) if kind == "rmsnorm_1p" else z * gain
+        z = z * gain
     if bias is not None:
         z = z + bias
     return z
 
 
-def effective_gain(kind: str, gain: torch.Tensor | None, d: int) -> torch.Tensor:
-    """The per-dimension factor the output is scaled by: gain, 1 + gain, or ones."""
-    if gain is None:
-        return torch.ones(d)
-    return 1.0 + gain if kind == "rmsnorm_1p" else gain
+def legacy_centered(kind: str) -> bool:
+    """Format version 1 stored no `centered` column: only its `layernorm` kind centred."""
+    return kind == "layernorm"
+
+
+def legacy_gain(kind: str, gain: torch.Tensor | None) -> torch.Tensor | None:
+    """Format version 1 stored Gemma's raw weight for `rmsnorm_1p`: its effective gain is
+    1 + weight (version 2 stores the effective gain for every kind)."""
+    return 1.0 + gain if kind == "rmsnorm_1p" and gain is not None else gain

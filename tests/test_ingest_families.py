@@ -61,16 +61,17 @@ def _reference(family: str, path: Path) -> tuple[dict[str, list[tuple[np.ndarray
     return captured, ids
 
 
-def _ref_output(kind: str, x: np.ndarray, gain: np.ndarray | None, bias: np.ndarray | None,
-                eps: float) -> np.ndarray:
+def _ref_output(centered: bool, x: np.ndarray, gain: np.ndarray | None,
+                bias: np.ndarray | None, eps: float) -> np.ndarray:
+    """The one formula of format version 2: gain and bias are the effective ones."""
     d = x.shape[-1]
-    if kind == "layernorm":
+    if centered:
         xc = x - x.mean(-1, keepdims=True)
         z = xc / np.sqrt((xc**2).sum(-1, keepdims=True) / d + eps)
     else:
         z = x / np.sqrt((x**2).sum(-1, keepdims=True) / d + eps)
     if gain is not None:
-        z = z * ((1.0 + gain) if kind == "rmsnorm_1p" else gain)
+        z = z * gain
     return z + bias if bias is not None else z
 
 
@@ -81,8 +82,8 @@ def test_family_round_trip(family: str, family_store: Callable[[str], Path],
     captured, ref_ids = _reference(family, model_dir(family))
     con = duckdb.connect(str(store / "catalog.duckdb"), read_only=True)
     sites = con.execute(
-        "SELECT site, role, kind, d, n_heads, eps, module, has_gain, has_bias, max_rel_error "
-        "FROM sites WHERE model = ? ORDER BY site_id", [family]).fetchall()
+        "SELECT site, role, kind, d, n_heads, eps, module, has_gain, has_bias, max_rel_error, "
+        "centered FROM sites WHERE model = ? ORDER BY site_id", [family]).fetchall()
     prompt_rows = con.execute(
         "SELECT p.text, r.row_start, r.n_tokens FROM prompt_runs r JOIN prompts p USING "
         "(prompt_id) WHERE r.model = ?", [family]).fetchall()
@@ -105,13 +106,20 @@ def test_family_round_trip(family: str, family_store: Callable[[str], Path],
 
     group = zarr.open_group(str(store / "tensors.zarr"), mode="r")
     start = {text: (row, n) for text, row, n in prompt_rows}
-    for site, _role, kind, d, n_heads, eps, module, has_gain, has_bias, err in sites:
+    model, _ = load_tiny_model(family, model_dir(family))
+    modules = dict(model.named_modules())
+    for site, _role, kind, d, n_heads, eps, module, has_gain, has_bias, err, centered in sites:
+        assert centered == (kind == "layernorm")
         acts = group[f"models/{model_id}/acts/{site}"]
         gain = np.asarray(group[f"models/{model_id}/sites/{site}/gain"][...], np.float64) \
             if has_gain else None
         bias = np.asarray(group[f"models/{model_id}/sites/{site}/bias"][...], np.float64) \
             if has_bias else None
         assert err is not None and err < 1e-2
+        # The stored gain is the effective one: Gemma's 1 + weight, the weight elsewhere.
+        weight = modules[module].weight.detach().double().numpy()
+        np.testing.assert_allclose(gain, 1.0 + weight if kind.endswith("_1p") else weight,
+                                   rtol=1e-6, atol=1e-6)
         for i, text in enumerate(PROMPTS):
             row, n = start[text]
             x_ref, y_ref = captured[module][i]
@@ -125,7 +133,7 @@ def test_family_round_trip(family: str, family_store: Callable[[str], Path],
             assert rel.max() < 2e-3, (site, rel.max())
             np.testing.assert_allclose(norm, np.linalg.norm(x_ref, axis=-1), rtol=1e-5)
             np.testing.assert_allclose(mean, x_ref.mean(-1), atol=1e-5 * norm.max())
-            y = _ref_output(kind, x, gain, bias, eps)
+            y = _ref_output(centered, x, gain, bias, eps)
             rel_y = np.linalg.norm(y - y_ref, axis=-1) / np.linalg.norm(y_ref, axis=-1)
             assert rel_y.max() < 5e-3, (site, kind, rel_y.max())
 

@@ -17,9 +17,9 @@ class SiteSink:
     """Turns each hooked (input, output) into stored fields and a faithfulness figure."""
 
     def __init__(self, found: list[FoundSite], device: torch.device) -> None:
-        self.by_module = {f.record.module: f for f in found}
+        self.by_module = {path: (f, i) for f in found for i, (path, _) in enumerate(f.hooks)}
         self.params = {
-            f.record.module: (
+            f.record.site: (
                 f.gain.float().to(device) if f.gain is not None else None,
                 f.bias.float().to(device) if f.bias is not None else None,
             )
@@ -28,25 +28,40 @@ class SiteSink:
         self.mask = torch.zeros(0, dtype=torch.bool)
         self.out: dict[str, ActBatch] = {}
         self.errors: dict[str, float] = {}
+        self._heads: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def start(self, mask: torch.Tensor) -> None:
+        """A new forward pass over a batch whose real tokens are `mask` [B, T]."""
+        self.mask = mask
+        self.out, self.errors, self._heads = {}, {}, {}
 
     @torch.no_grad()
     def __call__(self, module_path: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        f = self.by_module[module_path]
+        f, head = self.by_module[module_path]
         s = f.record
         if s.site in self.out:
             return  # a module called twice in one pass: keep its first call
+        if f.layout == "list":  # one module per head: stack the heads when all have run
+            parts = self._heads.setdefault(s.site, {})
+            parts.setdefault(head, (x, y))
+            if len(parts) < len(f.hooks):
+                return
+            x = torch.stack([parts[i][0] for i in range(len(f.hooks))], dim=-2)  # [B, T, H, d]
+            y = torch.stack([parts[i][1] for i in range(len(f.hooks))], dim=-2)
+        elif f.layout == "bhtd":
+            x, y = x.transpose(1, 2), y.transpose(1, 2)  # [B, T, H, d]
         b, t = self.mask.shape
         x = x.reshape(b, t, *x.shape[-(2 if s.n_heads else 1):])[self.mask].float()
         y = y.reshape(b, t, *y.shape[-(2 if s.n_heads else 1):])[self.mask].float()
         direction, norm, mean = norms.split(x)  # [n, (h,) d], [n, (h)], [n, (h)]
         direction16 = direction.half()
-        gain, bias = self.params[module_path]
+        gain, bias = self.params[s.site]
         rebuilt = direction16.float() * norm.unsqueeze(-1)
-        y_hat = norms.apply(s.kind, rebuilt, gain=gain, bias=bias, eps=s.eps)
+        y_hat = norms.apply(bool(s.centered), rebuilt, gain=gain, bias=bias, eps=s.eps)
         err = torch.linalg.vector_norm(y_hat - y, dim=-1) / (
             torch.linalg.vector_norm(y, dim=-1) + 1e-6)
         worst = float(err.max()) if err.numel() else 0.0
-        if worst > FAITHFULNESS_LIMIT:
+        if not worst <= FAITHFULNESS_LIMIT:
             raise IngestError(
                 f"site {s.site!r} ({s.module}, kind {s.kind}): the output recomputed from the "
                 f"stored fields differs from the module's output by {worst:.3g} (relative), "

@@ -23,6 +23,7 @@ from ..store.store import ActBatch, Store
 from .capture import on_norm_io
 from .fields import SiteSink
 from .load import LoadedModel, load
+from .logits import LOGIT_LIMIT, LogitCheck, LogitTransform, measure_logits, model_logits
 from .prompts import Prompt, PromptsLike, extra_columns, read_prompts
 from .rows import Work, batch_tables
 from .sites import FoundSite, find_sites
@@ -30,6 +31,9 @@ from .sites import FoundSite, find_sites
 # Batches are buffered to at least this many token rows before a write and commit: fewer
 # DuckDB transactions and partial-chunk rewrites (a crash loses at most this much work).
 _FLUSH_TOKENS = 2048
+# Every this many batches (and the first), logits are recomputed from the store and compared
+# with the model's: the LM head runs on a few positions only, so the ingest stays fast.
+_LOGIT_CHECK_EVERY = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,12 +99,19 @@ def ingest(
     model_name = name or loaded.default_name
     limit = _length_limit(loaded, max_length)
     ids, truncated = _tokenize(loaded.tokenizer, [p.text for p in prompt_list], limit)
-    sample = _pad(loaded, [i[:16] for i in ids[:2]])
-    found, n_layers = find_sites(loaded.model, sample, sites_glob=sites)
+    sample, sample_alt = _probe_batch(loaded, ids, 11), _probe_batch(loaded, ids, 7)
+    found, n_layers = find_sites(loaded.model, sample, sample_alt, sites_glob=sites)
+    head = _lm_head(loaded.model)
+    final = next((f for f in found if f.record.role == "final"), None)
+    transform = None
+    if head is not None and final is not None:
+        transform = measure_logits(loaded.model, sample, final, head,
+                                   _forward_kwargs(loaded.model), model_name)
 
     started = time.perf_counter()
     with Store.open_or_create(store) as st:
-        reg = _register(st, loaded, found, n_layers, model_name, sites, limit, chunk_tokens)
+        reg = _register(st, loaded, found, n_layers, model_name, sites, limit, chunk_tokens,
+                        transform)
         record = reg.record
         work = _plan_work(st, record.model, prompt_list, ids, truncated)
         records = [f.record for f in found]
@@ -113,7 +124,12 @@ def ingest(
         )
         if on_plan:
             on_plan(plan)
-        errors = _run(st, loaded, reg, found, work, batch_size, progress)
+        check = None
+        if head is not None and final is not None and reg.record.has_lm_head:
+            recorded = LogitTransform(scale=reg.record.logit_scale,
+                                      softcap=reg.record.logit_softcap, error=0.0)
+            check = LogitCheck(final, head, recorded, loaded.device)
+        errors = _run(st, loaded, reg, found, work, batch_size, progress, check)
     return IngestSummary(
         model=record.model, store=os.fspath(store), prompts_total=len(prompt_list),
         prompts_new=len(work), prompts_skipped=len(prompt_list) - len(work),
@@ -151,6 +167,22 @@ def _pad(loaded: LoadedModel, ids: list[list[int]]) -> dict[str, torch.Tensor]:
         input_ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
         mask[b, : len(row)] = 1
     return {"input_ids": input_ids.to(loaded.device), "attention_mask": mask.to(loaded.device)}
+
+
+def _probe_batch(loaded: LoadedModel, ids: list[list[int]], length: int
+                 ) -> dict[str, torch.Tensor]:
+    """3 unpadded rows of `length` real tokens (the prompts' own, cycled): sizes chosen so
+    that batch, length and a head count are unlikely to collide, and two lengths tell apart
+    the token axis where they do."""
+    pool = [t for row in ids for t in row] or [int(loaded.tokenizer.eos_token_id or 0)]
+    rows = [[pool[(r * length + j) % len(pool)] for j in range(length)] for r in range(3)]
+    return _pad(loaded, rows)
+
+
+def _lm_head(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(getattr(head, "weight", None), torch.Tensor) else None
 
 
 def _bytes_per_token(s: SiteRecord) -> int:
@@ -198,14 +230,15 @@ class _Registration:
 def _register(
     st: Store, loaded: LoadedModel, found: list[FoundSite], n_layers: int, name: str,
     sites_glob: str | None, limit: int | None, chunk_tokens: int | None,
+    transform: LogitTransform | None,
 ) -> _Registration:
     """The model's catalog record, and for a new model the work of registering it: that
     runs first on the commit thread, overlapping the first forward passes."""
     records = [f.record for f in found]
     existing = st.catalog.model(name)
     if existing is not None:
-        have = [(s.site, s.kind, s.d, s.n_heads) for s in st.catalog.sites(name)]
-        want = [(s.site, s.kind, s.d, s.n_heads) for s in records]
+        have = [(s.site, s.d, s.n_heads) for s in st.catalog.sites(name)]
+        want = [(s.site, s.d, s.n_heads) for s in records]
         if have != want:
             raise IngestError(
                 f"model {name!r} is already in the store with other sites; "
@@ -222,7 +255,6 @@ def _register(
     vocab_size = (lm_head.shape[0] if lm_head is not None else embed.shape[0])
     final = next((s.site for s in records if s.role == "final"), None)
     widest = max(s.d * (s.n_heads or 1) for s in records)
-    softcap = getattr(config, "final_logit_softcapping", None)
     record = ModelRecord(
         model=name, model_id=st.catalog.next_model_id(), source=loaded.source,
         revision=loaded.revision,
@@ -232,13 +264,14 @@ def _register(
         tied_embeddings=tied, final_site=final, dtype=str(loaded.dtype).removeprefix("torch."),
         max_length=limit, sites_glob=sites_glob,
         chunk_tokens=chunk_tokens or default_chunk_tokens(widest), n_rows=0,
-        logit_softcap=float(softcap) if softcap else None,
+        logit_softcap=transform.softcap if transform else None,
+        logit_scale=transform.scale if transform else None,
         config=config.to_dict() if config is not None and hasattr(config, "to_dict") else {},
     )
     params = {
         f.record.site: (
-            f.gain.float().cpu().numpy() if f.gain is not None else None,
-            f.bias.float().cpu().numpy() if f.bias is not None else None,
+            f.gain.float().numpy() if f.gain is not None else None,
+            f.bias.float().numpy() if f.bias is not None else None,
         )
         for f in found
     }
@@ -286,7 +319,7 @@ def _forward_kwargs(model: nn.Module) -> dict[str, Any]:
 
 def _run(
     st: Store, loaded: LoadedModel, reg: _Registration, found: list[FoundSite],
-    work: list[Work], batch_size: int, progress: bool,
+    work: list[Work], batch_size: int, progress: bool, check: LogitCheck | None,
 ) -> dict[str, float]:
     record, token_str = reg.record, reg.token_str
     records = [f.record for f in found]
@@ -297,7 +330,9 @@ def _run(
     worst: dict[str, float] = {}
     # Batches are buffered up to one chunk of rows, then written and committed together:
     # fewer partial-chunk rewrites, and each commit is still all-or-nothing.
-    pending: list[tuple[list[Work], dict[str, ActBatch], dict[str, float]]] = []
+    pending: list[tuple[list[Work], dict[str, ActBatch], dict[str, float], float | None]] = []
+    full_extra = _forward_kwargs(loaded.model)
+    keeps = "logits_to_keep" in inspect.signature(loaded.model.forward).parameters
 
     def flush() -> int:
         works = [w for p in pending for w in p[0]]
@@ -309,6 +344,7 @@ def _run(
             for s in records
         }
         errors: dict[str, float] = {}
+        logit_errors = [p[3] for p in pending if p[3] is not None]
         for p in pending:
             for k, v in p[2].items():
                 errors[k] = max(errors.get(k, 0.0), v)
@@ -323,6 +359,7 @@ def _run(
         in_flight.append(committer.submit(
             st.commit_batch, record, start=start, acts=acts, new_prompts=new_prompts,
             prompt_runs=runs, tokens=tokens, site_errors=errors,
+            logit_error=max(logit_errors) if logit_errors else None,
         ))
         return start + tokens.num_rows
 
@@ -343,14 +380,34 @@ def _run(
         for i in range(0, len(work), batch_size):
             batch = work[i : i + batch_size]
             inputs = _pad(loaded, [w.ids for w in batch])
-            sink.mask = inputs["attention_mask"].bool()
-            sink.out, sink.errors = {}, {}
+            mask = inputs["attention_mask"].bool()
+            sink.start(mask)
+            logit_error = None
+            # The first batch and a sample after also run the LM head, at a few positions,
+            # so that logits recomputed from the store are compared with the model's own.
+            checked = check is not None and (i // batch_size) % _LOGIT_CHECK_EVERY == 0
             with torch.no_grad():
-                backbone(**inputs, **extra)
+                if check is not None and checked:
+                    positions = check.positions(mask.shape[1])
+                    kw = {"logits_to_keep": positions.to(loaded.device)} if keeps else {}
+                    out = loaded.model(**inputs, **full_extra, **kw)
+                    real = model_logits(out)
+                    real = real if keeps else real[:, positions.to(real.device)]
+                else:
+                    backbone(**inputs, **extra)
             missing = [s.site for s in records if s.site not in sink.out]
             if missing:
                 raise IngestError(f"sites {missing} did not run in the forward pass")
-            pending.append((batch, sink.out, sink.errors))
+            if check is not None and checked:
+                logit_error = check.error(real, sink.out[check.final.record.site], mask,
+                                          positions)
+                if not logit_error <= LOGIT_LIMIT:
+                    raise IngestError(
+                        f"model {record.model!r}: logits recomputed from the stored final-site "
+                        f"fields differ from the model's own by {logit_error:.3g} (relative), "
+                        f"more than {LOGIT_LIMIT}; nothing of this batch was stored"
+                    )
+            pending.append((batch, sink.out, sink.errors, logit_error))
             n = sum(len(w.ids) for w in batch)
             buffered += n
             if buffered >= max(record.chunk_tokens, _FLUSH_TOKENS) or i + batch_size >= len(work):

@@ -1,9 +1,11 @@
 """Find a model's normalization sites by behaviour, and give each a role and a canonical name.
 
 No per-model table: a site is any `nn.LayerNorm` or module whose class name ends in `RMSNorm`
-or `LayerNorm`; its kind is decided by calling it on a probe input and seeing which formula
-reproduces the output; its role by where it runs in one forward pass relative to its block's
-attention and MLP, and whether its input is the attention output (a post-norm) or the residual.
+or `LayerNorm`; what it computes is measured by probing it (probe.py); its layout (token and
+head axes) from its input shapes at two sequence lengths; its role by where it runs in one
+forward pass relative to its block's attention and MLP, whether its input is the attention
+output (a post-norm) or the residual, and whether its output feeds a projection of its own
+sublayer (`inner`: a latent's norm, a sub-norm before an output projection).
 """
 
 from __future__ import annotations
@@ -15,29 +17,36 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import norms
 from ..errors import ModelLoadError
 from ..store.records import SiteRecord
 from .capture import Call, record_calls
+from .probe import measure_norm
 
 _ATTN = re.compile(r"(^|_)(self_)?(attn|attention|self_attention)$")
 _MLP = re.compile(r"^(mlp|feed_forward|ffn|intermediate|feedforward|block_sparse_moe)$")
-_Q = re.compile(r"(^|_)(q|query)_?(norm|layernorm|ln)$")
-_K = re.compile(r"(^|_)(k|key)_?(norm|layernorm|ln)$")
-_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "rms_norm_eps")
+_Q = re.compile(r"(^|_)(q|query)_?(norm|layernorm|ln)s?$")
+_K = re.compile(r"(^|_)(k|key)_?(norm|layernorm|ln)s?$")
 _SHORT = {"pre_attn": "ln1", "pre_mlp": "ln2", "post_attn": "ln1_post", "post_mlp": "ln2_post",
           "q_norm": "attn.q_norm", "k_norm": "attn.k_norm"}
-_KIND_TOLERANCE = 1e-3
 
 
 @dataclass(frozen=True, kw_only=True)
 class FoundSite:
-    """A site with the live module it hooks and its parameters."""
+    """A site with the live modules it hooks (one, or one per head) and its measured affine.
+
+    `layout` says where tokens and heads sit in the hooked input: `btd` ([B, T, d] or its
+    [B*T, d] flattening), `bthd`, `bhtd`, or `list` (one module per head, each [B, T, d]).
+    """
 
     record: SiteRecord
-    module: nn.Module
-    gain: torch.Tensor | None
+    hooks: tuple[tuple[str, nn.Module], ...]
+    layout: str
+    gain: torch.Tensor | None  # float64 [d], or [heads, d] for a list of per-head modules
     bias: torch.Tensor | None
+
+    @property
+    def module(self) -> nn.Module:
+        return self.hooks[0][1]
 
 
 def is_norm_module(module: nn.Module) -> bool:
@@ -45,39 +54,38 @@ def is_norm_module(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) or name.endswith(("RMSNorm", "LayerNorm"))
 
 
-def _param(module: nn.Module, name: str) -> torch.Tensor | None:
-    p = getattr(module, name, None)
-    return p.detach() if isinstance(p, torch.Tensor) else None
+def _is_projection(module: nn.Module) -> bool:
+    """A leaf with a matrix weight (nn.Linear, GPT-2's Conv1D, ...)."""
+    w = getattr(module, "weight", None)
+    return isinstance(w, torch.Tensor) and w.dim() == 2 and not any(module.children())
 
 
-def _eps(module: nn.Module) -> float:
-    for attr in _EPS_ATTRS:
-        v = getattr(module, attr, None)
-        if isinstance(v, int | float):
-            return float(v)
-    return 1e-6
+def _head_lists(norms_by_path: dict[str, nn.Module], model: nn.Module) -> dict[str, list[str]]:
+    """ModuleLists whose children are all norm modules: one per-head site each."""
+    out: dict[str, list[str]] = {}
+    for path, m in model.named_modules():
+        if (isinstance(m, nn.ModuleList) and len(m) > 1
+                and all(f"{path}.{i}" in norms_by_path for i in range(len(m)))):
+            out[path] = [f"{path}.{i}" for i in range(len(m))]
+    return out
 
 
-@torch.no_grad()
-def probe_kind(module: nn.Module, width: int, eps: float) -> tuple[str, float]:
-    """Call the module on a shifted random input; the kind whose formula reproduces it wins."""
-    p = next(module.parameters(), None)
-    dtype = p.dtype if p is not None else torch.float32
-    device = p.device if p is not None else torch.device("cpu")
-    gen = torch.Generator().manual_seed(1234)
-    x = torch.randn(3, 5, width, generator=gen) * 2.0 + 0.75  # off-centre tells LN from RMS
-    y = module(x.to(device=device, dtype=dtype))
-    y = (y[0] if isinstance(y, tuple) else y).float().cpu()
-    gain, bias = _param(module, "weight"), _param(module, "bias")
-    g = gain.float().cpu() if gain is not None else None
-    b = bias.float().cpu() if bias is not None else None
-    best, best_err = "", float("inf")
-    for kind in norms.KINDS:
-        ref = norms.apply(kind, x, gain=g, bias=b, eps=eps)
-        err = float((ref - y).norm() / y.norm().clamp_min(1e-12))
-        if err < best_err:
-            best, best_err = kind, err
-    return best, best_err
+def _layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b: int, t1: int, t2: int
+            ) -> tuple[str, int | None] | None:
+    """(layout, heads) from the input shapes at two sequence lengths: the axis that follows
+    the length is the token axis, so a head count equal to B or T cannot mislead."""
+    if len(shape1) != len(shape2) or shape1[-1] != shape2[-1]:
+        return None
+    if len(shape1) == 3 and shape1[:2] == (b, t1) and shape2[:2] == (b, t2):
+        return "btd", None
+    if len(shape1) == 2 and shape1[0] == b * t1 and shape2[0] == b * t2:
+        return "btd", None
+    if len(shape1) == 4 and shape1[0] == b == shape2[0]:
+        if shape1[1] == t1 and shape2[1] == t2 and shape1[2] == shape2[2]:
+            return "bthd", shape1[2]
+        if shape1[2] == t1 and shape2[2] == t2 and shape1[1] == shape2[1]:
+            return "bhtd", shape1[1]
+    return None
 
 
 def _block_list(model: nn.Module, norm_paths: list[str]) -> tuple[str, nn.ModuleList] | None:
@@ -96,16 +104,17 @@ def _children_matching(block: nn.Module, pattern: re.Pattern[str]) -> list[str]:
     return [n for n, c in block.named_children() if pattern.search(n) and not is_norm_module(c)]
 
 
-def _role(
-    leaf: str, call: Call, attn: Call | None, mlp: Call | None, in_attn: bool, in_mlp: bool
-) -> str:
+def _role(leaf: str, call: Call, attn: Call | None, mlp: Call | None, sublayer: str | None,
+          feeds_inside: bool) -> str:
     if _Q.search(leaf):
         return "q_norm"
     if _K.search(leaf):
         return "k_norm"
-    if in_attn:
+    if feeds_inside:
+        return "inner"  # its output feeds a projection of its own sublayer: never the residual
+    if sublayer == "attn":
         return "post_attn"  # e.g. BERT's attention.output.LayerNorm(residual + attn)
-    if in_mlp:
+    if sublayer == "mlp":
         return "post_mlp"
     if attn is None:
         return "other"
@@ -127,13 +136,25 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
 
 
+def _feeds(out: torch.Tensor | None, into: torch.Tensor | None) -> bool:
+    """`out` is what `into` received, up to a reshape (heads merged, tokens flattened)."""
+    return (out is not None and into is not None and out.numel() == into.numel()
+            and out.dtype == into.dtype and torch.equal(out.reshape(-1), into.reshape(-1)))
+
+
 def find_sites(
-    model: nn.Module, sample: dict[str, torch.Tensor], *, sites_glob: str | None = None
+    model: nn.Module,
+    sample: dict[str, torch.Tensor],
+    sample_alt: dict[str, torch.Tensor],
+    *,
+    sites_glob: str | None = None,
 ) -> tuple[list[FoundSite], int]:
     """All norm sites of `model` in call order, and the number of blocks.
 
-    `sample` is a tokenized batch to run once; `sites_glob` (comma-separated globs matched
-    against canonical names and module paths) keeps a subset.
+    `sample` and `sample_alt` are unpadded batches of the same batch size and different
+    lengths (the layouts of per-head inputs are read from how their shapes follow the
+    length); `sites_glob` (comma-separated globs matched against canonical names and module
+    paths) keeps a subset.
     """
     norm_modules = {p: m for p, m in model.named_modules() if p and is_norm_module(m)}
     # A norm nested inside another norm module is part of it, not a site of its own.
@@ -146,31 +167,60 @@ def find_sites(
             f"model {type(model).__name__!r} has no normalization modules (no nn.LayerNorm, "
             "and no module whose class name ends in 'RMSNorm' or 'LayerNorm')"
         )
+    lists = _head_lists(norm_modules, model)
     blocks = _block_list(model, list(norm_modules))
     block_path, block_list = blocks if blocks else ("", nn.ModuleList())
     watched: dict[str, nn.Module] = dict(norm_modules)
+    sublayers: dict[str, str] = {}  # path of each block's attention / MLP -> "attn" / "mlp"
     for i, block in enumerate(block_list):
         prefix = f"{block_path}.{i}"
         watched[prefix] = block
-        for child in _children_matching(block, _ATTN) + _children_matching(block, _MLP):
-            watched[f"{prefix}.{child}"] = getattr(block, child)
+        for kind, pattern in (("attn", _ATTN), ("mlp", _MLP)):
+            for child in _children_matching(block, pattern):
+                sublayers[f"{prefix}.{child}"] = kind
+                watched[f"{prefix}.{child}"] = getattr(block, child)
+                for sub, m in getattr(block, child).named_modules():
+                    if sub and _is_projection(m):
+                        watched[f"{prefix}.{child}.{sub}"] = m
 
     with torch.no_grad(), record_calls(watched) as log:
         model(**sample)
+    with torch.no_grad(), record_calls(norm_modules) as log_alt:
+        model(**sample_alt)
+    b, t1 = sample["input_ids"].shape
+    t2 = sample_alt["input_ids"].shape[1]
 
     block_calls = [log.calls.get(f"{block_path}.{i}", [None])[0] for i in range(len(block_list))]
     first_block = min((c.start for c in block_calls if c), default=0)
     n_layers = len(block_list)
-    found: list[tuple[int, SiteRecord, nn.Module]] = []
+    found: list[tuple[int, SiteRecord, FoundSite]] = []
     used: set[str] = set()
-    for path, module in norm_modules.items():
+    in_list = {c: lp for lp, children in lists.items() for c in children}
+    for path in norm_modules:
         calls = log.calls.get(path)
         if not calls or calls[0].input is None:
             continue  # never runs in a forward pass: nothing to capture
+        if path in in_list and not path.endswith(".0"):
+            continue  # a per-head list is one site, found at its first head
         call = calls[0]
         assert call.input is not None
-        leaf = path.rsplit(".", 1)[-1]
-        layer, role = _place(path, call, log.calls, block_path, n_layers, first_block, leaf)
+        alt = log_alt.calls.get(path)
+        shape2 = tuple(alt[0].input.shape) if alt and alt[0].input is not None else ()
+        site_path = in_list.get(path, path)
+        layout = _layout(tuple(call.input.shape), shape2, b, t1, t2)
+        if layout is None:
+            raise ModelLoadError(
+                f"norm module {path!r} sees inputs of shape {tuple(call.input.shape)} for a "
+                f"batch of {b} x {t1} tokens (and {shape2} for {b} x {t2}); actdb knows the "
+                "layouts [B, T, d], [B*T, d], [B, T, H, d], [B, H, T, d] and per-head lists"
+            )
+        kind_layout, heads = layout
+        members = [site_path] if site_path == path else lists[site_path]
+        if site_path != path:
+            kind_layout, heads = "list", len(members)
+        leaf = site_path.rsplit(".", 1)[-1]
+        layer, role = _place(site_path, call, log.calls, block_path, n_layers, first_block,
+                             leaf, sublayers)
         short = _SHORT.get(role, leaf)
         name = role if role in ("embed", "final") else (
             f"blocks.{layer}.{short}" if 0 <= layer < n_layers else leaf
@@ -179,35 +229,45 @@ def find_sites(
         while name in used:
             name, k = f"{base}_{k}", k + 1
         used.add(name)
-        eps = _eps(module)
-        width = call.input.shape[-1]
-        kind, err = probe_kind(module, width, eps)
-        if err > _KIND_TOLERANCE:
+        width = int(call.input.shape[-1])
+        fits = [measure_norm(norm_modules[m], width, dtype=call.input.dtype,
+                             device=call.input.device, name=m) for m in members]
+        fit = fits[0]
+        if any(f.centered != fit.centered or f.eps != fit.eps for f in fits):
             raise ModelLoadError(
-                f"norm module {path!r} ({type(module).__name__}) matches none of the kinds "
-                f"{norms.KINDS} (best {kind!r}, relative error {err:.2g})"
+                f"per-head norm modules {site_path!r} differ in centring or eps; actdb stores "
+                "one formula per site"
             )
-        heads = call.input.shape[-2] if call.input.dim() == 4 else None
-        gain, bias = _param(module, "weight"), _param(module, "bias")
+        gain, bias = fit.gain, fit.bias
+        if len(fits) > 1:
+            ones, zeros = torch.ones(width, dtype=torch.float64), torch.zeros(width,
+                                                                              dtype=torch.float64)
+            gains = [f.gain for f in fits]
+            biases = [f.bias for f in fits]
+            gain = None if all(g is None for g in gains) else torch.stack(
+                [ones if g is None else g for g in gains])
+            bias = None if all(v is None for v in biases) else torch.stack(
+                [zeros if v is None else v for v in biases])
         rec = SiteRecord(
-            site=name, site_id=0, layer=layer, role=role, kind=kind, d=int(width),
-            n_heads=int(heads) if heads else None, eps=eps, module=path,
-            has_gain=gain is not None, has_bias=bias is not None,
+            site=name, site_id=0, layer=layer, role=role, kind=fit.kind, d=width,
+            n_heads=int(heads) if heads else None, eps=fit.eps, module=site_path,
+            has_gain=gain is not None, has_bias=bias is not None, centered=fit.centered,
         )
-        found.append((call.start, rec, module))
+        hooks = tuple((m, norm_modules[m]) for m in members)
+        found.append((call.start, rec, FoundSite(record=rec, hooks=hooks, layout=kind_layout,
+                                                 gain=gain, bias=bias)))
 
     found.sort(key=lambda t: t[0])
     globs = [g.strip() for g in sites_glob.split(",")] if sites_glob else None
     out: list[FoundSite] = []
-    for _, rec, module in found:
+    for _, rec, f in found:
         if globs and not any(
             fnmatch.fnmatchcase(rec.site, g) or fnmatch.fnmatchcase(rec.module, g) for g in globs
         ):
             continue
         rec = SiteRecord(**{**rec.__dict__, "site_id": len(out)})
-        out.append(FoundSite(
-            record=rec, module=module, gain=_param(module, "weight"), bias=_param(module, "bias")
-        ))
+        out.append(FoundSite(record=rec, hooks=f.hooks, layout=f.layout, gain=f.gain,
+                             bias=f.bias))
     if not out:
         raise ModelLoadError(f"no norm site matches --sites {sites_glob!r}")
     return out, n_layers
@@ -221,21 +281,26 @@ def _place(
     n_layers: int,
     first_block: int,
     leaf: str,
+    sublayers: dict[str, str],
 ) -> tuple[int, str]:
-    """(layer, role) of a norm from where it ran."""
+    """(layer, role) of a norm from where it ran and where its output went."""
     m = re.match(re.escape(block_path) + r"\.(\d+)\.(.*)$", path) if block_path else None
     if m is None:
         if call.start < first_block:
             return -1, "embed"
         return n_layers, "final"
-    layer, rest = int(m.group(1)), m.group(2)
-    prefix = f"{block_path}.{layer}"
-    attn_name = next((k for k in calls if k.startswith(prefix + ".") and _ATTN.search(
-        k[len(prefix) + 1:])), None)
-    mlp_name = next((k for k in calls if k.startswith(prefix + ".") and _MLP.search(
-        k[len(prefix) + 1:])), None)
+    layer = int(m.group(1))
+    prefix = f"{block_path}.{layer}."
+    attn_name = next((k for k, v in sublayers.items() if v == "attn" and k.startswith(prefix)
+                      and k in calls), None)
+    mlp_name = next((k for k, v in sublayers.items() if v == "mlp" and k.startswith(prefix)
+                     and k in calls), None)
     attn = calls[attn_name][0] if attn_name else None
     mlp = calls[mlp_name][0] if mlp_name else None
-    in_attn = attn_name is not None and rest.startswith(attn_name[len(prefix) + 1:] + ".")
-    in_mlp = mlp_name is not None and rest.startswith(mlp_name[len(prefix) + 1:] + ".")
-    return layer, _role(leaf, call, attn, mlp, in_attn, in_mlp)
+    inside = next((k for k in (attn_name, mlp_name) if k and path.startswith(k + ".")), None)
+    sublayer = sublayers[inside] if inside else None
+    feeds_inside = inside is not None and any(
+        _feeds(call.output, c[0].input) for k, c in calls.items()
+        if k.startswith(inside + ".") and k not in sublayers and c
+    )
+    return layer, _role(leaf, call, attn, mlp, sublayer, feeds_inside)

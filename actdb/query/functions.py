@@ -94,7 +94,7 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
         name="cosine_to_anchor", params=(V, _p("token", TOKEN), _p("anchors", ANCHORS, True)),
         returns="DOUBLE", kernel=kernels.cosine_to_anchor,
         doc="cosine of v with the token's anchor; anchors: 'unembed' (default with an LM head), "
-            "'embed' or 'unembed_folded'",
+            "'embed' or 'unembed_folded'; NULL on inner, q_norm and k_norm sites",
     ),
     TensorFunction(
         name="nearest_anchors", params=(V, _p("k", INT), _p("anchors", ANCHORS, True)),
@@ -117,17 +117,21 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
     ),
     TensorFunction(
         name="logit", params=(V, _p("token", TOKEN)), returns="DOUBLE", kernel=kernels.logit,
-        doc="logit lens: W_U[t] . final_norm(v) + b_U[t]; at the final site, the model's logit",
+        doc="logit lens: the model's logit transform (scale, soft-cap; see models) of "
+            "W_U[t] . final_norm(v) + b_U[t]; at the final site, the model's logit; NULL on "
+            "inner, q_norm and k_norm sites",
     ),
     TensorFunction(
         name="logit_contribution", params=(V, _p("dim", INT), _p("token", TOKEN)),
         returns="DOUBLE", kernel=kernels.logit_contribution,
-        doc="final_norm(v)[dim] * W_U[t, dim]; summed over dims it is logit - b_U[t]",
+        doc="final_norm(v)[dim] * W_U[t, dim]; summed over dims it is the pre-transform logit "
+            "minus b_U[t]: logit - b_U[t] without a scale or cap, else logit = "
+            "cap * tanh(scale * (sum + b_U[t]) / cap)",
     ),
     TensorFunction(
         name="top_logits", params=(V, _p("k", INT)), returns=TOP_LOGITS,
         kernel=kernels.top_logits, doc="the k tokens with the largest logit: list of "
-                                       "{token_id, token, logit}",
+                                       "{token_id, token, logit} (logits as in logit())",
     ),
     TensorFunction(
         name="uniform_angle", params=(V,), returns="DOUBLE", kernel=kernels.uniform_angle,
@@ -159,7 +163,8 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
     ),
     TensorFunction(
         name="final_norm", params=(V,), returns="vec", view="final_norm",
-        doc="view: v passed through the model's final norm",
+        doc="view: v passed through the model's final norm; NULL on inner, q_norm and k_norm "
+            "sites",
     ),
     TensorFunction(
         name="to_list", params=(V,), returns="FLOAT[]", kernel=kernels.to_list,

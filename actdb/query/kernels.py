@@ -8,6 +8,7 @@ view) group and computed with torch on the source's device; never one Python cal
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ import pyarrow as pa
 import torch
 
 from ..errors import QueryError
-from .vectors import Group, VectorSource
+from .vectors import OFF_STREAM_ROLES, Group, VectorSource
 
 _BLOCK = 512  # rows per matrix product against a whole vocabulary
 
@@ -57,9 +58,17 @@ def _final_normed(src: VectorSource, g: Group) -> torch.Tensor:
     return src.apply_view(g.model, g.site, "final_norm", g.x, g.mean if g.view == "raw" else None)
 
 
-def _softcap(model: Any, logits: torch.Tensor) -> torch.Tensor:
-    cap = model.logit_softcap
-    return cap * torch.tanh(logits / cap) if cap else logits
+def _to_logits(model: Any, pre: torch.Tensor) -> torch.Tensor:
+    """The model's own transform after its LM head (measured at ingest): a scale, then a
+    soft-cap. `pre` is W_U . final_norm(v) + b_U."""
+    scale, cap = model.logit_scale, model.logit_softcap
+    out = pre * scale if scale is not None else pre
+    return cap * torch.tanh(out / cap) if cap else out
+
+
+def _lm_groups(src: VectorSource, h: np.ndarray) -> Iterator[Group]:
+    """Groups whose vectors can meet the LM head; rows of the others stay NULL."""
+    return (g for g in src.groups(h) if g.site.role not in OFF_STREAM_ROLES)
 
 
 def _degrees(cos: torch.Tensor) -> torch.Tensor:
@@ -105,7 +114,7 @@ def _per_value(args: list[Arg], index: np.ndarray) -> dict[tuple[Any, ...], np.n
 
 def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg,
                      ttype: Arg, anchors: Arg) -> None:
-    for g in src.groups(h):
+    for g in _lm_groups(src, h):
         _require_width("cosine_to_anchor", g, g.model.d_model, "d_model")
         for (t, ty, a), pos in _per_value([token, ttype, anchors], g.index).items():
             a_set = src.anchors(g.model, a or None)
@@ -139,7 +148,7 @@ def dim_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg
 
 def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg,
                         token: Arg, ttype: Arg, anchors: Arg) -> None:
-    for g in src.groups(h):
+    for g in _lm_groups(src, h):
         _require_width("anchor_contribution", g, g.model.d_model, "d_model")
         u, ok = _unit(g.x)
         for (dv, t, ty, a), pos in _per_value([dim, token, ttype, anchors], g.index).items():
@@ -150,19 +159,19 @@ def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: 
 
 
 def logit(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: Arg) -> None:
-    for g in src.groups(h):
+    for g in _lm_groups(src, h):
         w, b = src.unembed(g.model)
         _require_width("logit", g, w.shape[1], "the LM head's width")
         hn = _final_normed(src, g)
         for (t, ty), pos in _per_value([token, ttype], g.index).items():
             tid = src.resolve_token(g.model, t, ty)
             val = hn[pos] @ w[tid] + (b[tid] if b is not None else 0.0)
-            out[g.index[pos]] = _softcap(g.model, val).double().cpu().numpy()
+            out[g.index[pos]] = _to_logits(g.model, val).double().cpu().numpy()
 
 
 def logit_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg,
                        token: Arg, ttype: Arg) -> None:
-    for g in src.groups(h):
+    for g in _lm_groups(src, h):
         w, _ = src.unembed(g.model)
         _require_width("logit_contribution", g, w.shape[1], "the LM head's width")
         hn = _final_normed(src, g)
@@ -189,7 +198,7 @@ def rotation_angle(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:
     for g in src.groups(h):
         if g.view != "raw":
             raise QueryError("rotation_angle takes a raw vec (the norm's input), not a view")
-        y = src.site_output(g.model, g.site, g.x, g.mean)
+        y = src.site_output(g.model, g.site, g.x, g.mean, g.heads)
         ux, okx = _unit(g.x)
         uy, oky = _unit(y)
         cos = (ux * uy).sum(-1)
@@ -235,7 +244,7 @@ def angle(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) ->
 
 def nearest_anchors(src: VectorSource, h: np.ndarray, out: list[Any], k: Arg,
                     anchors: Arg) -> None:
-    for g in src.groups(h):
+    for g in _lm_groups(src, h):
         _require_width("nearest_anchors", g, g.model.d_model, "d_model")
         u, ok = _unit(g.x)
         strings = src.token_strings(g.model)
@@ -246,7 +255,7 @@ def nearest_anchors(src: VectorSource, h: np.ndarray, out: list[Any], k: Arg,
 
 
 def top_logits(src: VectorSource, h: np.ndarray, out: list[Any], k: Arg) -> None:
-    for g in src.groups(h):
+    for g in _lm_groups(src, h):
         w, b = src.unembed(g.model)
         _require_width("top_logits", g, w.shape[1], "the LM head's width")
         hn = _final_normed(src, g)
@@ -265,7 +274,7 @@ def _topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
         if b is not None:
             scores = scores + b
         if model is not None:
-            scores = _softcap(model, scores)
+            scores = _to_logits(model, scores)
         vals, ids = torch.topk(scores, k, dim=-1)
         vals_l, ids_l = vals.double().cpu().tolist(), ids.cpu().tolist()
         oks = ok[lo : lo + _BLOCK].cpu().tolist()

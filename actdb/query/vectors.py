@@ -20,6 +20,9 @@ from . import handles as H
 INT_TYPES = {"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT",
              "UINTEGER", "UBIGINT", "UHUGEINT"}
 ANCHOR_SETS = ("unembed", "embed", "unembed_folded")
+# Sites off the residual stream: their vectors never meet the LM head, so anchor and logit
+# functions (and final_norm) are NULL there.
+OFF_STREAM_ROLES = frozenset({"inner", "q_norm", "k_norm"})
 
 
 class ChunkCache:
@@ -118,7 +121,8 @@ class Group:
         if "x" not in self._cache:
             x = self.direction.float() * self.norm.unsqueeze(-1)
             if self.view != "raw":
-                x = self.src.apply_view(self.model, self.site, self.view, x, self.mean)
+                x = self.src.apply_view(self.model, self.site, self.view, x, self.mean,
+                                        self.heads)
             self._cache["x"] = x
         return self._cache["x"]
 
@@ -233,6 +237,8 @@ class VectorSource:
             model = self.model(int(dec.model_id[index[0]]))
             site = self.site(model.model_id, int(dec.site_id[index[0]]))
             view = H.VIEWS[int(dec.view[index[0]])]
+            if view == "final_norm" and site.role in OFF_STREAM_ROLES:
+                continue  # final_norm(v) is NULL where v never meets the final norm
             rows = dec.row[index]
             if np.any(rows[1:] < rows[:-1]):  # chunk-friendly reading order
                 order = np.argsort(rows, kind="stable")
@@ -242,12 +248,12 @@ class VectorSource:
             yield Group(self, index, model, site, view, rows, dec.head[index])
 
     def apply_view(self, model: ModelRecord, site: SiteRecord, view: str, x: torch.Tensor,
-                   mean: torch.Tensor | None) -> torch.Tensor:
+                   mean: torch.Tensor | None, heads: np.ndarray | None = None) -> torch.Tensor:
         """A view of raw vectors x; `mean` is their stored mean (None: computed from x)."""
         if view == "normalized":
-            return norms.normalize(site.kind, x, site.eps, mean)
+            return norms.normalize(self.centered(site), x, site.eps, mean)
         if view == "normed":
-            return self.site_output(model, site, x, mean)
+            return self.site_output(model, site, x, mean, heads)
         final = self.final_site(model)
         if final.d != x.shape[-1]:
             raise QueryError(
@@ -256,10 +262,27 @@ class VectorSource:
         return self.site_output(model, final, x, mean if final.site_id == site.site_id else None)
 
     def site_output(self, model: ModelRecord, site: SiteRecord, x: torch.Tensor,
-                    mean: torch.Tensor | None) -> torch.Tensor:
-        gain = self.param(model, site, "gain")
+                    mean: torch.Tensor | None, heads: np.ndarray | None = None) -> torch.Tensor:
+        """y = gain * z + bias with the site's effective gain and bias; a per-head site whose
+        heads are separate modules has one gain row per head, picked by `heads`."""
+        gain = self.gain(model, site)
         bias = self.param(model, site, "bias")
-        return norms.apply(site.kind, x, gain=gain, bias=bias, eps=site.eps, mean=mean)
+        if heads is not None:
+            at = torch.from_numpy(np.asarray(heads, dtype=np.int64)).to(self.device)
+            gain = gain[at] if gain is not None and gain.dim() == 2 else gain
+            bias = bias[at] if bias is not None and bias.dim() == 2 else bias
+        return norms.apply(self.centered(site), x, gain=gain, bias=bias, eps=site.eps,
+                           mean=mean)
+
+    @staticmethod
+    def centered(site: SiteRecord) -> bool:
+        """Whether the site centres; version-1 stores say it by kind."""
+        return site.centered if site.centered is not None else norms.legacy_centered(site.kind)
+
+    def gain(self, model: ModelRecord, site: SiteRecord) -> torch.Tensor | None:
+        """The effective gain (version-1 stores kept Gemma's raw weight: add its 1 back)."""
+        g = self.param(model, site, "gain")
+        return g if site.centered is not None else norms.legacy_gain(site.kind, g)
 
     # -- weights and anchors ---------------------------------------------------------------
 
@@ -301,10 +324,9 @@ class VectorSource:
                 w, _ = self.unembed(model)
                 if name == "unembed_folded":
                     final = self.final_site(model)
-                    g = norms.effective_gain(final.kind, self.param(model, final, "gain"),
-                                             final.d).to(self.device)
-                    w = w * g  # [V, d]
-                    if final.kind == "layernorm":
+                    g = self.gain(model, final)
+                    w = w * g if g is not None else w  # [V, d]
+                    if self.centered(final):
                         w = w - w.mean(dim=-1, keepdim=True)
             n = torch.linalg.vector_norm(w, dim=-1, keepdim=True)
             return w / torch.where(n > 0, n, torch.ones_like(n))

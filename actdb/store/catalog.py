@@ -25,7 +25,8 @@ CREATE TABLE models (
     d_model INTEGER, n_layers INTEGER, vocab_size INTEGER, n_sites INTEGER,
     has_lm_head BOOLEAN, has_lm_head_bias BOOLEAN, tied_embeddings BOOLEAN, final_site VARCHAR,
     dtype VARCHAR, max_length INTEGER, sites_glob VARCHAR, chunk_tokens INTEGER,
-    n_rows BIGINT, logit_softcap DOUBLE, config JSON, created_at TIMESTAMP DEFAULT now()
+    n_rows BIGINT, logit_softcap DOUBLE, config JSON, created_at TIMESTAMP DEFAULT now(),
+    logit_scale DOUBLE, logit_max_rel_error DOUBLE
 );
 CREATE TABLE prompts (prompt_id BIGINT, text VARCHAR, n_tokens INTEGER);
 CREATE TABLE prompt_runs (
@@ -37,7 +38,7 @@ CREATE TABLE tokens (
 CREATE TABLE sites (
     model VARCHAR, site VARCHAR, site_id INTEGER, layer INTEGER, role VARCHAR, kind VARCHAR,
     d INTEGER, n_heads INTEGER, eps DOUBLE, module VARCHAR, has_gain BOOLEAN, has_bias BOOLEAN,
-    max_rel_error DOUBLE
+    max_rel_error DOUBLE, centered BOOLEAN
 );
 CREATE TABLE vocab (model VARCHAR, token_id INTEGER, token VARCHAR, piece VARCHAR);
 """
@@ -106,12 +107,22 @@ class Catalog:
             raise StoreFormatError(f"catalog {str(self.path)!r} has no format version")
         return int(row[0])
 
+    def _columns(self, table: str, wanted: list[str]) -> list[str]:
+        """The wanted columns the table has: a version-1 store lacks the later ones, which
+        then keep their record defaults."""
+        rows = self.con.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [table]
+        ).fetchall()
+        have = {r[0] for r in rows}
+        return [c for c in wanted if c in have]
+
     def models(self) -> list[ModelRecord]:
-        cols = ", ".join(f'"{c}"' for c in _MODEL_COLUMNS)
+        names = self._columns("models", _MODEL_COLUMNS)
+        cols = ", ".join(f'"{c}"' for c in names)
         rows = self.con.execute(f"SELECT {cols} FROM models ORDER BY model_id").fetchall()
         out = []
         for row in rows:
-            kw = dict(zip(_MODEL_COLUMNS, row, strict=True))
+            kw = dict(zip(names, row, strict=True))
             kw["config"] = json.loads(kw["config"]) if kw["config"] else {}
             out.append(ModelRecord(**kw))
         return out
@@ -120,11 +131,12 @@ class Catalog:
         return next((m for m in self.models() if m.model == name), None)
 
     def sites(self, model: str) -> list[SiteRecord]:
-        cols = ", ".join(_SITE_COLUMNS)
+        names = self._columns("sites", _SITE_COLUMNS)
+        cols = ", ".join(names)
         rows = self.con.execute(
             f"SELECT {cols} FROM sites WHERE model = ? ORDER BY site_id", [model]
         ).fetchall()
-        return [SiteRecord(**dict(zip(_SITE_COLUMNS, r, strict=True))) for r in rows]
+        return [SiteRecord(**dict(zip(names, r, strict=True))) for r in rows]
 
     def prompt_ids(self, texts: Sequence[str]) -> dict[str, int]:
         """The ids of those texts that already are prompts of the store."""
@@ -204,6 +216,7 @@ class Catalog:
         tokens: pa.Table,
         site_errors: dict[str, float],
         n_rows: int,
+        logit_error: float | None = None,
     ) -> None:
         """Make one ingested batch visible: everything in one transaction."""
         with self.transaction():
@@ -215,6 +228,12 @@ class Catalog:
                     "UPDATE sites SET max_rel_error = greatest(coalesce(max_rel_error, 0), ?) "
                     "WHERE model = ? AND site = ?",
                     [err, model, site],
+                )
+            if logit_error is not None:
+                self.con.execute(
+                    "UPDATE models SET logit_max_rel_error = "
+                    "greatest(coalesce(logit_max_rel_error, 0), ?) WHERE model = ?",
+                    [logit_error, model],
                 )
             self.con.execute("UPDATE models SET n_rows = ? WHERE model = ?", [n_rows, model])
 

@@ -20,10 +20,18 @@ class StoreInfo:
 
 def describe(store: Store) -> StoreInfo:
     con = store.catalog.con
+    # Version-1 stores have no logit transform columns: they read as NULL.
+    have = {r[0] for r in con.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = 'models'"
+    ).fetchall()}
+    logit_cols = ", ".join(
+        f"m.{c}" if c in have else f"NULL::DOUBLE AS {c}"
+        for c in ("logit_scale", "logit_softcap", "logit_max_rel_error")
+    )
     models = con.execute(
         "SELECT m.model, m.architecture, m.d_model, m.n_layers, m.vocab_size, m.n_sites, "
         "m.has_lm_head, (SELECT count(*) FROM prompt_runs r WHERE r.model = m.model) AS prompts, "
-        "m.n_rows AS tokens, m.dtype, m.source FROM models m ORDER BY m.model_id"
+        f"m.n_rows AS tokens, m.dtype, m.source, {logit_cols} FROM models m ORDER BY m.model_id"
     ).fetchdf().to_dict("records")
     sites = con.execute(
         "SELECT model, site, layer, role, kind, d, n_heads, module, max_rel_error "

@@ -10,16 +10,18 @@ from typing import Any
 class SiteRecord:
     """One normalization site of a model, as found at ingest.
 
-    `kind` is the maths the stored fields are replayed with:
-    layernorm: y = gain * (x - mean) / sqrt(var + eps) + bias
-    rmsnorm: y = gain * x / sqrt(mean(x^2) + eps) + bias
-    rmsnorm_1p: y = (1 + gain) * x / sqrt(mean(x^2) + eps)   (Gemma)
+    The stored fields are replayed with one formula, measured by probing the module:
+    y = gain * z + bias, z = w / sqrt(mean(w^2) + eps), w = x - mean(x) if `centered` else x,
+    with the *effective* gain and bias (a Gemma-style 1 + weight already added in).
+    `kind` is for information: layernorm or rmsnorm, `_1p` where the gain is 1 + weight.
+    Version-1 stores have no `centered` (None): their kinds fix the formula, and their
+    `rmsnorm_1p` gain is the raw weight (see norms.legacy_gain).
     """
 
     site: str  # canonical name: blocks.3.ln1, final, embed
     site_id: int  # index within the model, stable across runs
     layer: int  # block index; -1 for embed, n_layers for final
-    role: str  # embed, pre_attn, pre_mlp, post_attn, post_mlp, final, q_norm, k_norm, other
+    role: str  # embed, pre_attn, pre_mlp, post_attn, post_mlp, final, inner, q_norm, k_norm, other
     kind: str
     d: int  # width of one stored vector
     n_heads: int | None  # set where the input is [.., heads, d] (per-head q/k norms)
@@ -28,6 +30,7 @@ class SiteRecord:
     has_gain: bool
     has_bias: bool
     max_rel_error: float | None = None  # faithfulness: worst |y_recomputed - y| / |y| so far
+    centered: bool | None = None  # None in version-1 stores: read from `kind`
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,5 +55,7 @@ class ModelRecord:
     sites_glob: str | None
     chunk_tokens: int
     n_rows: int = 0  # token rows committed
-    logit_softcap: float | None = None
+    logit_softcap: float | None = None  # logit = cap * tanh(scale * pre / cap)
+    logit_scale: float | None = None  # logit = scale * (W_U . final_norm(x) + b_U); None: 1
+    logit_max_rel_error: float | None = None  # worst error of recomputed vs the model's logits
     config: dict[str, Any] = field(default_factory=dict)

@@ -149,6 +149,7 @@ class Store:
         prompt_runs: pa.Table,
         tokens: pa.Table,
         site_errors: dict[str, float],
+        logit_error: float | None = None,
     ) -> int:
         """Write one batch: tensors into rows [start, start + n), then the catalog rows.
 
@@ -166,7 +167,7 @@ class Store:
         ))
         self.catalog.commit_batch(
             model=model.model, new_prompts=new_prompts, prompt_runs=prompt_runs,
-            tokens=tokens, site_errors=site_errors, n_rows=start + n,
+            tokens=tokens, site_errors=site_errors, n_rows=start + n, logit_error=logit_error,
         )
         return start + n
 

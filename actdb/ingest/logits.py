@@ -1,0 +1,190 @@
+"""What a model does between its final norm and its logits, measured; and the ingest's proof
+that logits recomputed from the store equal the model's own.
+
+The recorded transform is `logit = cap * tanh(scale * pre / cap)` (no cap: `scale * pre`) with
+`pre = W_U . final_norm(x) + b_U`. It covers an LM-head bias, a multiplication or division by a
+constant (Cohere's `logit_scale`, Granite's `logits_scaling`, MiniCPM's width division) and
+soft-capping (Gemma 2). It is found by replacing the final norm's output with vectors we choose,
+at magnitudes from tiny to saturating, and fitting the model's real logits; config values only
+serve to snap a measured number to the checkpoint's exact one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import norms
+from ..errors import IngestError
+from ..store.store import ActBatch
+from .capture import output_tensor
+from .sites import FoundSite
+
+LOGIT_LIMIT = 1e-2  # worst relative error (per token, over the vocabulary) an ingest accepts
+_FIT_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.float16: 1e-2,
+                  torch.bfloat16: 3e-2}
+_VOCAB_BLOCK = 16384  # vocabulary rows converted at a time: memory stays bounded
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogitTransform:
+    scale: float | None  # None: 1
+    softcap: float | None
+    error: float  # worst relative error of the fit against the model's logits
+
+    def apply(self, pre: torch.Tensor) -> torch.Tensor:
+        out = pre * self.scale if self.scale is not None else pre
+        return self.softcap * torch.tanh(out / self.softcap) if self.softcap else out
+
+
+def model_logits(out: Any) -> torch.Tensor:
+    got = getattr(out, "logits", None)
+    got = got if isinstance(got, torch.Tensor) else output_tensor(out)
+    if got is None:
+        raise IngestError("the model's forward pass returned no logits")
+    return got
+
+
+def _pre(h: torch.Tensor, head: nn.Module, *, bias: bool = True) -> torch.Tensor:
+    """float64 W_U . h + b_U for rows h [n, d] on the CPU, from the live LM head a block of
+    the vocabulary at a time (no float64 copy of the whole head)."""
+    w = head.weight
+    assert isinstance(w, torch.Tensor)
+    b = getattr(head, "bias", None) if bias else None
+    parts = []
+    for lo in range(0, w.shape[0], _VOCAB_BLOCK):
+        part = h @ w[lo : lo + _VOCAB_BLOCK].detach().double().cpu().T
+        if isinstance(b, torch.Tensor):
+            part = part + b[lo : lo + _VOCAB_BLOCK].detach().double().cpu()
+        parts.append(part)
+    return torch.cat(parts, dim=-1)  # [n, V]
+
+
+def _snap(value: float, candidates: list[float]) -> float:
+    for c in candidates:
+        if c != 0 and abs(value - c) <= 1e-4 * abs(value):
+            return c
+    return value
+
+
+def _config_numbers(config: Any) -> list[float]:
+    """Numbers in the config, and their inverses: hints to snap a measured number to."""
+    items = config.to_dict().values() if hasattr(config, "to_dict") else []
+    nums = [float(v) for v in items if isinstance(v, int | float) and not isinstance(v, bool)
+            and v != 0]
+    return [1.0] + nums + [1.0 / v for v in nums]
+
+
+@torch.no_grad()
+def measure_logits(model: nn.Module, sample: Mapping[str, torch.Tensor], final: FoundSite,
+                   head: nn.Module, extra: Mapping[str, Any], name: str) -> LogitTransform:
+    """Fit the model's logits as a scale and soft-cap of `W_U . final_norm + b_U`.
+
+    Raises IngestError when no such transform reproduces them.
+    """
+    bsz, t = (int(n) for n in sample["input_ids"].shape)
+    d = int(head.weight.shape[1])  # type: ignore[index]
+    gen = torch.Generator().manual_seed(7)
+    r = torch.randn(bsz * t, d, generator=gen, dtype=torch.float64)
+    r = r / torch.linalg.vector_norm(r, dim=-1, keepdim=True) * math.sqrt(d)
+    base = _pre(r, head, bias=False).abs().amax(-1).clamp_min(1e-30)  # [n]
+    module = final.module
+    p = next(module.parameters(), None)
+    dtype = p.dtype if p is not None else torch.float32
+    top = 4.0 if dtype == torch.float16 else 8.0  # float16 logits overflow past 65504
+    # Each token gets its own magnitude: max |W_U . h| from 1e-2 (linear) to saturating.
+    target = 10.0 ** torch.linspace(-2.0, top, bsz * t, dtype=torch.float64)
+    h = (r * (target / base).unsqueeze(-1)).reshape(bsz, t, d)
+    sent: dict[str, torch.Tensor] = {}
+
+    def replace(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        out = output_tensor(output)
+        assert out is not None
+        hh = h.to(dtype=out.dtype, device=out.device).reshape(out.shape)
+        sent["h"] = hh
+        return hh if isinstance(output, torch.Tensor) else (hh, *output[1:])
+
+    handle = module.register_forward_hook(replace)
+    try:
+        real = model_logits(model(**sample, **extra)).double().cpu()
+    finally:
+        handle.remove()
+    if "h" not in sent or real.shape[:2] != (bsz, t):
+        raise IngestError(f"model {name!r}: its logits do not come from its final norm "
+                          f"{final.record.module!r}")
+    pre = _pre(sent["h"].double().cpu().reshape(bsz * t, d), head)  # [n, V]
+    real = real.reshape(bsz * t, -1)[:, : pre.shape[1]]
+    tol = _FIT_TOLERANCE.get(dtype, 3e-2)
+    hints = _config_numbers(getattr(model, "config", None))
+
+    def error(tr: LogitTransform) -> float:
+        diff = torch.linalg.vector_norm(tr.apply(pre) - real, dim=-1)
+        return float((diff / torch.linalg.vector_norm(real, dim=-1).clamp_min(1e-30)).max())
+
+    scale = float((pre * real).sum() / (pre * pre).sum())
+    fit = LogitTransform(scale=_snap(scale, hints), softcap=None, error=0.0)
+    if error(fit) > tol:
+        cap = _snap(float(real.abs().max()), hints)
+        ok = real.abs() < 0.9 * cap  # far from saturation: atanh is well conditioned
+        y = cap * torch.atanh((real / cap).clamp(-1 + 1e-12, 1 - 1e-12))
+        scale = float((pre[ok] * y[ok]).sum() / (pre[ok] * pre[ok]).sum())
+        fit = LogitTransform(scale=_snap(scale, hints), softcap=cap, error=0.0)
+    err = error(fit)
+    if not err <= tol:
+        raise IngestError(
+            f"model {name!r}: its logits are not a scale and soft-cap of W_U . final_norm(x) + "
+            f"b_U (the best fit leaves a relative error of {err:.3g}); actdb cannot reproduce them"
+        )
+    return LogitTransform(scale=None if fit.scale == 1.0 else fit.scale, softcap=fit.softcap,
+                          error=err)
+
+
+class LogitCheck:
+    """Recompute a sample of logits from the stored final-site fields and compare them with
+    the model's: the store proves its logits, as it proves each site's output."""
+
+    def __init__(self, final: FoundSite, head: nn.Module, transform: LogitTransform,
+                 device: torch.device) -> None:
+        self.final = final
+        self.head = head
+        self.transform = transform
+        self.device = device
+        self.gain = final.gain.float().to(device) if final.gain is not None else None
+        self.bias = final.bias.float().to(device) if final.bias is not None else None
+
+    def positions(self, t: int) -> torch.Tensor:
+        """Up to 8 positions spread over the batch's length: logits only for these."""
+        return torch.unique(torch.linspace(0, t - 1, min(t, 8)).round().long())
+
+    @torch.no_grad()
+    def error(self, real: torch.Tensor, acts: ActBatch, mask: torch.Tensor,
+              positions: torch.Tensor) -> float:
+        """Worst relative error over the real tokens at `positions`; real [B, P, V]."""
+        rows = (torch.cumsum(mask.reshape(-1).long(), 0) - 1).reshape(mask.shape)  # [B, T]
+        m = mask[:, positions].cpu()  # [B, P]
+        idx = rows[:, positions].cpu()[m].numpy()
+        if len(idx) == 0:
+            return 0.0
+        s = self.final.record
+        direction = torch.from_numpy(acts.direction[idx]).to(self.device).float()
+        x = direction * torch.from_numpy(acts.norm[idx]).to(self.device).unsqueeze(-1)
+        mean = torch.from_numpy(acts.mean[idx]).to(self.device)
+        y = norms.apply(bool(s.centered), x, gain=self.gain, bias=self.bias, eps=s.eps, mean=mean)
+        w = self.head.weight
+        assert isinstance(w, torch.Tensor)
+        hb = getattr(self.head, "bias", None)
+        parts = []
+        for lo in range(0, w.shape[0], _VOCAB_BLOCK):
+            part = y @ w[lo : lo + _VOCAB_BLOCK].float().T
+            if isinstance(hb, torch.Tensor):
+                part = part + hb[lo : lo + _VOCAB_BLOCK].float()
+            parts.append(part)
+        mine = self.transform.apply(torch.cat(parts, dim=-1))  # [n, V]
+        theirs = real.to(self.device).float()[m.to(real.device)][:, : mine.shape[1]]
+        diff = torch.linalg.vector_norm(mine - theirs, dim=-1)
+        return float((diff / torch.linalg.vector_norm(theirs, dim=-1).clamp_min(1e-30)).max())
