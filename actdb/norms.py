@@ -55,7 +55,8 @@ def apply(
     formulas in one pass (the ingest's faithfulness check runs this on every vector); a
     per-head gain [heads, d] broadcasts over x [..., heads, d].
     """
-    fused = mean is None and (gain is None or gain.dim() == 1)
+    fused = (mean is None and (gain is None or gain.dim() == 1)
+             and (bias is None or bias.dim() == 1))
     if fused and x.dtype in (torch.float32, torch.float64):
         d = x.shape[-1]
         if centered:

@@ -375,7 +375,7 @@ def _run(
         st.reserve_rows(record, records, start + sum(len(w.ids) for w in work))
 
     in_flight.append(committer.submit(prepare))
-    with committer, bar, on_norm_io({f.record.module: f.module for f in found}, sink):
+    with committer, bar, on_norm_io({p: m for f in found for p, m in f.hooks}, sink):
         buffered = 0
         for i in range(0, len(work), batch_size):
             batch = work[i : i + batch_size]

@@ -136,21 +136,21 @@ def _measure(module: nn.Module, d: int, dtype: torch.dtype, device: torch.device
     odd1, even1 = odd_even(probes)  # [2, d] each
     if not bool(torch.isfinite(odd1).all()):
         raise ModelLoadError("its output is not finite on a plain input")
-    scale_out = float(odd1.abs().max())
+    scale_out = float(odd1.abs().max().detach())
     if scale_out == 0.0:
         raise ModelLoadError("its output does not depend on its input")
     odd_c, _ = odd_even(const)
-    centered = float(odd_c.abs().max()) <= 1e-3 * scale_out
+    centered = float(odd_c.abs().max().detach()) <= 1e-3 * scale_out
 
     w = probes - probes.mean(-1, keepdim=True) if centered else probes  # [2, d]
     ms = (w * w).mean(-1)  # [2]
     # A small magnitude where eps is about as large as the mean square, against magnitude 1.
     m_small = math.sqrt(hint / float(ms.max()))
     small = rounded(probes * m_small)
-    m_small_eff = small / probes.clamp_min(1e-300)  # rounding may shift each entry a little
     odd_s, _ = odd_even(small)
-    # odd_s / odd1 = m * sqrt(ms + eps) / sqrt(m^2 ms + eps) for each probe (same for all dims)
-    m = m_small_eff.median(-1).values  # [2]
+    # odd_s / odd1 = m * sqrt(ms + eps) / sqrt(m^2 ms + eps) for each probe (same for all dims);
+    # m is the scale the module really received (rounding may shift it a little)
+    m = (small * probes).sum(-1) / (probes * probes).sum(-1)  # [2]
     ratio = (odd_s * odd1).sum(-1) / (odd1 * odd1).sum(-1)  # [2]
     k2 = (ratio / m) ** 2
     eps_each = ms * (1.0 - k2 * m * m) / (k2 - 1.0)
