@@ -20,7 +20,7 @@ from tiny_models import build_family_tokenizer
 
 import actdb
 
-CASES = sample_choices(28, seed=9)
+CASES = sample_choices(24, seed=9)
 OFF_STREAM = {"inner", "q_norm", "k_norm"}
 
 

@@ -13,6 +13,13 @@ from .sites import FoundSite
 FAITHFULNESS_LIMIT = 1e-2
 
 
+def _heads_last(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """One per-head module's tensor as [B, T, h, d]."""
+    if layout == "bhtd":
+        return x.transpose(1, 2)
+    return x if layout == "bthd" else x.unsqueeze(-2)
+
+
 class SiteSink:
     """Turns each hooked (input, output) into stored fields and a faithfulness figure."""
 
@@ -46,8 +53,10 @@ class SiteSink:
             parts.setdefault(head, (x, y))
             if len(parts) < len(f.hooks):
                 return
-            x = torch.stack([parts[i][0] for i in range(len(f.hooks))], dim=-2)  # [B, T, H, d]
-            y = torch.stack([parts[i][1] for i in range(len(f.hooks))], dim=-2)
+            x = torch.cat([_heads_last(parts[i][0], f.member_layout)
+                           for i in range(len(f.hooks))], dim=-2)  # [B, T, H, d]
+            y = torch.cat([_heads_last(parts[i][1], f.member_layout)
+                           for i in range(len(f.hooks))], dim=-2)
         elif f.layout == "bhtd":
             x, y = x.transpose(1, 2), y.transpose(1, 2)  # [B, T, H, d]
         b, t = self.mask.shape

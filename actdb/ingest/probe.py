@@ -55,29 +55,40 @@ def declared_eps(module: nn.Module) -> float | None:
     return None
 
 
-def _runner(module: nn.Module, width: int, dtype: torch.dtype, device: torch.device
-            ) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype]:
-    """A float64 function of [n, d] inputs: a float64 copy of the module when that works."""
+def _runner(module: nn.Module, width: int, heads: int, layout: str, dtype: torch.dtype,
+            device: torch.device) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype]:
+    """A float64 function of [n, heads, d] inputs that calls the module in its own layout
+    (`btd`, `bthd` or `bhtd`): a float64 copy of the module when that works, else the module
+    itself in its dtype and on its device."""
+
+    def call(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if layout == "bthd":
+            inp = x.unsqueeze(0)  # [1, n, H, d]
+        elif layout == "bhtd":
+            inp = x.transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+        else:
+            inp = x[:, 0].unsqueeze(0)  # [1, n, d]
+        y = output_tensor(m(inp))
+        if y is None or y.shape != inp.shape:
+            raise ModelLoadError("it returned no tensor of its input's shape")
+        if layout == "bhtd":
+            return y[0].transpose(0, 1)
+        return y[0] if layout == "bthd" else y[0].unsqueeze(1)
+
     try:
         twin = copy.deepcopy(module).to(device="cpu", dtype=torch.float64)
-        test = torch.linspace(-1.0, 2.0, width, dtype=torch.float64).reshape(1, 1, width)
-        out = output_tensor(twin(test))
-        if (out is not None and out.dtype == torch.float64 and out.shape == test.shape
-                and bool(torch.isfinite(out).all())):
-            def run64(x: torch.Tensor) -> torch.Tensor:
-                y = output_tensor(twin(x.unsqueeze(0)))
-                assert y is not None
-                return y[0].double()
-            return run64, torch.float64
+        test = torch.linspace(-1.0, 2.0, width, dtype=torch.float64).expand(2, heads, width)
+        out = call(twin, test)
+        if out.dtype == torch.float64 and bool(torch.isfinite(out).all()):
+            return (lambda x: call(twin, x).double()), torch.float64
     except Exception:  # noqa: BLE001 - any failure means: probe the module as it is
         pass
+    return (lambda x: call(module, x.to(device=device, dtype=dtype)).double().cpu()), dtype
 
-    def run(x: torch.Tensor) -> torch.Tensor:
-        y = output_tensor(module(x.unsqueeze(0).to(device=device, dtype=dtype)))
-        if y is None:
-            raise ModelLoadError("the module returned no tensor")
-        return y[0].double().cpu()
-    return run, dtype
+
+def _collapse(v: torch.Tensor) -> torch.Tensor:
+    """[H, d] -> [d] where every head has the same values (one module broadcast over heads)."""
+    return v[0] if v.shape[0] == 1 or bool((v == v[0]).all()) else v
 
 
 def _snap(measured: torch.Tensor, params: list[torch.Tensor], tol: float, offset: bool
@@ -86,6 +97,9 @@ def _snap(measured: torch.Tensor, params: list[torch.Tensor], tol: float, offset
     numbers are then the checkpoint's exactly, not a rounding of them. (value, was 1 + p)."""
     scale = float(measured.abs().max()) + 1e-12
     for p in params:
+        if p.numel() != measured.numel():
+            continue
+        p = p.reshape(measured.shape)
         for plus in ((False, True) if offset else (False,)):
             cand = p + 1.0 if plus else p
             if float((cand - measured).abs().max()) <= tol * max(scale, 1.0):
@@ -95,13 +109,15 @@ def _snap(measured: torch.Tensor, params: list[torch.Tensor], tol: float, offset
 
 @torch.no_grad()
 def measure_norm(module: nn.Module, width: int, *, dtype: torch.dtype, device: torch.device,
-                 name: str) -> NormFit:
-    """Probe `module` (which normalizes a last axis of `width`) and return what it does.
+                 name: str, heads: int | None = None, layout: str = "btd") -> NormFit:
+    """Probe `module` (which normalizes a last axis of `width`, over `heads` heads laid out
+    as `layout`) and return what it does; gain and bias are [heads, d] where heads differ.
 
     Raises ModelLoadError, naming `name`, when no normalization + affine fits.
     """
     try:
-        return _measure(module, width, dtype, device)
+        run, ran_in = _runner(module, width, heads or 1, layout, dtype, device)
+        return _measure(module, width, heads or 1, run, ran_in)
     except ModelLoadError as e:
         raise ModelLoadError(
             f"norm module {name!r} ({type(module).__name__}) is not a centred or uncentred "
@@ -114,8 +130,8 @@ def measure_norm(module: nn.Module, width: int, *, dtype: torch.dtype, device: t
         ) from None
 
 
-def _measure(module: nn.Module, d: int, dtype: torch.dtype, device: torch.device) -> NormFit:
-    run, ran_in = _runner(module, d, dtype, device)
+def _measure(module: nn.Module, d: int, heads: int,
+             run: Callable[[torch.Tensor], torch.Tensor], ran_in: torch.dtype) -> NormFit:
     tol = _TOLERANCE.get(ran_in, 3e-2)
     gen = torch.Generator().manual_seed(20240917)
 
@@ -129,11 +145,13 @@ def _measure(module: nn.Module, d: int, dtype: torch.dtype, device: torch.device
     hint = declared_eps(module) or 1e-6
 
     def odd_even(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = run(torch.cat([x, -x]))
+        """Odd and even parts of the response to x [n, d], the same vector in every head."""
+        xx = torch.cat([x, -x]).unsqueeze(1).expand(-1, heads, -1).contiguous()
+        y = run(xx)  # [2n, H, d]
         yp, ym = y[: len(x)], y[len(x):]
         return (yp - ym) / 2, (yp + ym) / 2
 
-    odd1, even1 = odd_even(probes)  # [2, d] each
+    odd1, even1 = odd_even(probes)  # [2, H, d] each
     if not bool(torch.isfinite(odd1).all()):
         raise ModelLoadError("its output is not finite on a plain input")
     scale_out = float(odd1.abs().max().detach())
@@ -150,10 +168,10 @@ def _measure(module: nn.Module, d: int, dtype: torch.dtype, device: torch.device
     odd_s, _ = odd_even(small)
     # odd_s / odd1 = m * sqrt(ms + eps) / sqrt(m^2 ms + eps) for each probe (same for all dims);
     # m is the scale the module really received (rounding may shift it a little)
-    m = (small * probes).sum(-1) / (probes * probes).sum(-1)  # [2]
-    ratio = (odd_s * odd1).sum(-1) / (odd1 * odd1).sum(-1)  # [2]
+    m = ((small * probes).sum(-1) / (probes * probes).sum(-1)).unsqueeze(-1)  # [2, 1]
+    ratio = (odd_s * odd1).sum(-1) / (odd1 * odd1).sum(-1)  # [2, H]
     k2 = (ratio / m) ** 2
-    eps_each = ms * (1.0 - k2 * m * m) / (k2 - 1.0)
+    eps_each = ms.unsqueeze(-1) * (1.0 - k2 * m * m) / (k2 - 1.0)
     eps = max(float(eps_each.mean()), 0.0)
     declared = declared_eps(module)
     if declared is not None and abs(eps - declared) <= 1e-2 * max(declared, eps) + 1e-15:
@@ -162,24 +180,24 @@ def _measure(module: nn.Module, d: int, dtype: torch.dtype, device: torch.device
     z = w / torch.sqrt(ms + eps).unsqueeze(-1)  # [2, d]
     pick = z.abs().argmax(0)  # [d]
     cols = torch.arange(d)
-    gain = odd1[pick, cols] / z[pick, cols]
-    bias = even1.mean(0)
+    gain = _collapse(odd1[pick, :, cols].T / z[pick, cols])  # [H, d] or [d]
+    bias = _collapse(even1.mean(0))
 
-    params = [p.detach().double().cpu().reshape(-1) for p in module.parameters(recurse=False)
-              if p.numel() == d]
+    params = [p.detach().double().cpu() for p in module.parameters(recurse=False)]
     g_snap, plus = _snap(gain, params, 10 * tol, offset=True)
     b_snap, _ = _snap(bias, params, 10 * tol, offset=False)
-    ones = torch.ones(d, dtype=torch.float64)
+    ones = torch.ones_like(gain)
     if not plus and float((gain - ones).abs().max()) <= 10 * tol * 1e-2:
         g_snap = None
     if float(bias.abs().max()) <= 10 * tol * 1e-2 * max(scale_out, 1.0):
         b_snap = None
 
     # Replay: random inputs at several scales and offsets, against the module itself.
-    check = torch.randn(6, d, generator=gen, dtype=torch.float64)
-    check = check * torch.tensor([1e-2, 0.3, 1.0, 3.0, 30.0, 1e3], dtype=torch.float64)[:, None]
+    check = torch.randn(6, heads, d, generator=gen, dtype=torch.float64)
+    check = check * torch.tensor([1e-2, 0.3, 1.0, 3.0, 30.0, 1e3],
+                                 dtype=torch.float64)[:, None, None]
     check = rounded(check + torch.tensor([0.0, 0.1, -1.0, 2.0, 5.0, -300.0],
-                                         dtype=torch.float64)[:, None])
+                                         dtype=torch.float64)[:, None, None])
     y = run(check)
     y_hat = norms.apply(centered, check, gain=g_snap, bias=b_snap, eps=eps)
     err = float((torch.linalg.vector_norm(y_hat - y, dim=-1)

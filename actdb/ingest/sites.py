@@ -35,12 +35,14 @@ class FoundSite:
     """A site with the live modules it hooks (one, or one per head) and its measured affine.
 
     `layout` says where tokens and heads sit in the hooked input: `btd` ([B, T, d] or its
-    [B*T, d] flattening), `bthd`, `bhtd`, or `list` (one module per head, each [B, T, d]).
+    [B*T, d] flattening), `bthd`, `bhtd`, or `list` (one module per head, each laid out as
+    `member_layout`, e.g. [B, T, d], or [B, 1, T, d] for StableLM's per-head LayerNorms).
     """
 
     record: SiteRecord
     hooks: tuple[tuple[str, nn.Module], ...]
     layout: str
+    member_layout: str = "btd"
     gain: torch.Tensor | None  # float64 [d], or [heads, d] for a list of per-head modules
     bias: torch.Tensor | None
 
@@ -106,9 +108,10 @@ def _children_matching(block: nn.Module, pattern: re.Pattern[str]) -> list[str]:
 
 def _role(leaf: str, call: Call, attn: Call | None, mlp: Call | None, sublayer: str | None,
           feeds_inside: bool) -> str:
-    if _Q.search(leaf):
+    parts = leaf.split(".")
+    if any(_Q.search(p) for p in parts):
         return "q_norm"
-    if _K.search(leaf):
+    if any(_K.search(p) for p in parts):
         return "k_norm"
     if feeds_inside:
         return "inner"  # its output feeds a projection of its own sublayer: never the residual
@@ -119,6 +122,10 @@ def _role(leaf: str, call: Call, attn: Call | None, mlp: Call | None, sublayer: 
     if attn is None:
         return "other"
     if call.start < attn.start:
+        # Parallel blocks (Falcon's new architecture) norm the MLP's input before attention.
+        if (mlp is not None and _same(call.output, mlp.input)
+                and not _same(call.output, attn.input)):
+            return "pre_mlp"
         return "pre_attn"
     if mlp is None or call.start < mlp.start:
         # Between the sublayers: a norm whose output feeds the MLP is its pre-norm (whatever
@@ -215,10 +222,15 @@ def find_sites(
                 "layouts [B, T, d], [B*T, d], [B, T, H, d], [B, H, T, d] and per-head lists"
             )
         kind_layout, heads = layout
+        member_layout = kind_layout
         members = [site_path] if site_path == path else lists[site_path]
         if site_path != path:
+            if heads not in (None, 1):
+                raise ModelLoadError(f"per-head norm module {path!r} sees {heads} heads")
             kind_layout, heads = "list", len(members)
-        leaf = site_path.rsplit(".", 1)[-1]
+        # A per-head list's own name may be generic (StableLM's q_layernorm.norms).
+        leaf = ".".join(site_path.rsplit(".", 2)[-2:]) if site_path != path else (
+            site_path.rsplit(".", 1)[-1])
         layer, role = _place(site_path, call, log.calls, block_path, n_layers, first_block,
                              leaf, sublayers)
         short = _SHORT.get(role, leaf)
@@ -231,7 +243,10 @@ def find_sites(
         used.add(name)
         width = int(call.input.shape[-1])
         fits = [measure_norm(norm_modules[m], width, dtype=call.input.dtype,
-                             device=call.input.device, name=m) for m in members]
+                             device=call.input.device, name=m,
+                             heads=heads if kind_layout != "list" else None,
+                             layout=member_layout if kind_layout == "list" else kind_layout)
+                for m in members]
         fit = fits[0]
         if any(f.centered != fit.centered or f.eps != fit.eps for f in fits):
             raise ModelLoadError(
@@ -255,7 +270,8 @@ def find_sites(
         )
         hooks = tuple((m, norm_modules[m]) for m in members)
         found.append((call.start, rec, FoundSite(record=rec, hooks=hooks, layout=kind_layout,
-                                                 gain=gain, bias=bias)))
+                                                 member_layout=member_layout, gain=gain,
+                                                 bias=bias)))
 
     found.sort(key=lambda t: t[0])
     globs = [g.strip() for g in sites_glob.split(",")] if sites_glob else None
@@ -266,8 +282,8 @@ def find_sites(
         ):
             continue
         rec = SiteRecord(**{**rec.__dict__, "site_id": len(out)})
-        out.append(FoundSite(record=rec, hooks=f.hooks, layout=f.layout, gain=f.gain,
-                             bias=f.bias))
+        out.append(FoundSite(record=rec, hooks=f.hooks, layout=f.layout,
+                             member_layout=f.member_layout, gain=f.gain, bias=f.bias))
     if not out:
         raise ModelLoadError(f"no norm site matches --sites {sites_glob!r}")
     return out, n_layers
