@@ -1,7 +1,8 @@
 """Real `transformers` decoder families beyond the 13 of tests/tiny_models.py, built from tiny
 configs offline (tests/real_families.py): every norm site's output through the query layer
 (`normed(vec)`) equals the module's own output, and `logit` equals the model's own logits,
-both against the model's own run (float32, compared in float64); roles where the architecture fixes them."""
+both against the model's own run (float32, compared in float64); roles where the
+architecture fixes them."""
 
 from __future__ import annotations
 
