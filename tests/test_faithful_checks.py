@@ -1,0 +1,191 @@
+"""The ingest refuses to write a store it cannot prove: a norm whose outputs the stored fields
+do not reproduce, logits the recorded transform does not reproduce, a module that is no
+normalization. Plus the probe's measurements on modules that hide what they do, and reading
+a format-version-1 store (raw Gemma weights as gains)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import numpy as np
+import pytest
+import torch
+import zarr
+from conftest import PROMPTS
+from gen_models import Choices, GenForCausalLM, _Norm, build
+from tiny_models import build_family_tokenizer
+from torch import nn
+
+import actdb
+from actdb.errors import IngestError, ModelLoadError
+from actdb.ingest.probe import measure_norm
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return build_family_tokenizer("llama")
+
+
+class ShiftyRMSNorm(_Norm):
+    """A norm that behaves when probed alone and shifts its output inside a real batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y + 0.5 if x.shape[0] > 1 and x.shape[1] != 11 else y
+
+
+class _Offset(GenForCausalLM):
+    """Logits that follow W_U . h when measured (length 11), and add an offset otherwise."""
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = super()._logits(h)
+        return logits if h.shape[1] == 11 else logits + 0.3
+
+
+def _rows(store: Path) -> int:
+    con = duckdb.connect(str(store / "catalog.duckdb"), read_only=True)
+    try:
+        return con.execute("SELECT count(*) FROM prompt_runs").fetchall()[0][0]
+    finally:
+        con.close()
+
+
+def test_a_norm_the_store_cannot_reproduce_fails_the_ingest(tokenizer: Any,
+                                                             tmp_path: Path) -> None:
+    model = build(Choices(seed=3), len(tokenizer))
+    ln = model.model.layers[0].ln1
+    shifty = ShiftyRMSNorm(32, centered=ln.centered, affine="none", eps=ln.epsilon,
+                     gen=torch.Generator().manual_seed(0))
+    model.model.layers[0].ln1 = shifty
+    with pytest.raises(IngestError, match=r"site 'blocks.0.ln1'.*differs from the module"):
+        actdb.ingest(tmp_path / "s.actdb", model=model, tokenizer=tokenizer, prompts=PROMPTS,
+                     device="cpu", name="m")
+    assert _rows(tmp_path / "s.actdb") == 0
+
+
+def test_logits_the_store_cannot_reproduce_fail_the_ingest(tokenizer: Any,
+                                                            tmp_path: Path) -> None:
+    from gen_models import GenConfig
+
+    model = _Offset(GenConfig(vocab_size=len(tokenizer)), Choices(seed=4)).eval()
+    with pytest.raises(IngestError, match=r"logits recomputed from the stored final-site"):
+        actdb.ingest(tmp_path / "s.actdb", model=model, tokenizer=tokenizer, prompts=PROMPTS,
+                     device="cpu", name="m")
+    assert _rows(tmp_path / "s.actdb") == 0
+
+
+def test_logits_no_scale_or_cap_explains_fail_before_anything_is_written(
+        tokenizer: Any, tmp_path: Path) -> None:
+    model = build(Choices(seed=5), len(tokenizer))
+    model._logits = lambda h: torch.relu(model.lm_head(h))  # type: ignore[method-assign]
+    with pytest.raises(IngestError, match=r"not a scale and soft-cap"):
+        actdb.ingest(tmp_path / "s.actdb", model=model, tokenizer=tokenizer, prompts=PROMPTS,
+                     device="cpu", name="m")
+    assert not (tmp_path / "s.actdb").exists()
+
+
+class _NotANorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+
+class _Bf16OnlyRMSNorm(nn.Module):
+    """Accepts only bfloat16 inputs, its own dtype."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, d, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or self.w.dtype != torch.bfloat16:
+            raise TypeError("bfloat16 only")
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * self.w.float()).to(
+            x.dtype)
+
+
+def _probe(m: nn.Module, d: int = 16, dtype: torch.dtype = torch.float32) -> Any:
+    return measure_norm(m, d, dtype=dtype, device=torch.device("cpu"), name="blocks.1.odd")
+
+
+@pytest.mark.parametrize("affine", ["none", "gain", "gain1p", "bias", "gain1p_bias"])
+@pytest.mark.parametrize("centered", [True, False])
+def test_probe_recovers_the_effective_affine_exactly(affine: str, centered: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    m = _Norm(16, centered=centered, affine=affine, eps=3e-4, gen=gen).double()
+    m.epsilon_hidden = m.epsilon  # the eps under a name the probe does not know
+    del m.epsilon
+    m.epsilon = 3e-4  # type: ignore[assignment]
+    fit = _probe(m)
+    g = getattr(m, "scale", None)
+    want_g = None if g is None else (1.0 + g if affine.startswith("gain1p") else g).detach()
+    b = getattr(m, "shift", None)
+    assert fit.centered is centered
+    assert fit.eps == pytest.approx(3e-4, rel=1e-9)
+    assert (fit.gain is None) == (want_g is None)
+    if want_g is not None:
+        torch.testing.assert_close(fit.gain, want_g.double(), rtol=1e-12, atol=1e-12)
+    assert (fit.bias is None) == (b is None)
+    if b is not None:
+        torch.testing.assert_close(fit.bias, b.detach().double(), rtol=1e-12, atol=1e-12)
+    assert fit.kind.endswith("_1p") == affine.startswith("gain1p")
+
+
+def test_probe_measures_eps_without_an_eps_attribute() -> None:
+    m = _Norm(16, centered=False, affine="gain", eps=2e-3, gen=torch.Generator().manual_seed(2))
+    m.__dict__["hidden"] = m.__dict__.pop("epsilon")
+    type(m).epsilon = property(lambda self: self.hidden)  # type: ignore[attr-defined]
+    try:
+        fit = measure_norm(m, 16, dtype=torch.float32, device=torch.device("cpu"), name="x")
+    finally:
+        del type(m).epsilon  # type: ignore[attr-defined]
+    assert fit.eps == pytest.approx(2e-3, rel=1e-6)
+
+
+def test_probe_works_on_a_module_that_takes_only_its_own_dtype() -> None:
+    fit = _probe(_Bf16OnlyRMSNorm(16), dtype=torch.bfloat16)
+    assert fit.centered is False
+    assert fit.gain is not None
+    torch.testing.assert_close(fit.gain.float(), torch.linspace(0.5, 1.5, 16,
+                               dtype=torch.bfloat16).float())
+
+
+def test_a_module_that_is_no_normalization_is_one_sentence() -> None:
+    with pytest.raises(ModelLoadError) as e:
+        _probe(_NotANorm())
+    msg = str(e.value)
+    assert "'blocks.1.odd'" in msg and "_NotANorm" in msg and "\n" not in msg
+
+
+def test_a_version_1_store_reads_gemma_gains_as_raw_weights(
+        family_store: Callable[[str], Path], tmp_path: Path) -> None:
+    """Version 1 stored Gemma's raw weight for `rmsnorm_1p` and no `centered` column."""
+    v2 = family_store("gemma")
+    v1 = tmp_path / "v1.actdb"
+    shutil.copytree(v2, v1)
+    con = duckdb.connect(str(v1 / "catalog.duckdb"))
+    kinds = con.execute("SELECT site, kind FROM sites").fetchall()
+    for col in ("centered",):
+        con.execute(f"ALTER TABLE sites DROP COLUMN {col}")
+    for col in ("logit_scale", "logit_max_rel_error"):
+        con.execute(f"ALTER TABLE models DROP COLUMN {col}")
+    con.execute("UPDATE meta SET value = '1' WHERE key = 'format_version'")
+    con.close()
+    group = zarr.open_group(str(v1 / "tensors.zarr"), mode="r+")
+    for site, kind in kinds:
+        assert kind == "rmsnorm_1p"
+        arr = group[f"models/0/sites/{site}/gain"]
+        arr[...] = np.asarray(arr[...]) - 1.0  # what version 1 wrote: the raw weight
+    sql = ("SELECT site, position, to_list(normed(vec)) AS y, logit(vec, 5) AS l FROM acts "
+           "WHERE prompt_id = 0 ORDER BY site, position")
+    with actdb.connect(v2) as a, actdb.connect(v1) as b:
+        new, old = a.sql(sql).fetchall(), b.sql(sql).fetchall()
+    assert len(new) == len(old) > 0
+    for (s1, p1, y1, l1), (s2, p2, y2, l2) in zip(new, old, strict=True):
+        assert (s1, p1) == (s2, p2)
+        np.testing.assert_allclose(y2, y1, rtol=1e-5, atol=1e-5)
+        assert l2 == pytest.approx(l1, rel=1e-5, abs=1e-5)
