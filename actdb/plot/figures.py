@@ -247,7 +247,7 @@ def dims_figure(spec: Spec, df: pd.DataFrame) -> Figure:
         ax.set_xlabel(f"contribution to the logit of {tok} (logit units)")
         whole = df["logit"].iloc[0] if n else float("nan")
         summary = (f"total over all {n_dims} dims = {total:.4g} = logit \u2212 bias "
-                   f"(logit = {float(whole):.4g})")
+                   f"before any logit scale or cap (logit = {float(whole):.4g})")
     else:
         ax.set_xlabel(f"contribution to the cosine with the embedding anchor of {tok}")
         whole = df["cosine"].iloc[0] if n else float("nan")
