@@ -109,12 +109,14 @@ class Catalog:
 
     def _columns(self, table: str, wanted: list[str]) -> list[str]:
         """The wanted columns the table has: a version-1 store lacks the later ones, which
-        then keep their record defaults."""
-        rows = self.con.execute(
-            "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [table]
-        ).fetchall()
-        have = {r[0] for r in rows}
-        return [c for c in wanted if c in have]
+        then keep their record defaults. Cached: information_schema is slow to query, and the
+        columns of models and sites never change after creation."""
+        cache = self.__dict__.setdefault("_column_cache", {})
+        if table not in cache:
+            res = self.con.execute(f"SELECT * FROM {table} LIMIT 0")  # table is one of ours
+            cache[table] = {r[0] for r in res.description or []}
+            res.fetchall()  # an unfinished result would block the connection
+        return [c for c in wanted if c in cache[table]]
 
     def models(self) -> list[ModelRecord]:
         names = self._columns("models", _MODEL_COLUMNS)
