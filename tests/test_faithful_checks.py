@@ -162,7 +162,8 @@ def test_a_module_that_is_no_normalization_is_one_sentence() -> None:
 
 
 def test_a_version_1_store_reads_gemma_gains_as_raw_weights(
-        family_store: Callable[[str], Path], tmp_path: Path) -> None:
+        family_store: Callable[[str], Path], model_dir: Callable[[str], Path],
+        tmp_path: Path) -> None:
     """Version 1 stored Gemma's raw weight for `rmsnorm_1p` and no `centered` column."""
     v2 = family_store("gemma")
     v1 = tmp_path / "v1.actdb"
@@ -189,3 +190,12 @@ def test_a_version_1_store_reads_gemma_gains_as_raw_weights(
         assert (s1, p1) == (s2, p2)
         np.testing.assert_allclose(y2, y1, rtol=1e-5, atol=1e-5)
         assert l2 == pytest.approx(l1, rel=1e-5, abs=1e-5)
+
+    # A new model ingested into the old store is stored and read the version-2 way beside it.
+    actdb.ingest(v1, model=str(model_dir("gemma")), prompts=PROMPTS[:1], device="cpu",
+                 name="again")
+    with actdb.connect(v1) as b:
+        pair = b.sql("SELECT a.model, to_list(normed(a.vec)) FROM acts a WHERE prompt_id = 0 "
+                     "AND site = 'final' AND position = 2 ORDER BY a.model").fetchall()
+    assert [m for m, _ in pair] == ["again", "gemma"]
+    np.testing.assert_allclose(pair[0][1], pair[1][1], rtol=1e-5, atol=1e-5)

@@ -43,6 +43,10 @@ CREATE TABLE sites (
 CREATE TABLE vocab (model VARCHAR, token_id INTEGER, token VARCHAR, piece VARCHAR);
 """
 
+# Columns format version 2 added: a version-1 store being written gets them (NULL in its old
+# rows, which then keep reading by kind, as version 1 did).
+_ADDED_COLUMNS = {"models": {"logit_scale": "DOUBLE", "logit_max_rel_error": "DOUBLE"},
+                  "sites": {"centered": "BOOLEAN"}}
 _MODEL_COLUMNS = [f.name for f in fields(ModelRecord)]
 _SITE_COLUMNS = [f.name for f in fields(SiteRecord)]
 
@@ -118,6 +122,14 @@ class Catalog:
             res.fetchall()  # an unfinished result would block the connection
         return [c for c in wanted if c in cache[table]]
 
+    def _add_missing_columns(self) -> None:
+        for table, cols in _ADDED_COLUMNS.items():
+            have = self._columns(table, list(cols))
+            for name, sqltype in cols.items():
+                if name not in have:
+                    self.con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {sqltype}")
+                    self.__dict__.pop("_column_cache", None)
+
     def models(self) -> list[ModelRecord]:
         names = self._columns("models", _MODEL_COLUMNS)
         cols = ", ".join(f'"{c}"' for c in names)
@@ -187,6 +199,7 @@ class Catalog:
         self, model: ModelRecord, sites: Sequence[SiteRecord], vocab: pa.Table
     ) -> None:
         """Register a model, its sites and its vocabulary in one transaction."""
+        self._add_missing_columns()
         with self.transaction():
             row = asdict(model)
             row["config"] = json.dumps(row["config"], default=str)
@@ -221,6 +234,7 @@ class Catalog:
         logit_error: float | None = None,
     ) -> None:
         """Make one ingested batch visible: everything in one transaction."""
+        self._add_missing_columns()
         with self.transaction():
             self._insert_table("prompts", new_prompts)
             self._insert_table("prompt_runs", prompt_runs, model=model)
