@@ -136,7 +136,8 @@ def _check_fields(prompts: list[Prompt], wheres: list[str]) -> None:
                 raise PromptsError(f"{where}: field {key!r} = {value} does not fit a 64-bit "
                                    "integer; give it as a string or a number with a point")
             kind = _kind(value) if value is not None else None
-            name, first_kind, first_where = seen.get(key.lower(), (key, kind or "", where))
+            name, first_kind, first_where = seen.get(
+                key.lower(), (key, kind or "", where.rsplit(", ", 1)[-1]))
             if name != key:
                 raise PromptsError(f"{where}: field {key!r} differs only in case from field "
                                    f"{name!r} ({first_where}); column names ignore case")
@@ -144,8 +145,8 @@ def _check_fields(prompts: list[Prompt], wheres: list[str]) -> None:
                     {kind, first_kind} <= _NUMBERS):
                 raise PromptsError(f"{where}: field {key!r} is {kind} here but {first_kind} at "
                                    f"{first_where}; give each field one type")
-            seen[key.lower()] = (key, first_kind or kind or "", first_where if first_kind
-                                 else where)
+            seen[key.lower()] = (key, first_kind or kind or "",
+                                 first_where if first_kind else where.rsplit(", ", 1)[-1])
 
 
 def _nonempty(prompts: list[Prompt], where: str) -> list[Prompt]:
