@@ -115,6 +115,12 @@ ESCAPES = [
     "SELECT * FROM arrow_scan(1, 2, 3)",
     "SELECT * FROM checkpoint()",
     "SELECT * FROM enable_logging()",
+    # extensions: nothing is installed or loaded on demand
+    "SELECT * FROM 'https://example.com/x.parquet'",
+    "SELECT * FROM read_parquet('s3://bucket/x.parquet')",
+    "SELECT * FROM sqlite_scan('{secret}', 't')",
+    "SELECT * FROM iceberg_scan('{secret}')",
+    "SELECT st_point(1, 2)",
     # functions with effects, and another session's internal UDFs
     "SELECT setseed(0.5)",
     "SELECT write_log('x')",
@@ -238,7 +244,7 @@ def test_sandbox_settings_are_locked(setup: dict[str, Any]) -> None:
 
 def test_explain_analyze_of_a_select_runs(setup: dict[str, Any]) -> None:
     plan = setup["db"].sql("EXPLAIN ANALYZE SELECT count(*) FROM acts").fetchall()
-    assert plan and "analyzed_plan" in str(plan[0][0]).lower() or "Total Time" in str(plan)
+    assert "Total Time" in str(plan)  # it ran
     assert setup["db"].sql("EXPLAIN SELECT vec_norm(vec) FROM acts").fetchall()
 
 

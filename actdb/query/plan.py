@@ -20,6 +20,7 @@ from . import sandbox
 from .functions import ANCHORS, INT, REGISTRY, TOKEN, VEC
 from .vectors import ANCHOR_SETS
 
+
 def check(query: str, con: duckdb.DuckDBPyConnection, known: set[str]) -> None:
     """Raise a QueryError unless `query` is one sandboxed SELECT (sandbox.py) calling known
     functions with sane literal arguments. `con` only parses: it never sees the store."""

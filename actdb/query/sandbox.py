@@ -128,7 +128,7 @@ def check_duckdb_tree(select: str, con: duckdb.DuckDBPyConnection) -> None:
             _check_table_name(str(node.get("table_name", "")))
 
 
-def check_sqlglot_tree(tree: exp.Expression) -> None:
+def check_sqlglot_tree(tree: exp.Expr) -> None:
     """Walk sqlglot's tree of the query: nothing but a query, no refused function or table."""
     for node in tree.walk():
         if isinstance(node, exp.Command | exp.Copy | exp.Create | exp.Insert | exp.Update

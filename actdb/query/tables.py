@@ -21,7 +21,8 @@ STORE_TABLES = frozenset({"acts", "models", "prompts", "tokens", "sites", "vocab
 FORMATS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".jsonl": "json",
            ".ndjson": "json", ".json": "json"}
 
-TableLike = str | os.PathLike[str] | pa.Table | pa.RecordBatch | Any
+# A pandas DataFrame is the Any: pandas is imported only where a frame arrives.
+TableLike = Any
 
 
 def check_name(name: object, taken: set[str]) -> str:

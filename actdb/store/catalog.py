@@ -200,8 +200,8 @@ class Catalog:
         self, model: ModelRecord, sites: Sequence[SiteRecord], vocab: pa.Table
     ) -> None:
         """Register a model, its sites and its vocabulary in one transaction."""
-        row = self.one("SELECT coalesce(sum(coalesce(n_heads, 1)), 0) FROM sites")
-        limits.check_streams(int(row[0]) if row else 0, sum(s.n_heads or 1 for s in sites),
+        have = self.one("SELECT coalesce(sum(coalesce(n_heads, 1)), 0) FROM sites")
+        limits.check_streams(int(have[0]) if have else 0, sum(s.n_heads or 1 for s in sites),
                              model.model)
         with self.transaction():
             row = asdict(model)
