@@ -163,3 +163,29 @@ def test_handles_of_a_real_store(family_store: Callable[[str], Path]) -> None:
             sql = f"SELECT vec_norm({forged}) FROM acts ORDER BY vec DESC LIMIT 3"
             with pytest.raises(QueryError, match="is not a vec handle of this store"):
                 db.sql(sql).fetchall()
+
+
+def test_ingest_stops_at_the_limits(tmp_path: Path, model_dir: Callable[[str], Path],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The catalog enforces the limits where a model is registered and where rows are
+    committed: with the limits made small, a real ingest stops with one sentence and the store
+    still opens and verifies."""
+    store = tmp_path / "s.actdb"
+
+    def run(prompts: list[str]) -> None:
+        actdb.ingest(store, model=str(model_dir("gpt2")), prompts=prompts, device="cpu",
+                     name="gpt2", batch_size=1, chunk_tokens=4)
+
+    monkeypatch.setattr(limits, "MAX_STREAMS", 3)
+    with pytest.raises(IngestError, match=r"to \d+ \(model, site, head\) streams, more than "
+                                          r"the 3"):
+        run(["one two three"])
+    monkeypatch.setattr(limits, "MAX_STREAMS", 1 << 20)
+    monkeypatch.setattr(limits, "MAX_ROWS", 5)
+    with pytest.raises(IngestError, match="token rows, more than the 5"):
+        run(["one two three", "four five six seven", "eight"])
+    with actdb.connect(store, device="cpu") as db:
+        assert db.verify() == []
+        rows, sites = db.sql("SELECT n_rows, n_sites FROM models").fetchall()[0]
+        assert rows <= 5  # the commits that fit, if any (batches commit a chunk at a time)
+        assert db.sql("SELECT count(*) FROM acts").fetchall()[0][0] == rows * sites

@@ -70,13 +70,6 @@ class Codec:
         self._head = np.array([s.head for s in ordered], dtype=np.int64)
         self._rows = np.array([s.n_rows for s in ordered], dtype=np.int64)
 
-    def number(self, model_id: int, site_id: int, head: int) -> int:
-        """The stream number of a (model, site, head); -1 for a site without heads."""
-        for i, s in enumerate(self.streams):
-            if (s.model_id, s.site_id, s.head) == (model_id, site_id, head):
-                return i
-        raise KeyError((model_id, site_id, head))
-
     def decode(self, h: np.ndarray) -> Decoded:
         """Fields of a batch of handles; a QueryError naming the first value that is not one."""
         h = np.asarray(h).astype(np.int64, copy=False)
