@@ -24,8 +24,10 @@ STREAMS = [
     Stream(model_id=0, site_id=1, head=1, n_rows=100),
     Stream(model_id=0, site_id=0, head=-1, n_rows=100),
     Stream(model_id=0, site_id=1, head=0, n_rows=100),
+    Stream(model_id=1000, site_id=4095, head=-1, n_rows=2),  # past the old 7-bit model ids
 ]
-# Streams are numbered in (model_id, site_id, head) order: (0,0,-1)=0 (0,1,0)=1 (0,1,1)=2 (3,0)=3
+# Streams are numbered in (model_id, site_id, head) order: (0,0,-1)=0 (0,1,0)=1 (0,1,1)=2
+# (3,0,-1)=3 (1000,4095,-1)=4
 TAG = 0b101 << 60
 
 
@@ -41,6 +43,7 @@ DECODES = [
     (handle(5, 2, view=2), (0, 1, 1, 5, 2)),
     (handle(6, 3, view=3), (3, 0, -1, 6, 3)),
     (handle(0, 3, view=1), (3, 0, -1, 0, 1)),
+    (handle(1, 4, view=2), (1000, 4095, -1, 1, 2)),
 ]
 
 
@@ -61,7 +64,8 @@ REFUSED = [
     ((1 << 63) - 1, "is not a vec handle"),
     ((1 << 60) | 5, "is not a vec handle"),  # a wrong tag
     ((0b111 << 60) | 5, "is not a vec handle"),
-    (handle(0, 4), "names no model, site and head"),
+    (handle(0, 5), "names no model, site and head"),
+    (handle(2, 4), "row 2 is past the 2 rows"),
     (handle(0, (1 << 20) - 1), "names no model, site and head"),
     (handle(7, 3), "row 7 is past the 7 rows"),
     (handle(100, 0), "row 100 is past the 100 rows"),

@@ -70,9 +70,9 @@ def lock(con: duckdb.DuckDBPyConnection) -> None:
     """Turn external access and extension loading off and lock the configuration; where it is
     locked already, check that every one of these settings is in force."""
     if is_locked(con):
-        # A later connection cannot turn Python replacement scans off; they find only the
-        # data frames among the locals of actdb's own frame (database.py's _relation), which
-        # holds none, and DuckDB never looks for them when external access is off at start.
+        # A later connection cannot turn Python replacement scans off. They look only at the
+        # locals of the frame that calls DuckDB, database.py's _relation, which holds the
+        # connection, the query text and its parameters: no data frame to find.
         for name, want in LOCKDOWN:
             if name in _PER_CONNECTION:
                 continue
@@ -138,7 +138,7 @@ def check_sqlglot_tree(tree: exp.Expr) -> None:
                              "query")
         if isinstance(node, exp.Func):
             name = (node.name if isinstance(node, exp.Anonymous) else node.sql_name()).lower()
-            if name.startswith(("read_", "parquet_", "sniff_")) or name == "glob":
+            if _reads_files(name):
                 raise QueryError(f"{name}() is refused: {FILE_HINT}")
             _check_scalar(name)
         if isinstance(node, exp.Table) and isinstance(node.this, exp.Identifier):
@@ -149,10 +149,15 @@ def _check_table_function(name: str) -> None:
     low = name.lower()
     if low in TABLE_FUNCTIONS:
         return
-    if low.startswith(("read_", "parquet_", "sniff_")) or low in ("glob", "read_blob"):
+    if _reads_files(low):
         raise QueryError(f"{low}() is refused: {FILE_HINT}")
     raise QueryError(f"table function {low}() is refused in queries; allowed table functions "
                      f"are {', '.join(sorted(TABLE_FUNCTIONS))}")
+
+
+def _reads_files(name: str) -> bool:
+    """DuckDB's file readers, by name (the allow-list refuses any others it does not know)."""
+    return name.startswith(("read_", "parquet_", "sniff_")) or name == "glob"
 
 
 def _check_scalar(name: str) -> None:
