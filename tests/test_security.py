@@ -142,6 +142,8 @@ ESCAPES = [
     "SELECT " + "(" * 1000 + "1" + ")" * 1000,
     "SELECT " + "abs(" * 1000 + "1" + ")" * 1000,
     "SELECT 1 FROM " + "(SELECT 1 " * 500 + ")" * 500,
+    "SELECT " + "read_text(" * 100 + "'{secret}'" + ")" * 100,
+    "SELECT " + "(" * 300 + "(SELECT content FROM read_text('{secret}'))" + ")" * 300,
 ]
 
 

@@ -137,10 +137,7 @@ def check_sqlglot_tree(tree: exp.Expr) -> None:
             raise QueryError(f"queries are read-only: {node.key.upper()} is refused inside a "
                              "query")
         if isinstance(node, exp.Func):
-            name = (node.name if isinstance(node, exp.Anonymous) else node.sql_name()).lower()
-            if _reads_files(name):
-                raise QueryError(f"{name}() is refused: {FILE_HINT}")
-            _check_scalar(name)
+            _check_scalar(node.name if isinstance(node, exp.Anonymous) else node.sql_name())
         if isinstance(node, exp.Table) and isinstance(node.this, exp.Identifier):
             _check_table_name(node.name)
 
@@ -162,6 +159,8 @@ def _reads_files(name: str) -> bool:
 
 def _check_scalar(name: str) -> None:
     low = name.lower()
+    if _reads_files(low):
+        raise QueryError(f"{low}() is refused: {FILE_HINT}")
     if low.startswith("_actdb_"):
         raise QueryError(f"{low}() is internal to actdb; call the tensor functions by their "
                          "names (actdb functions lists them)")
