@@ -126,6 +126,11 @@ def test_a_field_that_changes_type_between_runs(tmp_path: Path,
     # an integer field may take numbers with a point in a later run only if the column is
     # DOUBLE; the other way round (integers into a DOUBLE column) is fine
     _ingest(store, model_dir, [{"text": "fourth prompt", "score": 4}])
+    # a field null in every prompt of a run fits any column (here BIGINT and VARCHAR)
+    _ingest(store, model_dir, [{"text": "fifth prompt", "score": None, "Label": None,
+                                "fresh": None}])
     with actdb.connect(store) as db:
-        assert db.sql("SELECT text, score, Label FROM prompts ORDER BY prompt_id").fetchall() == [
-            ("first prompt", 1, "x"), ("fourth prompt", 4, None)]
+        assert db.sql("SELECT text, score, Label, fresh FROM prompts ORDER BY prompt_id"
+                      ).fetchall() == [("first prompt", 1, "x", None),
+                                       ("fourth prompt", 4, None, None),
+                                       ("fifth prompt", None, None, None)]

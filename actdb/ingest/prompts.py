@@ -159,7 +159,8 @@ def _nonempty(prompts: list[Prompt], where: str) -> list[Prompt]:
 
 
 def extra_columns(prompts: list[Prompt]) -> dict[str, str]:
-    """SQL types for the extra fields: BIGINT, DOUBLE, BOOLEAN or VARCHAR (JSON text)."""
+    """SQL types for the extra fields: BIGINT, DOUBLE, BOOLEAN or VARCHAR (JSON text); NULL
+    for a field that is null in every prompt here (it fits any column)."""
     types: dict[str, set[str]] = {}
     for p in prompts:
         for k, v in p.extra.items():
@@ -167,11 +168,13 @@ def extra_columns(prompts: list[Prompt]) -> dict[str, str]:
     out = {}
     for k, ts in types.items():
         ts.discard("NULL")
-        if ts <= {"BOOLEAN"} and ts:
+        if not ts:
+            out[k] = "NULL"
+        elif ts <= {"BOOLEAN"}:
             out[k] = "BOOLEAN"
-        elif ts <= {"BIGINT"} and ts:
+        elif ts <= {"BIGINT"}:
             out[k] = "BIGINT"
-        elif ts <= {"BIGINT", "DOUBLE"} and ts:
+        elif ts <= {"BIGINT", "DOUBLE"}:
             out[k] = "DOUBLE"
         else:
             out[k] = "VARCHAR"

@@ -184,7 +184,9 @@ class Catalog:
             if existing != name:
                 raise PromptsError(f"field {name!r} differs only in case from the store's "
                                    f"prompts column {existing!r}; column names ignore case")
-            if have[existing] != sqltype and (have[existing], sqltype) != ("DOUBLE", "BIGINT"):
+            fits = sqltype in (have[existing], "NULL") or (have[existing], sqltype) == (
+                "DOUBLE", "BIGINT")
+            if not fits:
                 raise PromptsError(
                     f"field {name!r} holds {sqltype} values in these prompts but the store's "
                     f"prompts.{existing} column is {have[existing]} from an earlier ingest; "
@@ -192,9 +194,10 @@ class Catalog:
                 )
         for name, sqltype in columns.items():
             if name.lower() not in by_lower:
-                if sqltype not in _FIELD_TYPES:  # never pasted: only our own type names pass
+                column_type = "VARCHAR" if sqltype == "NULL" else sqltype  # null so far
+                if column_type not in _FIELD_TYPES:  # never pasted: only our own type names
                     raise ValueError(f"unexpected prompt column type {sqltype!r}")
-                self.con.execute(f"ALTER TABLE prompts ADD COLUMN {quote(name)} {sqltype}")
+                self.con.execute(f"ALTER TABLE prompts ADD COLUMN {quote(name)} {column_type}")
 
     def insert_model(
         self, model: ModelRecord, sites: Sequence[SiteRecord], vocab: pa.Table
