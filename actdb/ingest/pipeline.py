@@ -77,6 +77,7 @@ def ingest(
     sites: str | None = None,
     name: str | None = None,
     revision: str | None = None,
+    device_map: str | dict[str, Any] | None = None,
     chunk_tokens: int | None = None,
     progress: bool = False,
     on_plan: Callable[[IngestPlan], None] | None = None,
@@ -91,7 +92,8 @@ def ingest(
     if max_length is not None and max_length < 1:
         raise IngestError(f"max_length must be at least 1, got {max_length}")
     prompt_list = read_prompts(prompts)
-    loaded = load(model, tokenizer, device=device, dtype=dtype, revision=revision)
+    loaded = load(model, tokenizer, device=device, dtype=dtype, revision=revision,
+                  device_map=device_map)
     model_name = name or loaded.default_name
     limit = _length_limit(loaded, max_length)
     ids, truncated = _tokenize(loaded.tokenizer, [p.text for p in prompt_list], limit)

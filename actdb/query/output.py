@@ -81,7 +81,9 @@ def _write_csv(result: Result, stream: IO[str]) -> None:
 def _write_table(result: Result, stream: IO[str]) -> None:
     import pandas as pd
 
-    df = result.df()
+    from .display import visible_frame
+
+    df = visible_frame(result.df())  # tokens' whitespace visible, as in the pictures
     with pd.option_context("display.max_colwidth", 80, "display.width", 200):
         stream.write((df.to_string(index=False) if len(df) else f"(no rows) {list(df.columns)}")
                      + "\n")
