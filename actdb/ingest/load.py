@@ -7,7 +7,7 @@ import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -109,7 +109,8 @@ def load(
         name = _default_name(source, where, gguf)
     if device_map:
         # accelerate placed each module; inputs go where the embeddings live.
-        dev = module.get_input_embeddings().weight.device
+        embeddings = cast(Any, module).get_input_embeddings()
+        dev = embeddings.weight.device
         module = module.eval()
     else:
         module = module.to(device=dev, dtype=dt).eval()

@@ -14,7 +14,6 @@ import numpy as np
 import pyarrow as pa
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from ..errors import IngestError
 from ..store.arrays import default_chunk_tokens
@@ -23,6 +22,7 @@ from ..store.store import ActBatch, Store
 from .capture import on_norm_io
 from .fields import SiteSink
 from .load import LoadedModel, load
+from .progress import progress_bar
 from .prompts import Prompt, PromptsLike, extra_columns, read_prompts
 from .rows import Work, batch_tables
 from .sites import FoundSite, find_sites
@@ -330,8 +330,8 @@ def _run(
 
     in_flight: list[Future[Any]] = []
     committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actdb-commit")
-    bar = tqdm(total=sum(len(w.ids) for w in work), unit="tok", unit_scale=True,
-               disable=not progress, desc=f"ingest {record.model}", dynamic_ncols=True)
+    bar = progress_bar(sum(len(w.ids) for w in work), f"ingest {record.model}",
+                       enabled=progress)
     # Registering a new model and sizing its arrays only need to be done before the first
     # write: they run first on the commit thread, alongside the first forward passes.
     def prepare() -> None:

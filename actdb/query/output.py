@@ -31,6 +31,10 @@ def _clean(value: Any) -> Any:
 
 def write_result(result: Result, fmt: str, output: Path | None) -> None:
     """Write `result` in `fmt` to `output` (stdout when None)."""
+    if fmt != "table":
+        from .export import refuse_handles
+
+        refuse_handles(result, fmt)
     if fmt == "parquet":
         assert output is not None
         writer: pq.ParquetWriter | None = None
