@@ -30,7 +30,7 @@ PROMPT, POSITION, ANSWER = 0, 4, " Paris"
 
 LENS = f"""
 -- The logit lens at "is" in "The capital of France is Paris.": per layer, the tokens the
--- residual stream would predict if the model stopped there, and where{ANSWER!r} ranks.
+-- residual stream would predict if the model stopped there, and where {ANSWER!r} ranks.
 SELECT layer, site,
        list_transform(top_logits(vec, 3), lambda t: t.token) AS top_3,
        round(logit(vec, '{ANSWER}'), 1) AS logit_paris,
@@ -43,7 +43,7 @@ ORDER BY layer
 """
 
 APPEARS = f"""
--- The first layer from which{ANSWER!r} is among the top 10 tokens, and where it becomes the top.
+-- The first layer from which {ANSWER!r} is among the top 10 tokens, and where it becomes the top.
 WITH lens AS (
   SELECT layer, list_transform(top_logits(vec, 10), lambda t: t.token) AS top
   FROM acts
@@ -59,7 +59,7 @@ FROM lens
 
 DIMS = f"""
 -- At the final norm: the dimensions whose (normed value x unembedding weight) pushes hardest
--- toward{ANSWER!r}; summed over all 576 dims they give its logit.
+-- toward {ANSWER!r}; summed over all 576 dims they give its logit.
 SELECT dim, round(logit_contribution(vec, dim, '{ANSWER}'), 3) AS toward_paris,
        round(dim_contribution(vec, dim), 4) AS share_of_direction
 FROM acts, range(576) AS dims(dim)
@@ -93,13 +93,15 @@ def shown(path: Path | str) -> str:
 def run(*args: str, sql: str | None = None) -> None:
     """Print the command (pasteable: SQL goes in a quoted here-document), then run it."""
     line = " ".join(shlex.quote(a) for a in (shown(ACTDB), *args))
+    started = time.perf_counter()
     if sql is None:
         print(f"\n$ {line}", flush=True)
         subprocess.run([str(ACTDB), *args], check=True)
-        return
-    sql = sql.strip() + "\n"
-    print(f"\n$ {line} -f - <<'SQL'\n{sql}SQL", flush=True)
-    subprocess.run([str(ACTDB), *args, "-f", "-"], input=sql, text=True, check=True)
+    else:
+        sql = sql.strip() + "\n"
+        print(f"\n$ {line} -f - <<'SQL'\n{sql}SQL", flush=True)
+        subprocess.run([str(ACTDB), *args, "-f", "-"], input=sql, text=True, check=True)
+    print(f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
 
 
 def smollm2_file() -> Path:
@@ -126,9 +128,9 @@ def main() -> None:
         prompts = Path(f"{store}.prompts.txt")
         prompts.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
-    run("ingest", store, "--model", str(smollm2_file()), "--name", SMOL,
+    run("ingest", store, "--model", shown(smollm2_file()), "--name", SMOL,
         "--prompts", shown(prompts), "--max-length", "32", "--batch-size", "8")
-    run("ingest", store, "--model", str(minilm_folder()), "--name", MINILM,
+    run("ingest", store, "--model", shown(minilm_folder()), "--name", MINILM,
         "--prompts", shown(prompts), "--batch-size", "16")
     run("info", store)
     run("query", store, sql=LENS)

@@ -97,8 +97,10 @@ def load(
         try:
             # GGUF dequantization draws its own tqdm bar on stderr, not ours to show.
             with contextlib.redirect_stderr(io.StringIO()) if gguf else contextlib.nullcontext():
+                # The config read above, passed on: parsing a GGUF's metadata takes seconds.
                 module = auto.from_pretrained(where, revision=revision, dtype=dt,
-                                              **_gguf_kw(gguf), **placement)
+                                              **_gguf_kw(gguf), **placement,
+                                              **({"config": config} if gguf else {}))
         except ImportError as e:
             raise ModelLoadError(f"could not load model {source!r}: {_first_line(e)}") from e
         except Exception as e:  # noqa: BLE001 - safetensors, torch and gguf raise their own types
@@ -108,6 +110,15 @@ def load(
             ) from e
         name = _default_name(source, where, gguf)
     if device_map:
+        offloaded = sorted({n.rsplit(".", 1)[0] for n, p in module.named_parameters()
+                            if p.device.type == "meta"})
+        if offloaded:
+            # Offloaded weights exist only inside accelerate's hooks, but actdb reads each
+            # norm's weights and LM head directly.
+            raise ModelLoadError(
+                f"the device_map offloads {len(offloaded)} modules to disk or meta "
+                f"(first {offloaded[0]!r}); actdb needs every weight on a device: give the "
+                "model more devices or memory")
         # accelerate placed each module; inputs go where the embeddings live.
         embeddings = cast(Any, module).get_input_embeddings()
         dev = embeddings.weight.device

@@ -17,7 +17,7 @@ class ProgressLines:
     def __init__(self, total: int, desc: str, *, every: float = 10.0, stream: Any = None) -> None:
         self.total, self.desc, self.every = total, desc, every
         self.stream = stream if stream is not None else sys.stderr
-        self.n = 0
+        self.n = self.shown = 0
         self.started = self.last = time.monotonic()
 
     def update(self, n: int) -> None:
@@ -28,6 +28,7 @@ class ProgressLines:
             self._line(now)
 
     def _line(self, now: float) -> None:
+        self.shown = self.n
         seconds = now - self.started
         rate = self.n / seconds if seconds > 0 else 0.0
         pct = 100.0 * self.n / self.total if self.total else 100.0
@@ -35,7 +36,7 @@ class ProgressLines:
               f"{rate:.0f} tokens/s", file=self.stream, flush=True)
 
     def close(self) -> None:
-        if self.n:
+        if self.n != self.shown:
             self._line(time.monotonic())
 
     def __enter__(self) -> ProgressLines:

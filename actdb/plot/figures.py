@@ -8,6 +8,7 @@ itself in Jupyter. `save` is the one place that writes a figure to a file.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,9 @@ class InlineFigure(Figure):
         import io
 
         buf = io.BytesIO()
-        self.savefig(buf, format="png", dpi=DPI)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+            self.savefig(buf, format="png", dpi=DPI)
         return buf.getvalue()
 
 
@@ -94,7 +97,11 @@ def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
     if not p.parent.is_dir():
         raise PlotError(f"cannot write {str(p)!r}: the folder {str(p.parent)!r} does not exist")
     try:
-        fig.savefig(p, format=fmt, dpi=DPI)
+        with warnings.catch_warnings():
+            # A token in a script the font lacks is drawn as a box; one warning per glyph
+            # would bury the command's output.
+            warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+            fig.savefig(p, format=fmt, dpi=DPI)
     except OSError as e:
         raise PlotError(f"cannot write {str(p)!r}: {e.strerror or e}") from None
     return p

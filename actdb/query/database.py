@@ -53,7 +53,11 @@ class Database:
         # compete with torch for the cores (see BENCHMARKS.md).
         self.con.execute(f"SET threads = {int(threads)}")
         # DuckDB draws a progress bar on stdout for long queries: not into our results.
-        self.con.execute("SET enable_progress_bar = false")
+        try:
+            self.con.execute("SET enable_progress_bar = false")
+        except duckdb.Error:
+            pass  # in Jupyter without ipywidgets DuckDB refuses the setting: it draws no bar
+
         self.source = VectorSource(self.store, self.device, cache_bytes=cache_bytes)
         self._box = ErrorBox()
         prepare(self.con, self.source, self._box)
