@@ -121,7 +121,7 @@ def main() -> None:
     started = time.perf_counter()
     store = sys.argv[1] if len(sys.argv) > 1 else "demo.actdb"
     pictures = Path(sys.argv[2] if len(sys.argv) > 2 else "demo-pictures")
-    n_prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 40
+    n_prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 24
     prompts = HERE / "prompts.txt"
     if n_prompts < 100:  # a shorter demo: the first prompts, written beside the store
         lines = prompts.read_text(encoding="utf-8").splitlines()[:n_prompts]

@@ -109,7 +109,19 @@ def test_parquet_export_round_trips_to_db_vectors(db: actdb.Database, store: Pat
     assert table.column("token").to_pylist() == meta["token"].tolist()
     # ... and both equal norm * direction read by zarr-python (acts rows in storage order).
     n = len(ref)
-    np.testing.assert_allclose(got, zarr_vectors(db, store, "final", n), rtol=1e-5, atol=1e-6)
+    stored = zarr_vectors(db, store, "final", n)
+    np.testing.assert_allclose(got, stored, rtol=1e-5, atol=1e-6)
+    # In an order other than storage order, rows still carry their own vectors.
+    backwards = FINAL.replace("ORDER BY prompt_id, position", "ORDER BY position DESC, prompt_id")
+    db.export(backwards, tmp_path / "backwards.parquet")
+    table = pq.read_table(tmp_path / "backwards.parquet")
+    row_of = {(p, q): i for i, (p, q) in enumerate(zip(meta["prompt_id"], meta["position"],
+                                                      strict=True))}
+    order = [row_of[k] for k in zip(table.column("prompt_id").to_pylist(),
+                                     table.column("position").to_pylist(), strict=True)]
+    assert order != sorted(order)
+    got = np.asarray(table.column("vec").combine_chunks().flatten()).reshape(n, -1)
+    np.testing.assert_allclose(got, stored[order], rtol=1e-5, atol=1e-6)
 
 
 def test_safetensors_and_npy_exports(db: actdb.Database, tmp_path: Path) -> None:
