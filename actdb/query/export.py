@@ -85,9 +85,9 @@ def export(db: Database, query: str, path: str | os.PathLike[str], *,
         db: the open store.
         query: a SELECT with one vec column (`vec` or a view of it) and any other columns.
         path: `.parquet` (the columns and `vec` as a FLOAT[d] list column, streamed),
-            whatever view the query selects, the vector column is written as `vec`;
             `.npy` (the matrix [N, d] alone, streamed) or `.safetensors` (a `vec` tensor and
-            one tensor per numeric column; built in memory).
+            one tensor per numeric column; built in memory). Whatever view the query
+            selects, the vectors are written under the name `vec`.
         params: values for `$name` / `?` in the query.
         rows_per_batch: rows read and written at a time (bounds memory for parquet and npy).
 
