@@ -58,7 +58,8 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 @cli.command()
 @click.argument("store", type=click.Path(path_type=Path))
-@click.option("--model", "model", required=True, help="Hugging Face hub name or local path.")
+@click.option("--model", "model", required=True,
+              help="Hugging Face hub name, model folder, or .gguf file (or a folder holding one).")
 @click.option("--prompts", "prompts", required=True,
               help="A .txt file (a prompt per line), a .jsonl file (text + extra fields), "
                    "or - for stdin.")
