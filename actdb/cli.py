@@ -132,8 +132,8 @@ def ingest(ctx: click.Context, store: Path, progress: bool | None, quiet: bool,
 def _interrupted(store: Path, plan: Any) -> None:
     """Ctrl-C during an ingest: say what is saved and how to go on, exit 130 like a shell."""
     if plan is None:
-        click.echo(f"\ninterrupted before any prompt was ingested; {store} is unchanged",
-                   err=True)
+        click.echo(f"\ninterrupted before any prompt was ingested into {store}; run the same "
+                   "command again to start", err=True)
         raise SystemExit(130)
     from . import connect
 
