@@ -70,3 +70,7 @@ class TokenError(QueryError):
 
 class VerifyError(ActdbError, RuntimeError):
     """`verify` found the catalog and the tensors disagree."""
+
+
+class MissingDependencyError(ActdbError, ImportError):
+    """An optional package a feature needs is not installed."""

@@ -153,7 +153,8 @@ class LogitCheck:
         self.final = final
         self.head = head
         self.transform = transform
-        self.device = device
+        # The head's own device: with a device map it may not be the model's first device.
+        self.device = head.weight.device if isinstance(head.weight, torch.Tensor) else device
         self.gain = final.gain.float().to(device) if final.gain is not None else None
         self.bias = final.bias.float().to(device) if final.bias is not None else None
 
