@@ -102,7 +102,10 @@ class Arrays:
         chunks = (min(value.shape[0], 8192), *value.shape[1:]) if value.ndim == 2 else value.shape
         arr = group.create_array(
             name, shape=value.shape, dtype="float32", chunks=chunks, compressors=None,
-            overwrite=True, dimension_names=Arrays._WEIGHT_DIMS.get(name),
+            overwrite=True,
+            # per-head sites' gain and bias are [heads, d]
+            dimension_names=("head", "dim") if name in ("gain", "bias") and value.ndim == 2
+            else Arrays._WEIGHT_DIMS.get(name),
         )
         arr[...] = value
 
