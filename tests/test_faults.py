@@ -5,6 +5,7 @@ uninterrupted run. See docs/FORMAT.md ("Fault points")."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -193,3 +194,114 @@ def test_real_full_file_system_then_resume(
         assert_same(snapshot(store, "m"), reference)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+# The ingest of the concurrency test: commits held apart a little so readers see it grow.
+_SLOW_INGEST = _SCRIPT.replace("torch.set_num_threads(1)", textwrap.dedent("""
+    torch.set_num_threads(1)
+    import time
+    from actdb.store.store import Store
+    commit = Store.commit_batch
+    def paced(*args, **kw):
+        out = commit(*args, **kw)
+        time.sleep(0.15)
+        return out
+    Store.commit_batch = paced"""))
+
+_API_READER = textwrap.dedent("""
+    import json, os, sys, time
+    import actdb
+    store, done = sys.argv[1], sys.argv[2]
+    VEC_LENGTH = "sqrt(list_sum(list_transform(to_list(vec), lambda x: x * x)))"
+    while True:
+        finished = os.path.exists(done)
+        if not os.path.exists(os.path.join(store, "catalog.duckdb")):
+            if finished:
+                sys.exit("the store never appeared")
+            time.sleep(0.05)
+            continue
+        with actdb.connect(store) as db:
+            n, = db.sql("SELECT count(*) FROM prompt_runs").fetchall()[0]
+            # every committed prompt has all its tokens ...
+            short, = db.sql("SELECT count(*) FROM prompt_runs r WHERE n_tokens != (SELECT "
+                            "count(*) FROM tokens t WHERE t.model = r.model AND "
+                            "t.prompt_id = r.prompt_id)").fetchall()[0]
+            # ... and every vector of every token is readable and is its stored norm long
+            rows, bad = db.sql(f"SELECT count(*), count(*) FILTER (abs({VEC_LENGTH} - norm) "
+                               "> 1e-2 * norm + 1e-6) FROM acts").fetchall()[0]
+        print(json.dumps({"n": n, "short": short, "rows": rows, "bad": bad}), flush=True)
+        if finished:
+            break
+        time.sleep(0.05)
+""")
+
+_CLI_READER = textwrap.dedent("""
+    import json, os, sys, time
+    from click.testing import CliRunner
+    from actdb.cli import cli
+    store, done = sys.argv[1], sys.argv[2]
+    runner = CliRunner()
+    while True:
+        finished = os.path.exists(done)
+        if not os.path.exists(os.path.join(store, "catalog.duckdb")):
+            if finished:
+                sys.exit("the store never appeared")
+            time.sleep(0.05)
+            continue
+        q = runner.invoke(cli, ["query", store, "SELECT count(*) AS n FROM prompt_runs",
+                                "--format", "csv"])
+        codes = [q.exit_code] + [runner.invoke(cli, [c, store]).exit_code
+                                 for c in ("info", "verify")]
+        n = int(q.output.split()[-1]) if q.exit_code == 0 else -1
+        print(json.dumps({"n": n, "codes": codes, "err": q.stderr[-300:]}), flush=True)
+        if finished:
+            break
+        time.sleep(0.05)
+""")
+
+
+def test_readers_follow_an_ingest(
+    tmp_path: Path, model_dir: Callable[[str], Path], reference: dict[str, object],
+) -> None:
+    """One ingest and two readers (one through Python, one through the CLI), all separate
+    processes: readers only ever see whole committed prompts and a count that never falls,
+    nobody fails, and the ingest ends equal to an uninterrupted one."""
+    store, done = tmp_path / "s.actdb", tmp_path / "done"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    scripts = {}
+    for name, text in (("ingest", _SLOW_INGEST), ("api", _API_READER), ("cli", _CLI_READER)):
+        scripts[name] = tmp_path / f"{name}.py"
+        scripts[name].write_text(text)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("ACTDB_FAULT", None)
+    # Readers write to files: a pipe nobody drains during the ingest would fill and stop them.
+    logs = [(tmp_path / f"reader{i}.out", tmp_path / f"reader{i}.err") for i in range(2)]
+    readers = []
+    for kind, (out, err) in zip(("api", "cli"), logs, strict=True):
+        with out.open("w") as fo, err.open("w") as fe:
+            readers.append(subprocess.Popen(
+                [sys.executable, str(scripts[kind]), str(store), str(done)],
+                stdout=fo, stderr=fe, text=True, env=env))
+    try:
+        ingest = subprocess.run([sys.executable, str(scripts["ingest"]), str(store),
+                                 str(model_dir("gpt2")), str(prompts)],
+                                capture_output=True, text=True, env=env, timeout=300)
+    finally:
+        done.touch()
+        for r in readers:
+            r.wait(timeout=120)
+    assert ingest.returncode == 0, ingest.stderr[-2000:]
+    seen_between = False
+    for reader, (out, err) in zip(readers, logs, strict=True):
+        assert reader.returncode == 0, err.read_text()[-2000:]
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        counts = [r["n"] for r in records]
+        assert counts == sorted(counts), counts  # never falls
+        assert counts[-1] == len(PROMPTS)
+        seen_between |= any(0 < c < len(PROMPTS) for c in counts)
+        for r in records:
+            assert r.get("short", 0) == 0 and r.get("bad", 0) == 0, r
+            assert r.get("codes", [0, 0, 0]) == [0, 0, 0], r
+    assert seen_between, "no reader saw the ingest half way: the test tested nothing"
+    assert_same(snapshot(store, "m"), reference)
