@@ -215,8 +215,8 @@ def verify(ctx: click.Context, store: Path, full: bool) -> None:
         raise click.ClickException(f"{len(problems)} problems found in {store}")
     note = ""
     if full and not checksums:
-        note = ("; format 1 store: its chunks carry no checksums, so only sizes were checked "
-                "(ingest into a new store to get them)")
+        note = ("; format 1 store: chunks written by format 1 carry no checksums, so only "
+                "their sizes were checked (ingest into a new store to get them)")
     click.echo(f"ok: {store} is consistent ({n_models} models{note})")
 
 

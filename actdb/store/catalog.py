@@ -22,6 +22,7 @@ from ..errors import (
     StoreFormatError,
     StoreNotWritableError,
 )
+from .durable import full_disk_as_error
 from .faults import fault
 from .records import ModelRecord, SiteRecord
 
@@ -189,7 +190,7 @@ class Catalog:
     @contextmanager
     def _session(self) -> Iterator[duckdb.DuckDBPyConnection]:
         """The connection, opened for this session only when it is not open already."""
-        with self._lock:
+        with self._lock, full_disk_as_error(self.path.parent, "the catalog"):
             if self._con is not None:
                 yield self._con
                 return
@@ -198,7 +199,7 @@ class Catalog:
                 yield self._con
             finally:
                 con, self._con = self._con, None
-                con.close()
+                con.close()  # checkpoints: the log is folded into the file
 
     @contextmanager
     def transaction(self) -> Iterator[None]:

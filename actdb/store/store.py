@@ -96,7 +96,8 @@ class Store:
             raise StoreFormatError(f"store path {str(p)!r} is a regular file, not a directory")
         if not p.exists() or (p.is_dir() and not any(p.iterdir())):
             cls._create(p)
-        return cls(p, ingest=True)
+        with durable.full_disk_as_error(p, "the store's lock file"):
+            return cls(p, ingest=True)
 
     @classmethod
     def _create(cls, p: Path) -> None:
