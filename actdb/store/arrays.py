@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import numpy as np
 import zarr
 import zarr.storage
@@ -29,7 +27,7 @@ from zarr.codecs import Crc32cCodec
 from ..errors import StoreCorruptError
 from . import durable
 from .catalog import FORMAT_VERSION
-from .faults import fault
+from .chunks import RawLayout, crc32c, raw_layout
 
 ACT_FIELDS = ("direction", "norm", "mean")
 # Small direction chunks keep selective queries from reading much they do not need (a
@@ -37,37 +35,12 @@ ACT_FIELDS = ("direction", "norm", "mean")
 # chunks cost a full scan little. norm and mean are 4 bytes a row: their chunks hold more rows.
 _TARGET_CHUNK_BYTES = 256 << 10
 SCALAR_CHUNK_FACTOR = 32
-CRC_BYTES = 4
 
 
 def default_chunk_tokens(width: int) -> int:
     """Token rows per direction chunk: about 256 KiB, a power of two, at least 64."""
     rows = max(_TARGET_CHUNK_BYTES // (2 * max(width, 1)), 64)
     return int(2 ** round(np.log2(rows)))
-
-
-@dataclass(frozen=True, kw_only=True)
-class RawLayout:
-    """Where the chunk files of an array stored raw (`bytes` codec, then optionally
-    `crc32c`) lie, and what each holds: chunk `i` is `{folder}/{i}{tail}`."""
-
-    label: str  # the array's path in the group, for messages
-    folder: str
-    tail: str
-    shape: tuple[int, ...]  # of one chunk
-    dtype: np.dtype[Any]
-    crc: bool
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * self.dtype.itemsize
-
-    @property
-    def file_bytes(self) -> int:
-        return self.nbytes + (CRC_BYTES if self.crc else 0)
-
-    def path(self, chunk: int) -> str:
-        return f"{self.folder}/{chunk}{self.tail}"
 
 
 class Arrays:
@@ -131,74 +104,11 @@ class Arrays:
         return found
 
     def raw_layout(self, arr: zarr.Array) -> RawLayout | None:
-        """The chunk files of `arr` when it is stored raw on a local disk; None when it
-        must be read through zarr."""
-        meta: Any = arr.metadata
-        codecs: tuple[Any, ...] = tuple(getattr(meta, "codecs", ()))
-        names = [type(c).__name__ for c in codecs]
-        encoding: Any = getattr(meta, "chunk_key_encoding", None)
-        raw = (
-            isinstance(self.zstore, zarr.storage.LocalStore)
-            and names in (["BytesCodec"], ["BytesCodec", "Crc32cCodec"])
-            and str(getattr(codecs[0], "endian", "little")).endswith("little")
-            and np.little_endian
-            and all(s == c for s, c in zip(arr.shape[1:], arr.chunks[1:], strict=True))
-            and type(encoding).__name__ == "DefaultChunkKeyEncoding"
-            and getattr(encoding, "separator", None) == "/"
-        )
-        if not raw:
-            return None
-        return RawLayout(
-            label=arr.path, folder=str(Path(str(self.zstore.root)) / arr.path / "c"),
-            tail="/0" * (arr.ndim - 1), shape=(arr.chunks[0], *arr.shape[1:]),
-            dtype=np.dtype(arr.dtype), crc=len(codecs) == 2,
-        )
+        return raw_layout(arr, self.zstore)
 
     def read_raw(self, raw: RawLayout, chunk: int) -> np.ndarray:
-        """Chunk `chunk` read straight from its file, its size and checksum checked."""
-        path = raw.path(chunk)
-        # One byte more than expected: a file too long shows in the count read.
-        buf = np.empty(raw.file_bytes + 1, dtype=np.uint8)
-        try:
-            # readinto releases the GIL for the read itself, so a read-ahead thread
-            # reads while the query's thread computes (np.fromfile holds it).
-            with open(path, "rb", buffering=0) as f:
-                got = f.readinto(buf.data)
-        except FileNotFoundError:
-            raise StoreCorruptError(
-                f"chunk {chunk} of array {raw.label!r} is missing ({path!r}): "
-                "the store is damaged"
-            ) from None
-        if got != raw.file_bytes:
-            raise StoreCorruptError(
-                f"chunk {chunk} of array {raw.label!r} has {got} bytes, not {raw.file_bytes} "
-                f"({path!r}): the store is damaged"
-            )
-        data = buf[: raw.nbytes]
-        if raw.crc and self.check_checksums:
-            stored = int.from_bytes(buf[raw.nbytes : raw.file_bytes].tobytes(), "little")
-            if crc32c(data) != stored:
-                raise StoreCorruptError(
-                    f"chunk {chunk} of array {raw.label!r} fails its checksum ({path!r}): "
-                    "the store is damaged"
-                )
-        return data.view(raw.dtype).reshape(raw.shape)
-
-    def stat_raw(self, raw: RawLayout, chunk: int) -> None:
-        """The structural check of one chunk: its file exists with the right size."""
-        path = raw.path(chunk)
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            raise StoreCorruptError(
-                f"chunk {chunk} of array {raw.label!r} is missing ({path!r}): "
-                "the store is damaged"
-            ) from None
-        if size != raw.file_bytes:
-            raise StoreCorruptError(
-                f"chunk {chunk} of array {raw.label!r} has {size} bytes, not {raw.file_bytes} "
-                f"({path!r}): the store is damaged"
-            )
+        """One chunk file, its size and checksum checked."""
+        return raw.read(chunk, check=self.check_checksums)
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -258,7 +168,7 @@ class Arrays:
         raw = self.raw_layout(arr)
         if raw is not None:
             for i in range(_n_chunks(arr)):
-                self.stat_raw(raw, i)
+                raw.stat(i)
 
     def _read_checked(self, arr: zarr.Array) -> np.ndarray:
         """All of `arr`, chunk by chunk, so that a damaged or missing one is named (zarr
@@ -373,28 +283,14 @@ class Arrays:
                 data = np.zeros(raw.shape, dtype=raw.dtype)
                 data[: b - a] = value[a - start : b - start]
             else:
-                data = self.read_raw(raw, chunk).copy()
+                data = self.read_raw(raw, chunk)  # a fresh buffer of our own
                 data[a - lo : b - lo] = value[a - start : b - start]
             parent = os.path.dirname(path)
             if parent not in self._made:
                 os.makedirs(parent, exist_ok=True)
                 self._made.add(parent)
                 self._mark_dirty(os.path.dirname(parent), os.path.dirname(raw.folder))
-            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{durable.PARTIAL_SUFFIX}"
-            data = np.ascontiguousarray(data)
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data.data.cast("B"))
-                    fault("chunk_write")  # a kill here leaves a torn temporary file
-                    if raw.crc:
-                        f.write(crc32c(data).to_bytes(CRC_BYTES, "little"))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
+            raw.write(chunk, data)
             self._mark_dirty(parent)
 
     def _mark_dirty(self, *folders: str) -> None:
@@ -413,11 +309,7 @@ class Arrays:
         return f"models/{model_id}" in self.group
 
 
-def crc32c(data: np.ndarray) -> int:
-    """CRC-32C of a contiguous array's bytes, as Zarr's `crc32c` codec computes it."""
-    view = data.reshape(-1).view(np.uint8)
-    view.flags.writeable = False  # google_crc32c takes read-only buffers only
-    return int(google_crc32c.value(view))
+__all__ = ["ACT_FIELDS", "Arrays", "crc32c", "default_chunk_tokens"]
 
 
 def _n_chunks(arr: zarr.Array) -> int:

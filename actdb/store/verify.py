@@ -104,7 +104,7 @@ def _check_site(store: Store, m: ModelRecord, s: SiteRecord, where: str, *, full
                 if full or raw is None:
                     store.arrays.read_chunk(m.model_id, s.site, field, chunk)
                 else:
-                    store.arrays.stat_raw(raw, chunk)
+                    raw.stat(chunk)
             except StoreCorruptError as e:
                 out.append(f"{here}: {e}")
                 break  # one damaged chunk per array is enough to say
