@@ -28,7 +28,7 @@ CRC_BYTES = 4
 
 def crc32c(data: np.ndarray) -> int:
     """CRC-32C of a contiguous array's bytes, as Zarr's `crc32c` codec computes it."""
-    return int(_crc32c.crc32c(data.reshape(-1).view(np.uint8), gil_release_mode=1))
+    return int(_crc32c.crc32c(data.reshape(-1).view(np.uint8).data, gil_release_mode=1))
 
 
 @dataclass(frozen=True, kw_only=True)
