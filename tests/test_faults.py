@@ -184,7 +184,8 @@ def test_real_full_file_system_then_resume(
                 "--chunk-tokens", "8"]
         full = CliRunner().invoke(cli, args)
         assert full.exit_code == 1, full.output
-        assert "is full" in full.stderr and len(full.stderr.strip().splitlines()) == 1
+        error = [line for line in full.stderr.splitlines() if line.startswith("Error:")]
+        assert len(error) == 1 and "is full" in error[0], full.stderr
         subprocess.run(["mount", "-o", f"remount,size={size_kib * 8}k", str(mnt)], check=True)
         again = CliRunner().invoke(cli, args)
         assert again.exit_code == 0, again.output
