@@ -122,25 +122,45 @@ def ingest(ctx: click.Context, store: Path, progress: bool | None, **kw: Any) ->
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:i.")
 @click.option("-p", "--param", "params", multiple=True, metavar="NAME=VALUE",
               help="Bind $NAME in the query (repeatable); numbers bind as numbers.")
+@click.option("--table", "tables", multiple=True, metavar="NAME=FILE",
+              help="Make FILE (.csv, .parquet, .jsonl/.json) a read-only table NAME for the "
+                   "query (repeatable); queries cannot read files otherwise.")
 @click.pass_context
 def query(ctx: click.Context, store: Path, sql: str, fmt: str, output: Path | None,
-          device: str, params: tuple[str, ...]) -> None:
+          device: str, params: tuple[str, ...], tables: tuple[str, ...]) -> None:
     """Run a read-only SQL query (DuckDB dialect) with the tensor functions.
+
+    Queries run sandboxed: one SELECT, no files except those named with --table.
 
     \b
     Example:
       actdb query runs.actdb "SELECT layer, token, nearest_anchors(vec, 3) AS near
         FROM acts WHERE prompt_id = \\$p AND role = 'pre_attn'" -p p=3
+      actdb query runs.actdb "SELECT l.label, count(*) FROM prompts p
+        JOIN labels l USING (prompt_id) GROUP BY 1" --table labels=labels.csv
     """
     from . import connect
-    from .query.output import write_result
+    from .query.output import check_output, write_result
 
     if fmt == "parquet" and output is None:
         raise click.UsageError("parquet output needs -o FILE")
     bound = dict(_parse_param(p) for p in params) if params else None
-    with _errors(ctx), connect(store, device=device) as db:
-        result = db.sql(sql, params=bound)
-        write_result(result, fmt, output)
+    named = [_parse_table(t) for t in tables]
+    with _errors(ctx):
+        if output is not None:
+            check_output(output)
+        with connect(store, device=device) as db:
+            for name, path in named:
+                db.register(name, path)
+            result = db.sql(sql, params=bound)
+            write_result(result, fmt, output)
+
+
+def _parse_table(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise click.BadParameter(f"{text!r} is not NAME=FILE", param_hint="--table")
+    return name, Path(path)
 
 
 def _parse_param(text: str) -> tuple[str, Any]:

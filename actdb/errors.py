@@ -60,6 +60,10 @@ class QuerySyntaxError(QueryError):
         return f"{self.args[0]}\n  {row}\n  {caret}"
 
 
+class OutputError(ActdbError, OSError):
+    """A query's result cannot be written where asked (a missing folder, a folder as file)."""
+
+
 class TokenError(QueryError):
     """A token string is not exactly one token of a model's vocabulary."""
 

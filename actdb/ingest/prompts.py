@@ -29,13 +29,15 @@ def read_prompts(source: PromptsLike) -> list[Prompt]:
     if isinstance(source, str | os.PathLike):
         name = os.fspath(source)
         if name == "-":
-            return _parse_lines(sys.stdin.read().splitlines(), "<stdin>", jsonl=None)
+            lines = _decode(sys.stdin.buffer.read(), "<stdin>").splitlines()
+            return _parse_lines(lines, "<stdin>", jsonl=None)
         path = Path(name)
         if not path.is_file():
             raise PromptsError(f"prompts file {name!r} does not exist")
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = _decode(path.read_bytes(), name).splitlines()
         return _parse_lines(lines, name, jsonl=path.suffix.lower() in (".jsonl", ".ndjson"))
     prompts = []
+    wheres = []
     for i, item in enumerate(source):
         if isinstance(item, str):
             prompts.append(Prompt(text=item))
@@ -43,7 +45,21 @@ def read_prompts(source: PromptsLike) -> list[Prompt]:
             prompts.append(_from_record(dict(item), f"prompts[{i}]"))
         else:
             raise PromptsError(f"prompts[{i}] is a {type(item).__name__}, not a string or dict")
+        wheres.append(f"prompts[{i}]")
+    _check_fields(prompts, wheres)
     return _nonempty(prompts, "the prompts list")
+
+
+def _decode(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise PromptsError(
+            f"{where}, line {line}: not valid UTF-8 at byte {e.start} (column {column} of the "
+            f"line, byte {data[e.start:e.start + 1]!r}); save the file as UTF-8"
+        ) from None
 
 
 def _parse_lines(lines: list[str], where: str, *, jsonl: bool | None) -> list[Prompt]:
@@ -51,9 +67,11 @@ def _parse_lines(lines: list[str], where: str, *, jsonl: bool | None) -> list[Pr
         first = next((ln for ln in lines if ln.strip()), "")
         jsonl = first.lstrip().startswith("{")
     prompts = []
+    wheres = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
+        wheres.append(f"{where}, line {n}")
         if not jsonl:
             prompts.append(Prompt(text=line))
             continue
@@ -64,6 +82,7 @@ def _parse_lines(lines: list[str], where: str, *, jsonl: bool | None) -> list[Pr
         if not isinstance(record, dict):
             raise PromptsError(f"{where}, line {n}: expected a JSON object with a 'text' field")
         prompts.append(_from_record(record, f"{where}, line {n}"))
+    _check_fields(prompts, wheres)
     return _nonempty(prompts, where)
 
 
@@ -71,10 +90,63 @@ def _from_record(record: dict[str, Any], where: str) -> Prompt:
     text = record.pop("text", None)
     if not isinstance(text, str):
         raise PromptsError(f"{where}: has no 'text' string field")
-    reserved = {"prompt_id", "n_tokens"} & {k.lower() for k in record}
-    if reserved:
-        raise PromptsError(f"{where}: field {sorted(reserved)[0]!r} is reserved by actdb")
+    for key in record:
+        _check_key(key, where)
     return Prompt(text=text, extra=record)
+
+
+# Columns of `prompts` that actdb fills itself; SQL names ignore case, so neither may a field.
+RESERVED = ("prompt_id", "text", "n_tokens")
+
+
+def _check_key(key: object, where: str) -> None:
+    if not isinstance(key, str) or not key.strip():
+        raise PromptsError(f"{where}: field name {key!r} is empty; every field needs a name")
+    if any(not ch.isprintable() for ch in key):
+        raise PromptsError(f"{where}: field name {key!r} holds control characters")
+    if key.lower() in RESERVED:
+        raise PromptsError(f"{where}: field {key!r} is reserved by actdb (the prompts columns "
+                           f"{', '.join(RESERVED)} are filled by actdb, and names ignore case)")
+
+
+def _kind(value: Any) -> str:
+    """A field value's kind, as the error messages name it."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object"
+
+
+_NUMBERS = {"an integer", "a number"}
+
+
+def _check_fields(prompts: list[Prompt], wheres: list[str]) -> None:
+    """Each field keeps one kind over all prompts (integers and numbers mix), and no two field
+    names differ only in case: each becomes one column of `prompts`."""
+    seen: dict[str, tuple[str, str, str]] = {}  # lower name -> (name, kind, where)
+    for p, where in zip(prompts, wheres, strict=True):
+        for key, value in p.extra.items():
+            if isinstance(value, int) and not isinstance(value, bool) and not (
+                    -(1 << 63) <= value < (1 << 63)):
+                raise PromptsError(f"{where}: field {key!r} = {value} does not fit a 64-bit "
+                                   "integer; give it as a string or a number with a point")
+            kind = _kind(value) if value is not None else None
+            name, first_kind, first_where = seen.get(
+                key.lower(), (key, kind or "", where.rsplit(", ", 1)[-1]))
+            if name != key:
+                raise PromptsError(f"{where}: field {key!r} differs only in case from field "
+                                   f"{name!r} ({first_where}); column names ignore case")
+            if kind and first_kind and kind != first_kind and not (
+                    {kind, first_kind} <= _NUMBERS):
+                raise PromptsError(f"{where}: field {key!r} is {kind} here but {first_kind} at "
+                                   f"{first_where}; give each field one type")
+            seen[key.lower()] = (key, first_kind or kind or "",
+                                 first_where if first_kind else where.rsplit(", ", 1)[-1])
 
 
 def _nonempty(prompts: list[Prompt], where: str) -> list[Prompt]:
@@ -87,7 +159,8 @@ def _nonempty(prompts: list[Prompt], where: str) -> list[Prompt]:
 
 
 def extra_columns(prompts: list[Prompt]) -> dict[str, str]:
-    """SQL types for the extra fields: BIGINT, DOUBLE, BOOLEAN or VARCHAR (JSON text)."""
+    """SQL types for the extra fields: BIGINT, DOUBLE, BOOLEAN or VARCHAR (JSON text); NULL
+    for a field that is null in every prompt here (it fits any column)."""
     types: dict[str, set[str]] = {}
     for p in prompts:
         for k, v in p.extra.items():
@@ -95,11 +168,13 @@ def extra_columns(prompts: list[Prompt]) -> dict[str, str]:
     out = {}
     for k, ts in types.items():
         ts.discard("NULL")
-        if ts <= {"BOOLEAN"} and ts:
+        if not ts:
+            out[k] = "NULL"
+        elif ts <= {"BOOLEAN"}:
             out[k] = "BOOLEAN"
-        elif ts <= {"BIGINT"} and ts:
+        elif ts <= {"BIGINT"}:
             out[k] = "BIGINT"
-        elif ts <= {"BIGINT", "DOUBLE"} and ts:
+        elif ts <= {"BIGINT", "DOUBLE"}:
             out[k] = "DOUBLE"
         else:
             out[k] = "VARCHAR"

@@ -16,10 +16,11 @@ from ..errors import ActdbError, QueryError
 from ..store.info import StoreInfo, describe
 from ..store.store import Store
 from ..store.verify import verify as verify_store
-from . import plan
+from . import plan, sandbox
 from .execute import ErrorBox, prepare
 from .functions import describe as describe_functions
 from .result import Result, translate
+from .tables import TableLike, check_name, load_table
 from .vectors import VectorSource
 
 _OPEN: weakref.WeakSet[Database] = weakref.WeakSet()
@@ -35,20 +36,28 @@ def _close_all() -> None:
 
 class Database:
     """A store opened for queries. Queries never change it, whatever `read_only` says:
-    `read_only=False` only takes the catalog's write lock (DuckDB allows one writer)."""
+    `read_only=False` only takes the catalog's write lock (DuckDB allows one writer).
+
+    Queries run sandboxed (sandbox.py): one SELECT, no files, no extensions, configuration
+    locked once the views, macros and UDFs are in place; `register` adds the user's own tables.
+    """
 
     def __init__(
         self, path: str | os.PathLike[str], *, read_only: bool = True, device: str = "auto",
         cache_bytes: int = 256 << 20, threads: int = 1,
     ) -> None:
         self.device = resolve_device(device)
+        # Statements are parsed and their trees serialized on a connection of their own, which
+        # holds no data: checking a query never runs anything next to the store.
+        self._parser = duckdb.connect(":memory:")
+        sandbox.lock(self._parser)
         self.store = Store(path, read_only=read_only)
         self.con = self.store.catalog.con
         # One DuckDB thread by default: the UDFs hold the GIL anyway, and idle DuckDB workers
         # compete with torch for the cores (see BENCHMARKS.md).
-        self.con.execute(f"SET threads = {int(threads)}")
-        # DuckDB draws a progress bar on stdout for long queries: not into our results.
-        self.con.execute("SET enable_progress_bar = false")
+        if not sandbox.is_locked(self.con):  # else set by the first Database of this process
+            self.con.execute(f"SET threads = {int(threads)}")
+            _quiet_progress_bar(self.con)
         self.source = VectorSource(self.store, self.device, cache_bytes=cache_bytes)
         self._box = ErrorBox()
         prepare(self.con, self.source, self._box)
@@ -58,15 +67,22 @@ class Database:
                 "SELECT DISTINCT function_name FROM duckdb_functions()"
             ).fetchall()
         }
+        self._taken = {
+            r[0].lower() for r in self.con.execute(
+                "SELECT table_name FROM duckdb_tables() UNION SELECT view_name FROM duckdb_views()"
+            ).fetchall()
+        }
+        self._tables: dict[str, object] = {}
+        sandbox.lock(self.con)
 
     # -- queries ---------------------------------------------------------------------------
 
     def sql(self, query: str, *, params: dict[str, Any] | list[Any] | None = None) -> Result:
         """Run a read-only query; `$name` / `?` parameters bind from `params`."""
-        plan.check(query, self.con, self._known)
+        plan.check(query, self._parser, self._known)
         self._box.error = None
         try:
-            rel = self.con.sql(query, params=params) if params is not None else self.con.sql(query)
+            rel = _relation(self.con, query, params)
         except duckdb.Error as e:
             raise translate(e, self._box) from None
         if rel is None:
@@ -95,6 +111,20 @@ class Database:
                 )
             out[torch.from_numpy(g.index).to(self.device)] = g.x
         return out if out is not None else torch.empty((0, 0))
+
+    def register(self, name: str, table: TableLike) -> None:
+        """Add a named, read-only table that queries can join, e.g. labels for prompts.
+
+        Args:
+            name: a plain identifier that is not a table of the store (`acts`, `prompts`...);
+                registering a name again replaces the earlier table.
+            table: a pandas DataFrame, an Arrow table, or the path of a .csv, .parquet or
+                .jsonl/.json file (read here, in Python: queries themselves cannot read files).
+        """
+        check_name(name, self._taken)
+        data = load_table(table)
+        self.con.register(name, data)
+        self._tables[name.lower()] = data
 
     # -- the store -------------------------------------------------------------------------
 
@@ -129,6 +159,7 @@ class Database:
                 "bytes_read": self.source.cache.bytes_read}
 
     def close(self) -> None:
+        self._parser.close()
         self.source.cache.close()
         self.store.close()
 
@@ -137,6 +168,24 @@ class Database:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _relation(con: duckdb.DuckDBPyConnection, query: str, params: Any) -> Any:
+    """DuckDB's relation for a checked query, built in a frame whose locals hold no data frame
+    (see sandbox.lock on Python replacement scans)."""
+    return con.sql(query, params=params) if params is not None else con.sql(query)
+
+
+def _quiet_progress_bar(con: duckdb.DuckDBPyConnection) -> None:
+    """Progress bar off, so it is never drawn into our results. Inside a Jupyter kernel without
+    ipywidgets DuckDB has already turned it off and refuses any change to the setting (even to
+    off): read it first, and carry on if the change is refused, since off is what we want."""
+    rows = con.execute("SELECT current_setting('enable_progress_bar')").fetchall()
+    if not rows or rows[0][0]:
+        try:
+            con.execute("SET enable_progress_bar = false")
+        except duckdb.Error:
+            pass  # refused only where DuckDB itself keeps the bar off
 
 
 def connect(

@@ -104,11 +104,14 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox) -> Callable[
 
 def _stored_field_udf(src: VectorSource, name: str) -> Callable[[pa.Array], pa.Array]:
     def udf(h: pa.Array) -> pa.Array:
-        values = pc.fill_null(h, 0).to_numpy(zero_copy_only=False).astype(np.int64)
-        out = np.full(len(values), np.nan)
-        for g in src.groups(values):
-            out[g.index] = (g.norm if name == "norm" else g.mean).double().cpu().numpy()
-        return pa.array(out, type=pa.float64(), mask=h.is_null().to_numpy(zero_copy_only=False))
+        null = h.is_null().to_numpy(zero_copy_only=False)
+        keep = np.nonzero(~null)[0]
+        values = pc.drop_null(h).to_numpy(zero_copy_only=False).astype(np.int64)
+        out = np.full(len(h), np.nan)
+        if len(values):
+            for g in src.groups(values):
+                out[keep[g.index]] = (g.norm if name == "norm" else g.mean).double().cpu().numpy()
+        return pa.array(out, type=pa.float64(), mask=null)
 
     return udf
 
@@ -131,12 +134,20 @@ def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox) ->
             [duckdb.sqltype("BIGINT")], duckdb.sqltype("DOUBLE"), type=PythonUDFType.ARROW,
             null_handling=FunctionNullHandling.SPECIAL, side_effects=False,
         )
-    con.execute(
-        "CREATE OR REPLACE TEMP TABLE _actdb_site_heads AS SELECT model, site, "
-        "UNNEST(CASE WHEN n_heads IS NULL THEN [NULL::INTEGER] "
-        "ELSE range(n_heads)::INTEGER[] END) AS head FROM sites"
-    )
-    handle = H.encode_sql('t."row"', "h.head", "s.site_id", "m.model_id")
+    # The store's (model, site, head) streams with the numbers handles carry (handles.py).
+    names = {m.model_id: m.model for m in src.models.values()}
+    streams = pa.table({
+        "model": [names[s.model_id] for s in src.codec.streams],
+        "site": [src.site(s.model_id, s.site_id).site for s in src.codec.streams],
+        "head": pa.array([s.head if s.head >= 0 else None for s in src.codec.streams],
+                         pa.int32()),
+        "stream": pa.array(range(len(src.codec.streams)), pa.int64()),
+    })
+    con.register("_actdb_streams_arrow", streams)
+    con.execute("CREATE OR REPLACE TEMP TABLE _actdb_streams AS "
+                "SELECT * FROM _actdb_streams_arrow")
+    con.unregister("_actdb_streams_arrow")
+    handle = H.encode_sql('t."row"', "h.stream")
     con.execute(f"""
         CREATE OR REPLACE TEMP VIEW acts AS
         SELECT model, prompt_id, position, token_id, token, site, layer, role, head,
@@ -146,9 +157,8 @@ def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox) ->
             SELECT t.model, t.prompt_id, t.position, t.token_id, t.token,
                    s.site, s.layer, s.role, h.head, {handle} AS vec
             FROM tokens t
-            JOIN models m ON m.model = t.model
             JOIN sites s ON s.model = t.model
-            JOIN _actdb_site_heads h ON h.model = s.model AND h.site = s.site
+            JOIN _actdb_streams h ON h.model = s.model AND h.site = s.site
         )
     """)
 

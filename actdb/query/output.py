@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import IO, Any
@@ -12,6 +13,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from ..errors import OutputError
 from .result import Result
 
 
@@ -29,8 +31,33 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def check_output(output: Path) -> None:
+    """One sentence, before the query runs, for an output path that cannot be a file."""
+    if output.is_dir():
+        raise OutputError(f"output {str(output)!r} is a folder; give a file path, e.g. "
+                          f"{str(output / 'result.csv')!r}")
+    parent = output.parent
+    if not parent.is_dir():
+        raise OutputError(f"cannot write {str(output)!r}: folder {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise OutputError(f"cannot write {str(output)!r}: folder {str(parent)!r} is not writable")
+
+
 def write_result(result: Result, fmt: str, output: Path | None) -> None:
-    """Write `result` in `fmt` to `output` (stdout when None)."""
+    """Write `result` in `fmt` to `output` (stdout when None).
+
+    An output path that cannot be written is an OutputError, checked before the query runs."""
+    if output is not None:
+        check_output(output)
+        try:
+            _write(result, fmt, output)
+        except OSError as e:
+            raise OutputError(f"cannot write {str(output)!r}: {e.strerror or e}") from None
+        return
+    _write(result, fmt, None)
+
+
+def _write(result: Result, fmt: str, output: Path | None) -> None:
     if fmt == "parquet":
         assert output is not None
         writer: pq.ParquetWriter | None = None

@@ -135,6 +135,11 @@ class VectorSource:
         for m in self.models.values():
             for s in store.catalog.sites(m.model):
                 self.sites[(m.model_id, s.site_id)] = s
+        self.codec = H.Codec(
+            H.Stream(model_id=mid, site_id=sid, head=head, n_rows=self.models[mid].n_rows)
+            for (mid, sid), s in self.sites.items()
+            for head in (range(s.n_heads) if s.n_heads else (-1,))
+        )
         self._weights: dict[tuple[object, ...], torch.Tensor | None] = {}
         self._vocab: dict[int, dict[str, list[int]]] = {}
         self._tokens: dict[int, list[str | None]] = {}
@@ -224,8 +229,9 @@ class VectorSource:
                                    else part)
 
     def groups(self, handles: np.ndarray) -> Iterator[Group]:
-        """Split a batch of handles by (model, site, view); fields are read when first used."""
-        dec = H.decode(handles)
+        """Split a batch of handles by (model, site, view); fields are read when first used.
+        A value that is not a handle of this store is a QueryError (handles.Codec)."""
+        dec = self.codec.decode(handles)
         key = (dec.model_id << 20) | (dec.site_id << 2) | dec.view
         keys = np.unique(key)
         for k in keys:
@@ -237,8 +243,6 @@ class VectorSource:
             if np.any(rows[1:] < rows[:-1]):  # chunk-friendly reading order
                 order = np.argsort(rows, kind="stable")
                 index, rows = index[order], rows[order]
-            if rows[-1] >= model.n_rows:
-                raise QueryError(f"a vec handle points past the stored rows of {model.model!r}")
             yield Group(self, index, model, site, view, rows, dec.head[index])
 
     def apply_view(self, model: ModelRecord, site: SiteRecord, view: str, x: torch.Tensor,

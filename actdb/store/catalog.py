@@ -17,11 +17,13 @@ import duckdb
 import pyarrow as pa
 
 from ..errors import (
+    PromptsError,
     StoreBusyError,
     StoreCorruptError,
     StoreFormatError,
     StoreNotWritableError,
 )
+from . import limits
 from .durable import full_disk_as_error
 from .faults import fault
 from .records import ModelRecord, SiteRecord
@@ -64,6 +66,15 @@ CREATE TABLE vocab (model VARCHAR, token_id INTEGER, token VARCHAR, piece VARCHA
 """
 
 _MODEL_COLUMNS = [f.name for f in fields(ModelRecord)]
+_FIELD_TYPES = ("BIGINT", "DOUBLE", "BOOLEAN", "VARCHAR")
+_TABLES = ("meta", "models", "prompts", "prompt_runs", "tokens", "sites", "vocab")
+
+
+def quote(name: str) -> str:
+    """A SQL identifier, double-quoted with inner quotes doubled: the one way a name that came
+    from outside (a JSONL key) reaches SQL. Values are always bound, never formatted in."""
+    return '"' + name.replace('"', '""') + '"'
+
 _SITE_COLUMNS = [f.name for f in fields(SiteRecord)]
 
 
@@ -231,7 +242,7 @@ class Catalog:
         return int(row[0])
 
     def models(self) -> list[ModelRecord]:
-        cols = ", ".join(f'"{c}"' for c in _MODEL_COLUMNS)
+        cols = ", ".join(quote(c) for c in _MODEL_COLUMNS)
         with self._session() as con:
             rows = con.execute(f"SELECT {cols} FROM models ORDER BY model_id").fetchall()
         out = []
@@ -299,22 +310,49 @@ class Catalog:
     # -- writing ---------------------------------------------------------------------------
 
     def add_prompt_columns(self, columns: dict[str, str]) -> None:
-        """Add the extra prompt fields (JSONL keys) that `prompts` does not have yet."""
+        """Add the extra prompt fields (JSONL keys) that `prompts` does not have yet, after
+        checking every field against the columns already there (same name, same case, a type
+        its values fit): a field that changed type between runs is a PromptsError."""
         with self._session() as con:
-            have = {c.lower() for c in self.prompt_columns()}
-            for name, sqltype in columns.items():
-                if name.lower() not in have:
-                    quoted = name.replace('"', '""')
-                    con.execute(f'ALTER TABLE prompts ADD COLUMN "{quoted}" {sqltype}')
+            self._add_prompt_columns(con, columns)
+
+    def _add_prompt_columns(self, con: duckdb.DuckDBPyConnection, columns: dict[str, str]
+                            ) -> None:
+        have = self.prompt_columns()
+        by_lower = {name.lower(): name for name in have}
+        for name, sqltype in columns.items():
+            existing = by_lower.get(name.lower())
+            if existing is None:
+                continue
+            if existing != name:
+                raise PromptsError(f"field {name!r} differs only in case from the store's "
+                                   f"prompts column {existing!r}; column names ignore case")
+            fits = sqltype in (have[existing], "NULL") or (have[existing], sqltype) == (
+                "DOUBLE", "BIGINT")
+            if not fits:
+                raise PromptsError(
+                    f"field {name!r} holds {sqltype} values in these prompts but the store's "
+                    f"prompts.{existing} column is {have[existing]} from an earlier ingest; "
+                    "give the field the same type, or another name"
+                )
+        for name, sqltype in columns.items():
+            if name.lower() not in by_lower:
+                column_type = "VARCHAR" if sqltype == "NULL" else sqltype  # null so far
+                if column_type not in _FIELD_TYPES:  # never pasted: only our own type names
+                    raise ValueError(f"unexpected prompt column type {sqltype!r}")
+                con.execute(f"ALTER TABLE prompts ADD COLUMN {quote(name)} {column_type}")
 
     def insert_model(
         self, model: ModelRecord, sites: Sequence[SiteRecord], vocab: pa.Table
     ) -> None:
         """Register a model, its sites and its vocabulary in one transaction."""
+        have = self.one("SELECT coalesce(sum(coalesce(n_heads, 1)), 0) FROM sites")
+        limits.check_streams(int(have[0]) if have else 0, sum(s.n_heads or 1 for s in sites),
+                             model.model)
         with self.transaction():
             row = asdict(model)
             row["config"] = json.dumps(row["config"], default=str)
-            cols = ", ".join(f'"{c}"' for c in _MODEL_COLUMNS)
+            cols = ", ".join(quote(c) for c in _MODEL_COLUMNS)
             marks = ", ".join("?" for _ in _MODEL_COLUMNS)
             self.con.execute(
                 f"INSERT INTO models ({cols}) VALUES ({marks})", [row[c] for c in _MODEL_COLUMNS]
@@ -344,6 +382,7 @@ class Catalog:
         n_rows: int,
     ) -> None:
         """Make one ingested batch visible: everything in one transaction."""
+        limits.check_rows(n_rows, model)
         with self.transaction():
             self._insert_table("prompts", new_prompts)
             self._insert_table("prompt_runs", prompt_runs, model=model)
@@ -359,10 +398,11 @@ class Catalog:
     def _insert_table(self, table: str, data: pa.Table, **constants: Any) -> None:
         if data.num_rows == 0:
             return
+        assert table in _TABLES, table
         self.con.register("_batch", data)
         try:
-            const_cols = [f'"{k}"' for k in constants]
-            data_cols = [f'"{c}"' for c in data.column_names]
+            const_cols = [quote(k) for k in constants]
+            data_cols = [quote(c) for c in data.column_names]
             target = ", ".join(const_cols + data_cols)
             select = ", ".join(["?"] * len(constants) + data_cols)
             self.con.execute(

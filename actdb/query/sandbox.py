@@ -1,0 +1,233 @@
+"""The query sandbox: which statements run, what they may call, and the engine settings behind it.
+
+Three layers, each enough on its own for the escapes we know of, so that a gap in one is caught
+by the next:
+1. DuckDB's own parser says the statement is one SELECT (or an EXPLAIN whose inner statement
+   is one SELECT; EXPLAIN ANALYZE executes, which is harmless for a SELECT).
+2. The statement's trees, both DuckDB's (`json_serialize_sql`) and sqlglot's, are walked: table
+   functions must be on an allow-list (no file readers, no `query()`, no raw Arrow pointers),
+   scalar functions that change session state and actdb's internal UDFs are refused, and a
+   table named like a path (`FROM 'file.csv'`) is refused.
+3. The connection runs with external access off, extension auto-install and auto-load off,
+   Python replacement scans off, and the configuration locked, so DuckDB itself refuses files,
+   downloads and `SET`s whatever got past 1 and 2.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import duckdb
+from sqlglot import exp
+
+from ..errors import QueryError
+
+# Applied in this order after the query layer's views, macros and UDFs are set up; the last
+# one makes every setting (these and the rest) read-only. DuckDB shares one database instance
+# between the connections of a process to one file, and these settings are the instance's, so
+# a second connection to a store may find them already applied and locked.
+LOCKDOWN = (
+    ("enable_external_access", False),
+    ("autoinstall_known_extensions", False),
+    ("autoload_known_extensions", False),
+    ("python_enable_replacements", False),  # this one is the connection's own
+    ("lock_configuration", True),
+)
+_PER_CONNECTION = {"python_enable_replacements"}
+
+# Table functions that compute or describe, and read nothing outside the database.
+TABLE_FUNCTIONS = frozenset({
+    "range", "generate_series", "unnest", "repeat", "repeat_row", "json_each", "json_tree",
+    "histogram", "histogram_values", "summary", "icu_calendar_names", "pg_timezone_names",
+    "test_all_types", "duckdb_columns", "duckdb_constraints", "duckdb_databases",
+    "duckdb_dependencies", "duckdb_functions", "duckdb_indexes", "duckdb_keywords",
+    "duckdb_schemas", "duckdb_sequences", "duckdb_tables", "duckdb_types", "duckdb_views",
+    "pragma_table_info", "pragma_show", "pragma_version", "pragma_platform",
+    "pragma_database_size", "pragma_collations",
+})
+
+# Scalar functions with effects beyond their result (session state, logs, profiling).
+SCALAR_REFUSED = frozenset({
+    "setseed", "write_log", "enable_profile", "disable_profile", "nextval", "currval",
+})
+
+FILE_HINT = ("queries cannot read files; name the file as a table instead: "
+             "actdb query --table NAME=FILE, or db.register(NAME, path)")
+
+_PATH_CHARS = frozenset("./\\:*?~")
+
+
+def is_locked(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether the connection's configuration is locked (by us, on another connection)."""
+    rows = con.execute("SELECT current_setting('lock_configuration')").fetchall()
+    return bool(rows and rows[0][0])
+
+
+def lock(con: duckdb.DuckDBPyConnection) -> None:
+    """Turn external access and extension loading off and lock the configuration; where it is
+    locked already, check that every one of these settings is in force."""
+    if is_locked(con):
+        # A later connection cannot turn Python replacement scans off. They look only at the
+        # locals of the frame that calls DuckDB, database.py's _relation, which holds the
+        # connection, the query text and its parameters: no data frame to find.
+        for name, want in LOCKDOWN:
+            if name in _PER_CONNECTION:
+                continue
+            rows = con.execute("SELECT current_setting(?)", [name]).fetchall()
+            if not rows or bool(rows[0][0]) != want:
+                raise QueryError(f"the store's catalog is open elsewhere in this process with "
+                                 f"{name} = {not want} and its settings locked; close that "
+                                 "connection first")
+        return
+    for name, want in LOCKDOWN:
+        con.execute(f"SET {name} = {str(want).lower()}")
+
+
+def check_statement(query: str, con: duckdb.DuckDBPyConnection) -> str:
+    """The SELECT a query runs (the query itself, or the inner statement of an EXPLAIN);
+    a QueryError for anything else. DuckDB parse errors propagate as duckdb.ParserException."""
+    statements = con.extract_statements(query)
+    if len(statements) != 1:
+        raise QueryError(f"give one statement at a time; the query holds {len(statements)}")
+    kind = _kind(statements[0])
+    if kind == "EXPLAIN":
+        inner = _explained(query)
+        inner_statements = con.extract_statements(inner) if inner.strip() else []
+        inner_kind = _kind(inner_statements[0]) if len(inner_statements) == 1 else "MULTI"
+        if inner_kind != "SELECT":
+            raise QueryError(
+                "EXPLAIN (and EXPLAIN ANALYZE, which executes) is allowed only for one plain "
+                f"SELECT; this one explains {_article(inner_kind)} {inner_kind} statement"
+            )
+        return inner
+    if kind == "MULTI":
+        raise QueryError("the query expands to several statements (a PIVOT without an IN list "
+                         "does); give one plain SELECT, e.g. PIVOT ... ON col IN (...)")
+    if kind != "SELECT":
+        raise QueryError(f"queries are read-only: {_article(kind)} {kind} statement would "
+                         "change the store or the session, so it is refused")
+    return query
+
+
+def check_duckdb_tree(select: str, con: duckdb.DuckDBPyConnection) -> None:
+    """Walk DuckDB's own parse tree of a SELECT for refused functions and file tables."""
+    rows = con.execute("SELECT json_serialize_sql(?::VARCHAR)", [select]).fetchall()
+    tree = json.loads(rows[0][0]) if rows else {"error": True}
+    if tree.get("error"):
+        raise QueryError("the query could not be checked by the sandbox "
+                         f"({tree.get('error_message', 'no parse tree')}); give one plain SELECT")
+    for node in _dicts(tree):
+        if node.get("type") == "TABLE_FUNCTION":
+            _check_table_function(str(node.get("function", {}).get("function_name", "")))
+        elif node.get("class") == "FUNCTION":
+            _check_scalar(str(node.get("function_name", "")))
+        elif node.get("type") == "BASE_TABLE":
+            _check_table_name(str(node.get("table_name", "")))
+
+
+def check_sqlglot_tree(tree: exp.Expr) -> None:
+    """Walk sqlglot's tree of the query: nothing but a query, no refused function or table."""
+    for node in tree.walk():
+        if isinstance(node, exp.Command | exp.Copy | exp.Create | exp.Insert | exp.Update
+                      | exp.Delete | exp.Drop | exp.Pragma | exp.Set | exp.Use | exp.Merge
+                      | exp.Attach | exp.Detach | exp.Install):
+            raise QueryError(f"queries are read-only: {node.key.upper()} is refused inside a "
+                             "query")
+        if isinstance(node, exp.Func):
+            _check_scalar(node.name if isinstance(node, exp.Anonymous) else node.sql_name())
+        if isinstance(node, exp.Table) and isinstance(node.this, exp.Identifier):
+            _check_table_name(node.name)
+
+
+def _check_table_function(name: str) -> None:
+    low = name.lower()
+    if low in TABLE_FUNCTIONS:
+        return
+    if _reads_files(low):
+        raise QueryError(f"{low}() is refused: {FILE_HINT}")
+    raise QueryError(f"table function {low}() is refused in queries; allowed table functions "
+                     f"are {', '.join(sorted(TABLE_FUNCTIONS))}")
+
+
+def _reads_files(name: str) -> bool:
+    """DuckDB's file readers, by name (the allow-list refuses any others it does not know)."""
+    return name.startswith(("read_", "parquet_", "sniff_")) or name == "glob"
+
+
+def _check_scalar(name: str) -> None:
+    low = name.lower()
+    if _reads_files(low):
+        raise QueryError(f"{low}() is refused: {FILE_HINT}")
+    if low.startswith("_actdb_"):
+        raise QueryError(f"{low}() is internal to actdb; call the tensor functions by their "
+                         "names (actdb functions lists them)")
+    if low in SCALAR_REFUSED:
+        raise QueryError(f"{low}() changes the session, so it is refused in queries")
+
+
+def _check_table_name(name: str) -> None:
+    if _PATH_CHARS & set(name):
+        raise QueryError(f"table {name!r} looks like a file path: {FILE_HINT}")
+
+
+def _dicts(tree: Any) -> Iterator[dict[str, Any]]:
+    """Every dict in a JSON tree, iteratively: a deep query must not exhaust the stack."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            yield node
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def _kind(statement: Any) -> str:
+    return str(statement.type).rsplit(".", 1)[-1]
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "AEIOU" else "a"
+
+
+def _explained(query: str) -> str:
+    """The statement an EXPLAIN wraps: after EXPLAIN, an optional ANALYZE and an optional
+    parenthesised option list, comments skipped. If this reading differs from DuckDB's, what
+    remains is not one SELECT to DuckDB's parser, so the query is refused, never let through."""
+    i = _skip_blank(query, 0)
+    words = 0
+    while words < 2:
+        word = re.match(r"[A-Za-z]+", query[i:])
+        text = word.group(0).upper() if word else ""
+        if (words == 0 and text != "EXPLAIN") or (words == 1 and text not in ("ANALYZE",
+                                                                             "ANALYSE")):
+            break
+        i = _skip_blank(query, i + len(text))
+        words += 1
+    if query[i:i + 1] == "(":
+        close = query.find(")", i)
+        i = _skip_blank(query, close + 1) if close >= 0 else len(query)
+    return query[i:]
+
+
+def _skip_blank(query: str, i: int) -> int:
+    """The index of the first character at or after i that is not blank or in a comment."""
+    while i < len(query):
+        if query[i].isspace():
+            i += 1
+        elif query.startswith("--", i):
+            end = query.find("\n", i)
+            i = len(query) if end < 0 else end + 1
+        elif query.startswith("/*", i):
+            end = query.find("*/", i + 2)
+            i = len(query) if end < 0 else end + 2
+        else:
+            break
+    return i
+
+
+__all__ = ["FILE_HINT", "LOCKDOWN", "TABLE_FUNCTIONS", "check_duckdb_tree",
+           "check_sqlglot_tree", "check_statement", "lock"]

@@ -1,0 +1,136 @@
+"""Prompts input at ingest: crafted JSONL keys never run SQL; malformed input is one sentence."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+import actdb
+from actdb.cli import cli
+from actdb.ingest.prompts import read_prompts
+
+
+def _ingest(store: Path, model_dir: Callable[[str], Path], prompts: Any) -> actdb.IngestSummary:
+    return actdb.ingest(store, model=str(model_dir("gpt2")), prompts=prompts, device="cpu",
+                        name="gpt2", batch_size=4)
+
+
+def _jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def test_crafted_keys_are_column_names_not_sql(tmp_path: Path,
+                                               model_dir: Callable[[str], Path]) -> None:
+    target = tmp_path / "pwned.csv"
+    keys = [
+        f"x\" INTEGER); COPY (SELECT 1) TO '{target}'; --",
+        f"a\"; COPY (SELECT 1) TO '{target}'; INSERT INTO prompts VALUES (99, 'fake', 1); --",
+        "b\") SELECT 1; DELETE FROM prompts; --",
+        "semi;colon", "quote'single", "space and \u00e9",
+    ]
+    records = [{"text": f"prompt number {i}", **{k: i for k in keys}} for i in range(3)]
+    store = tmp_path / "s.actdb"
+    _ingest(store, model_dir, _jsonl(tmp_path / "p.jsonl", records))
+    assert not target.exists()
+    with actdb.connect(store) as db:
+        cols = db.sql("SELECT * FROM prompts ORDER BY prompt_id").columns
+        assert cols[:3] == ["prompt_id", "text", "n_tokens"]
+        assert sorted(cols[3:]) == sorted(keys)
+        rows = db.sql("SELECT * FROM prompts ORDER BY prompt_id").fetchall()
+        assert [r[:2] for r in rows] == [(i, f"prompt number {i}") for i in range(3)]
+        assert [list(r[3:]) for r in rows] == [[i] * len(keys) for i in range(3)]
+    # a second run with the same keys adds nothing and runs nothing
+    again = _ingest(store, model_dir, _jsonl(tmp_path / "p2.jsonl", records))
+    assert again.prompts_new == 0 and not target.exists()
+
+
+BAD_RECORDS = [
+    # (lines of a .jsonl file, words the sentence must hold)
+    ([{"text": "a", "": 1}], "line 1: field name '' is empty"),
+    ([{"text": "a", " ": 1}], "field name ' ' is empty"),
+    ([{"text": "a", "TEXT": "b"}], "field 'TEXT' is reserved"),
+    ([{"text": "a", "Prompt_ID": 3}], "field 'Prompt_ID' is reserved"),
+    ([{"text": "a", "n_tokens": 3}], "field 'n_tokens' is reserved"),
+    ([{"text": "a", "x\u0000y": 3}], "control characters"),
+    ([{"text": "a", "score": 1, "Score": 2}], "line 1: field 'Score' differs only in case "
+                                             "from field 'score'"),
+    ([{"text": "a", "score": 1}, {"text": "b", "SCORE": 2}], "line 2: field 'SCORE' differs "
+                                                            "only in case from field 'score' "
+                                                            "(line 1)"),
+    ([{"text": "a", "score": 1}, {"text": "b", "score": "high"}],
+     "line 2: field 'score' is a string here but an integer at line 1"),
+    ([{"text": "a", "ok": True}, {"text": "b", "ok": 1}], "field 'ok' is an integer here but a "
+                                                         "boolean"),
+    ([{"text": "a", "tags": ["x"]}, {"text": "b", "tags": "x"}], "field 'tags' is a string here "
+                                                                 "but a list"),
+    ([{"text": "a", "m": {"k": 1}}, {"text": "b", "m": [1]}], "field 'm' is a list here but an "
+                                                              "object"),
+    ([{"text": "a", "big": 1 << 64}], "does not fit a 64-bit integer"),
+]
+
+
+@pytest.mark.parametrize(("records", "words"), BAD_RECORDS)
+def test_bad_fields_are_one_sentence(records: list[dict[str, Any]], words: str,
+                                     tmp_path: Path) -> None:
+    path = _jsonl(tmp_path / "p.jsonl", records)
+    with pytest.raises(actdb.PromptsError) as info:
+        read_prompts(path)
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("records", [
+    [{"text": "a", "score": 1}, {"text": "b", "score": 2.5}, {"text": "c", "score": None}],
+    [{"text": "a", "x": None}, {"text": "b", "x": "s"}],
+    [{"text": "a"}, {"text": "b", "y": [1, 2]}],
+])
+def test_compatible_fields_are_accepted(records: list[dict[str, Any]], tmp_path: Path) -> None:
+    assert len(read_prompts(_jsonl(tmp_path / "p.jsonl", records))) == len(records)
+
+
+@pytest.mark.parametrize(("data", "words"), [
+    (b"good line\nbad \xff byte\n", "line 2: not valid UTF-8 at byte 14 (column 5"),
+    (b"\xc3(\n", "line 1: not valid UTF-8 at byte 0"),
+    (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "line 2: not valid UTF-8"),
+])
+def test_invalid_utf8_names_line_and_byte(data: bytes, words: str, tmp_path: Path) -> None:
+    path = tmp_path / ("p.jsonl" if data.startswith(b"{") else "p.txt")
+    path.write_bytes(data)
+    with pytest.raises(actdb.PromptsError, match="save the file as UTF-8") as info:
+        read_prompts(path)
+    assert words in str(info.value), str(info.value)
+    res = CliRunner().invoke(cli, ["ingest", str(tmp_path / "s.actdb"), "--model", "unused",
+                                   "--prompts", str(path)])
+    assert res.exit_code == 1 and words in res.output and "Traceback" not in res.output
+
+
+def test_a_field_that_changes_type_between_runs(tmp_path: Path,
+                                                model_dir: Callable[[str], Path]) -> None:
+    store = tmp_path / "s.actdb"
+    _ingest(store, model_dir, [{"text": "first prompt", "score": 1, "Label": "x"}])
+    for records, words in (
+        ([{"text": "second prompt", "score": "high"}],
+         "field 'score' holds VARCHAR values in these prompts but the store's prompts.score "
+         "column is BIGINT"),
+        ([{"text": "third prompt", "label": "y"}],
+         "field 'label' differs only in case from the store's prompts column 'Label'"),
+    ):
+        with pytest.raises(actdb.PromptsError) as info:
+            _ingest(store, model_dir, records)
+        assert words in str(info.value), str(info.value)
+    # an integer field may take numbers with a point in a later run only if the column is
+    # DOUBLE; the other way round (integers into a DOUBLE column) is fine
+    _ingest(store, model_dir, [{"text": "fourth prompt", "score": 4}])
+    # a field null in every prompt of a run fits any column (here BIGINT and VARCHAR)
+    _ingest(store, model_dir, [{"text": "fifth prompt", "score": None, "Label": None,
+                                "fresh": None}])
+    with actdb.connect(store) as db:
+        assert db.sql("SELECT text, score, Label, fresh FROM prompts ORDER BY prompt_id"
+                      ).fetchall() == [("first prompt", 1, "x", None),
+                                       ("fourth prompt", 4, None, None),
+                                       ("fifth prompt", None, None, None)]

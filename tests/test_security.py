@@ -1,0 +1,407 @@
+"""The query sandbox under attack: every escape through Python, the CLI and a real subprocess.
+
+After each attempt: no file outside the store was read (a sentinel file's secret never shows
+up) or written (a target path does not appear), the store's bytes are unchanged, and the same
+session still answers a reference query exactly as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+import actdb
+from actdb.cli import cli
+
+SECRET = "s3cr3t-sentinel-7f1e"
+REFERENCE = ("SELECT site, count(*) AS n, round(sum(vec_norm(vec)), 6) AS s FROM acts "
+             "GROUP BY site ORDER BY site")
+
+# {secret}: a file holding SECRET; {target}: a path that must never come to exist;
+# {catalog}: the store's own catalog file; {dir}: the folder holding both.
+ESCAPES = [
+    # EXPLAIN ANALYZE executes what it explains
+    "EXPLAIN ANALYZE COPY (SELECT 1) TO '{target}'",
+    "EXPLAIN ANALYZE COPY (SELECT 1) TO '{catalog}'",
+    "explain   analyse /* hi */ COPY (SELECT 1) TO '{target}'",
+    "EXPLAIN (FORMAT json) COPY (SELECT 1) TO '{target}'",
+    "EXPLAIN COPY (SELECT 1) TO '{target}'",
+    "EXPLAIN ANALYZE CREATE OR REPLACE TEMP VIEW acts AS SELECT 1 AS x",
+    "EXPLAIN ANALYZE CREATE OR REPLACE TEMP MACRO vec_norm(v) AS 42",
+    "EXPLAIN ANALYZE DELETE FROM prompts",
+    "EXPLAIN ANALYZE INSERT INTO prompts (prompt_id, text) VALUES (99, 'fake')",
+    "EXPLAIN ANALYZE UPDATE models SET n_rows = 0",
+    "EXPLAIN ANALYZE ATTACH '{target}' AS x",
+    "EXPLAIN ANALYZE SET enable_external_access = true",
+    "EXPLAIN ANALYZE PRAGMA enable_profiling",
+    "EXPLAIN ANALYZE CALL checkpoint()",
+    "EXPLAIN ANALYZE INSTALL httpfs",
+    "EXPLAIN ANALYZE EXPORT DATABASE '{target}'",
+    "EXPLAIN ANALYZE SELECT * FROM read_text('{secret}')",
+    "EXPLAIN SELECT * FROM read_blob('{secret}')",
+    # statements that are not a SELECT
+    "COPY (SELECT 1) TO '{target}'",
+    "COPY prompts TO '{target}'",
+    "COPY prompts FROM '{secret}'",
+    "DELETE FROM prompts",
+    "INSERT INTO prompts (prompt_id, text) VALUES (99, 'fake')",
+    "UPDATE models SET n_rows = 0",
+    "CREATE OR REPLACE TEMP VIEW acts AS SELECT 1 AS x",
+    "CREATE OR REPLACE TEMP MACRO vec_norm(v) AS 42",
+    "CREATE TABLE t AS SELECT * FROM read_text('{secret}')",
+    "DROP VIEW acts",
+    "ALTER TABLE prompts ADD COLUMN x INTEGER",
+    "ATTACH '{target}' AS x",
+    "DETACH catalog",
+    "USE memory",
+    "INSTALL httpfs",
+    "FORCE INSTALL httpfs",
+    "LOAD httpfs",
+    "SET enable_external_access = true",
+    "RESET lock_configuration",
+    "SET lock_configuration = false",
+    "SET VARIABLE x = 1",
+    "PRAGMA enable_profiling",
+    "PRAGMA table_info('prompts')",
+    "CALL checkpoint()",
+    "CALL enable_logging()",
+    "CHECKPOINT",
+    "VACUUM",
+    "ANALYZE",
+    "BEGIN TRANSACTION",
+    "EXPORT DATABASE '{target}'",
+    "IMPORT DATABASE '{dir}'",
+    "PIVOT tokens ON position USING count(*)",
+    # several statements
+    "SELECT 1; COPY (SELECT 1) TO '{target}'",
+    "SELECT 1 /* ; */ ; DROP VIEW acts",
+    "SELECT 1 -- ;\n; DELETE FROM prompts",
+    "SELECT ';'; DELETE FROM prompts",
+    # file readers inside a SELECT
+    "SELECT * FROM read_text('{secret}')",
+    "SELECT * FROM read_blob('{secret}')",
+    "SELECT * FROM read_csv('{secret}')",
+    "SELECT * FROM read_csv_auto('{secret}', header = false)",
+    "SELECT * FROM read_json_objects('{secret}')",
+    "SELECT * FROM read_parquet('{secret}')",
+    "SELECT * FROM parquet_scan('{secret}')",
+    "SELECT * FROM parquet_metadata('{secret}')",
+    "SELECT * FROM sniff_csv('{secret}')",
+    "SELECT * FROM glob('{dir}/*')",
+    "SELECT * FROM read_duckdb('{catalog}')",
+    "SELECT * FROM read_text('{catalog}')",
+    "SELECT * FROM '{secret}'",
+    'SELECT * FROM "{secret}"',
+    "FROM '{secret}'",
+    "SELECT (SELECT content FROM read_text('{secret}'))",
+    "WITH x AS (SELECT * FROM read_text('{secret}')) SELECT * FROM x",
+    "SELECT * FROM acts WHERE prompt_id IN (SELECT 1 FROM read_csv('{secret}'))",
+    "SELECT * FROM acts, LATERAL (SELECT * FROM read_text('{secret}'))",
+    "SUMMARIZE SELECT * FROM read_text('{secret}')",
+    "DESCRIBE SELECT * FROM read_text('{secret}')",
+    "PIVOT (SELECT * FROM read_csv('{secret}')) ON column0 IN ('x') USING count(*)",
+    "SELECT * FROM query('SELECT * FROM read_text(''{secret}'')')",
+    "SELECT * FROM query_table('prompts')",
+    "SELECT * FROM json_execute_serialized_sql('{{}}')",
+    "SELECT * FROM arrow_scan(1, 2, 3)",
+    "SELECT * FROM checkpoint()",
+    "SELECT * FROM enable_logging()",
+    # extensions: nothing is installed or loaded on demand
+    "SELECT * FROM 'https://example.com/x.parquet'",
+    "SELECT * FROM read_parquet('s3://bucket/x.parquet')",
+    "SELECT * FROM sqlite_scan('{secret}', 't')",
+    "SELECT * FROM iceberg_scan('{secret}')",
+    "SELECT st_point(1, 2)",
+    # functions with effects, and another session's internal UDFs
+    "SELECT setseed(0.5)",
+    "SELECT write_log('x')",
+    "SELECT getenv('HOME')",
+    "SELECT _actdb_vec_norm_s0(vec) FROM acts",
+    "SELECT _actdb_stored_norm_s0(vec) FROM acts",
+    "SELECT current_setting('enable_external_access'), * FROM read_text('{secret}')",
+    # values that are not handles
+    "SELECT vec_norm(position) FROM acts",
+    "SELECT vec_norm(prompt_id + 1) FROM acts",
+    "SELECT cosine(vec, token_id) FROM acts",
+    "SELECT to_list(normed(position)) FROM acts",
+    "SELECT vec_norm(vec + 1000000) FROM acts",
+    "SELECT vec_norm(vec | (1023::BIGINT << 38)) FROM acts",
+    "SELECT vec_norm(-vec) FROM acts",
+    "SELECT vec_norm(9223372036854775807)",
+    "SELECT vec_norm(h) FROM (SELECT 6917529027641081856 AS h)",
+    # nesting past the parsers' limits
+    "SELECT " + "(" * 1000 + "1" + ")" * 1000,
+    "SELECT " + "abs(" * 1000 + "1" + ")" * 1000,
+    "SELECT 1 FROM " + "(SELECT 1 " * 500 + ")" * 500,
+    "SELECT " + "read_text(" * 100 + "'{secret}'" + ")" * 100,
+    "SELECT " + "(" * 300 + "(SELECT content FROM read_text('{secret}'))" + ")" * 300,
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory,
+          family_store: Callable[[str], Path]) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("sec")
+    store = root / "s.actdb"
+    shutil.copytree(family_store("gpt2"), store)
+    secret_dir = root / "outside"
+    secret_dir.mkdir()
+    (secret_dir / "secret.csv").write_text(f"{SECRET}\n{SECRET},1\n")
+    db = actdb.connect(store, device="cpu")
+    yield {"store": store, "root": root, "secret_dir": secret_dir, "db": db,
+           "reference": db.sql(REFERENCE).fetchall()}
+    db.close()
+
+
+def _fill(template: str, s: dict[str, Any], target: Path) -> str:
+    return template.format(secret=s["secret_dir"] / "secret.csv", target=target,
+                           catalog=s["store"] / "catalog.duckdb", dir=s["secret_dir"])
+
+
+def _digest(store: Path) -> dict[str, str]:
+    return {str(p.relative_to(store)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(store.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def digest(setup: dict[str, Any]) -> dict[str, str]:
+    return _digest(setup["store"])
+
+
+def _after(s: dict[str, Any], digest: dict[str, str], target: Path, text: str) -> None:
+    assert SECRET not in text
+    assert not target.exists()
+    assert sorted(p.name for p in s["secret_dir"].iterdir()) == ["secret.csv"]
+    assert _digest(s["store"]) == digest
+    assert s["db"].sql(REFERENCE).fetchall() == s["reference"]
+
+
+@pytest.mark.parametrize("template", ESCAPES)
+def test_python_escape_is_refused(template: str, setup: dict[str, Any],
+                                  digest: dict[str, str]) -> None:
+    target = setup["root"] / "target.out"
+    query = _fill(template, setup, target)
+    with pytest.raises(actdb.ActdbError) as info:
+        setup["db"].sql(query).fetchall()
+    message = str(info.value)
+    assert "\n" not in message and "Traceback" not in message, message
+    _after(setup, digest, target, message)
+
+
+@pytest.mark.parametrize("template", ESCAPES)
+def test_cli_escape_is_refused(template: str, setup: dict[str, Any],
+                               digest: dict[str, str]) -> None:
+    target = setup["root"] / "target-cli.out"
+    query = _fill(template, setup, target)
+    res = CliRunner().invoke(cli, ["query", str(setup["store"]), query, "--device", "cpu"])
+    assert res.exit_code == 1, res.output
+    assert "Traceback" not in res.output and res.output.startswith("Error: "), res.output
+    _after(setup, digest, target, res.output)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("template", [
+    "EXPLAIN ANALYZE COPY (SELECT 1) TO '{catalog}'",
+    "SELECT * FROM read_text('{secret}')",
+    "SELECT * FROM glob('{dir}/*')",
+])
+def test_subprocess_escape_is_refused(template: str, setup: dict[str, Any],
+                                      digest: dict[str, str]) -> None:
+    target = setup["root"] / "target-sub.out"
+    query = _fill(template, setup, target)
+    proc = subprocess.run([sys.executable, "-m", "actdb.cli", "query", str(setup["store"]),
+                           query, "--device", "cpu"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.startswith("Error: "), proc.stderr
+    _after(setup, digest, target, proc.stdout + proc.stderr)
+
+
+def test_sandbox_settings_are_locked(setup: dict[str, Any]) -> None:
+    """The engine itself refuses files, extensions and setting changes, under the checks."""
+    con = setup["db"].con
+    settings = dict(con.execute(
+        "SELECT name, value FROM duckdb_settings() WHERE name IN ('enable_external_access', "
+        "'autoinstall_known_extensions', 'autoload_known_extensions', 'lock_configuration')"
+    ).fetchall())
+    assert settings == {"enable_external_access": "false", "lock_configuration": "true",
+                        "autoinstall_known_extensions": "false",
+                        "autoload_known_extensions": "false"}
+    import duckdb
+
+    with pytest.raises(duckdb.Error):
+        con.execute(f"SELECT * FROM read_text('{setup['secret_dir'] / 'secret.csv'}')")
+    with pytest.raises(duckdb.Error):
+        con.execute("SET enable_external_access = true")
+
+
+def test_explain_analyze_of_a_select_runs(setup: dict[str, Any]) -> None:
+    plan = setup["db"].sql("EXPLAIN ANALYZE SELECT count(*) FROM acts").fetchall()
+    assert "Total Time" in str(plan)  # it ran
+    assert setup["db"].sql("EXPLAIN SELECT vec_norm(vec) FROM acts").fetchall()
+
+
+def test_read_only_false_cannot_change_the_catalog(setup: dict[str, Any], tmp_path: Path
+                                                   ) -> None:
+    store = tmp_path / "rw.actdb"
+    shutil.copytree(setup["store"], store)
+    tables = ("meta", "models", "prompts", "prompt_runs", "tokens", "sites", "vocab")
+
+    def rows() -> dict[str, list[tuple[Any, ...]]]:
+        with actdb.connect(store) as ro:
+            return {t: sorted(map(repr, ro.con.execute(f"SELECT * FROM {t}").fetchall()))
+                    for t in tables}
+
+    before = rows()
+    target = tmp_path / "rw-target.out"
+    with actdb.connect(store, read_only=False, device="cpu") as db:
+        reference = db.sql(REFERENCE).fetchall()
+        for template in ESCAPES:
+            query = _fill(template, setup, target)
+            with pytest.raises(actdb.ActdbError):
+                db.sql(query).fetchall()
+            assert db.sql(REFERENCE).fetchall() == reference
+    assert not target.exists()
+    assert rows() == before
+
+
+def test_another_sessions_udfs_are_refused(setup: dict[str, Any]) -> None:
+    with actdb.connect(setup["store"], device="cpu") as other:
+        names = [r[0] for r in other.con.execute(
+            "SELECT DISTINCT function_name FROM duckdb_functions() "
+            "WHERE function_name LIKE '_actdb_%'").fetchall()]
+        assert names
+        for name in names:
+            with pytest.raises(actdb.QueryError, match="internal to actdb"):
+                setup["db"].sql(f"SELECT {name}(vec) FROM acts").fetchall()
+        assert other.sql(REFERENCE).fetchall() == setup["reference"]
+
+
+# -- the user's own tables -------------------------------------------------------------------
+
+
+def _labels(tmp_path: Path) -> dict[str, Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"prompt_id": [0, 1, 2], "label": ["a", "b", "c"]})
+    paths = {"csv": tmp_path / "labels.csv", "parquet": tmp_path / "labels.parquet",
+             "jsonl": tmp_path / "labels.jsonl"}
+    paths["csv"].write_text("prompt_id,label\n0,a\n1,b\n2,c\n")
+    pq.write_table(table, paths["parquet"])
+    paths["jsonl"].write_text("".join(
+        f'{{"prompt_id": {i}, "label": "{x}"}}\n' for i, x in enumerate("abc")))
+    return paths
+
+
+JOIN = ("SELECT p.prompt_id, l.label FROM prompts p JOIN labels l USING (prompt_id) "
+        "ORDER BY p.prompt_id")
+
+
+@pytest.mark.parametrize("kind", ["csv", "parquet", "jsonl", "frame", "arrow"])
+def test_register_joins_a_named_table(kind: str, setup: dict[str, Any], tmp_path: Path) -> None:
+    import pandas as pd
+    import pyarrow as pa
+
+    paths = _labels(tmp_path)
+    frame = pd.DataFrame({"prompt_id": [0, 1, 2], "label": ["a", "b", "c"]})
+    sources: dict[str, Any] = {"frame": frame, "arrow": pa.Table.from_pandas(frame), **paths}
+    source = sources[kind]
+    with actdb.connect(setup["store"], device="cpu") as db:
+        db.register("labels", source)
+        assert db.sql(JOIN).fetchall() == [(0, "a"), (1, "b"), (2, "c")]
+        with pytest.raises(actdb.QueryError, match="read-only"):
+            db.sql("INSERT INTO labels VALUES (9, 'z')").fetchall()
+        assert db.sql("SELECT count(*) FROM labels").fetchall() == [(3,)]
+
+
+@pytest.mark.parametrize("name", ["acts", "PROMPTS", "tokens", "sites", "vocab", "models",
+                                  "meta", "_actdb_x", "1abc", "a b", "x;DROP", "", "é"])
+def test_register_refuses_names(name: str, setup: dict[str, Any], tmp_path: Path) -> None:
+    with pytest.raises(actdb.QueryError, match="table name"):
+        setup["db"].register(name, _labels(tmp_path)["csv"])
+    assert setup["db"].sql(REFERENCE).fetchall() == setup["reference"]
+
+
+@pytest.mark.parametrize(("file", "match"), [
+    ("missing.csv", "does not exist"), ("labels.txt", "unknown extension"),
+    ("bad.parquet", "cannot read"),
+])
+def test_register_refuses_files(file: str, match: str, setup: dict[str, Any],
+                                tmp_path: Path) -> None:
+    (tmp_path / "labels.txt").write_text("x")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(actdb.QueryError, match=match):
+        setup["db"].register("labels", tmp_path / file)
+
+
+def test_cli_table_option(setup: dict[str, Any], tmp_path: Path) -> None:
+    paths = _labels(tmp_path)
+    res = CliRunner().invoke(cli, ["query", str(setup["store"]), JOIN, "--format", "csv",
+                                   "--table", f"labels={paths['csv']}", "--table",
+                                   f"more={paths['parquet']}"])
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines() == ['"prompt_id","label"', '0,"a"', '1,"b"', '2,"c"']
+    bad = CliRunner().invoke(cli, ["query", str(setup["store"]), "SELECT 1", "--table", "nope"])
+    assert bad.exit_code == 2 and "NAME=FILE" in bad.output
+
+
+# -- output paths and notebooks --------------------------------------------------------------
+
+
+def test_output_into_a_missing_folder_or_onto_a_folder(setup: dict[str, Any],
+                                                       tmp_path: Path) -> None:
+    for out, match in ((tmp_path / "no" / "x.csv", "does not exist"), (tmp_path, "folder")):
+        res = CliRunner().invoke(cli, ["query", str(setup["store"]), "SELECT 1", "-o", str(out),
+                                       "--format", "csv"])
+        assert res.exit_code == 1 and match in res.output and "Traceback" not in res.output
+        assert res.output.count("\n") == 1, res.output
+    assert not (tmp_path / "no").exists()
+
+
+FAKE_IPYTHON = '''
+class _Kernel:
+    config = {"IPKernelApp": {}}
+
+def get_ipython():
+    return _Kernel()
+'''
+
+
+def test_connect_in_a_jupyter_kernel_without_ipywidgets(setup: dict[str, Any],
+                                                        tmp_path: Path) -> None:
+    """DuckDB sees a kernel (IPython with an IPKernelApp config, interactive) and no
+    ipywidgets: it then refuses every change to enable_progress_bar. That is the real failure,
+    made to happen here without Jupyter installed."""
+    pkg = tmp_path / "fake" / "IPython"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_IPYTHON)
+    (pkg / "display.py").write_text("def display(*a, **k):\n    pass\n")
+    script = (
+        "import sys; sys.ps1 = '>>> '\n"
+        "import IPython, duckdb\n"
+        "try:\n"
+        "    duckdb.connect().execute('SET enable_progress_bar = false')\n"
+        "    print('duckdb accepted the setting')\n"
+        "except duckdb.Error as e:\n"
+        "    print('duckdb refused:', 'ipywidgets' in str(e))\n"
+        "import actdb\n"
+        f"db = actdb.connect({str(setup['store'])!r}, device='cpu')\n"
+        "print(db.sql('SELECT count(*) FROM acts').fetchall()[0][0])\n"
+        "db.close()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(pkg.parent)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "duckdb refused: True"  # the condition really is the kernel's
+    assert int(lines[1]) == setup["db"].sql("SELECT count(*) FROM acts").fetchall()[0][0]
