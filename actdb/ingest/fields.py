@@ -36,6 +36,8 @@ class SiteSink:
         if s.site in self.out:
             return  # a module called twice in one pass: keep its first call
         b, t = self.mask.shape
+        # Under a device_map the module may live on another device than the batch's mask.
+        x, y = x.to(self.mask.device), y.to(self.mask.device)
         x = x.reshape(b, t, *x.shape[-(2 if s.n_heads else 1):])[self.mask].float()
         y = y.reshape(b, t, *y.shape[-(2 if s.n_heads else 1):])[self.mask].float()
         direction, norm, mean = norms.split(x)  # [n, (h,) d], [n, (h)], [n, (h)]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -55,8 +57,15 @@ def load(
     device: str = "auto",
     dtype: str = "auto",
     revision: str | None = None,
+    device_map: str | dict[str, Any] | None = None,
 ) -> LoadedModel:
-    """Load (or adopt) a model and tokenizer, in eval mode on the chosen device and dtype."""
+    """Load (or adopt) a model and tokenizer, in eval mode on the chosen device and dtype.
+
+    `model` may be a hub name, a model folder, a `.gguf` file or a folder holding one (loaded
+    through transformers' GGUF support, dequantized). `device_map` (e.g. "auto") lets
+    accelerate spread a model larger than one device over several; hooks capture wherever
+    each module lives.
+    """
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
@@ -71,18 +80,10 @@ def load(
         module = model
     else:
         source = os.fspath(model)
-        path = Path(source).expanduser()
-        local = path.exists()
-        # A hub name is "name" or "org/name"; anything else that is not on disk is a path
-        # that does not exist (and asking the hub for it would only fail more slowly).
-        looks_like_path = source.startswith((".", "/", "~")) or source.count("/") > 1
-        if not local and looks_like_path:
-            raise ModelLoadError(f"model path {source!r} does not exist")
-        if local and not path.is_dir():
-            raise ModelLoadError(f"model path {source!r} is a file, not a model directory")
-        where = str(path) if local else source
+        where, gguf = _locate(source)
         try:
-            config = transformers.AutoConfig.from_pretrained(where, revision=revision)
+            config = transformers.AutoConfig.from_pretrained(
+                where, revision=revision, **_gguf_kw(gguf))
         except (OSError, ValueError) as e:
             raise ModelLoadError(
                 f"could not load a model config from {source!r}: {_first_line(e)}"
@@ -90,19 +91,102 @@ def load(
         dt = resolve_dtype(dtype, dev, config)
         auto = (transformers.AutoModelForCausalLM if _is_causal(config)
                 else transformers.AutoModel)
+        if tokenizer is None:
+            tokenizer = _load_tokenizer(transformers, source, where, gguf, revision)
+        placement = {"device_map": device_map} if device_map else {}
         try:
-            module = auto.from_pretrained(where, revision=revision, dtype=dt)
-            if tokenizer is None:
-                tokenizer = transformers.AutoTokenizer.from_pretrained(where, revision=revision)
-        except (OSError, ValueError) as e:
+            # GGUF dequantization draws its own tqdm bar on stderr, not ours to show.
+            with contextlib.redirect_stderr(io.StringIO()) if gguf else contextlib.nullcontext():
+                # The config read above, passed on: parsing a GGUF's metadata takes seconds.
+                module = auto.from_pretrained(where, revision=revision, dtype=dt,
+                                              **_gguf_kw(gguf), **placement,
+                                              **({"config": config} if gguf else {}))
+        except ImportError as e:
             raise ModelLoadError(f"could not load model {source!r}: {_first_line(e)}") from e
-        name = path.resolve().name if local else source
-    module = module.to(device=dev, dtype=dt).eval()
+        except Exception as e:  # noqa: BLE001 - safetensors, torch and gguf raise their own types
+            raise ModelLoadError(
+                f"could not load the weights of {source!r} ({type(e).__name__}: "
+                f"{_first_line(e)}); is the weights file complete?"
+            ) from e
+        name = _default_name(source, where, gguf)
+    if device_map:
+        offloaded = sorted({n.rsplit(".", 1)[0] for n, p in module.named_parameters()
+                            if p.device.type == "meta"})
+        if offloaded:
+            # Offloaded weights exist only inside accelerate's hooks, but actdb reads each
+            # norm's weights and LM head directly.
+            raise ModelLoadError(
+                f"the device_map offloads {len(offloaded)} modules to disk or meta "
+                f"(first {offloaded[0]!r}); actdb needs every weight on a device: give the "
+                "model more devices or memory")
+        # accelerate placed each module; inputs go where the embeddings live.
+        embeddings = cast(Any, module).get_input_embeddings()
+        dev = embeddings.weight.device
+        module = module.eval()
+    else:
+        module = module.to(device=dev, dtype=dt).eval()
     _prepare_tokenizer(tokenizer)
     return LoadedModel(
         model=module, tokenizer=tokenizer, source=source, default_name=name,
         revision=revision, device=dev, dtype=dt,
     )
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                    "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
+
+
+def _locate(source: str) -> tuple[str, str | None]:
+    """(where from_pretrained looks, the GGUF file name in it or None) for a name or path."""
+    path = Path(source).expanduser()
+    # A hub name is "name" or "org/name"; anything else that is not on disk is a path
+    # that does not exist (and asking the hub for it would only fail more slowly).
+    looks_like_path = source.startswith((".", "/", "~")) or source.count("/") > 1
+    if not path.exists():
+        if looks_like_path or source.endswith(".gguf"):
+            raise ModelLoadError(f"model path {source!r} does not exist")
+        return source, None
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(
+                f"model path {source!r} is a file, not a model folder or a .gguf file")
+        return str(path.parent), path.name
+    if (path / "config.json").exists():
+        return str(path), None
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if len(ggufs) > 1:
+        raise ModelLoadError(
+            f"model folder {source!r} holds several GGUF files ({', '.join(ggufs)}); "
+            "pass one of them as --model")
+    if ggufs:
+        return str(path), ggufs[0]
+    raise ModelLoadError(f"model folder {source!r} has no config.json and no .gguf file")
+
+
+def _gguf_kw(gguf: str | None) -> dict[str, str]:
+    return {"gguf_file": gguf} if gguf else {}
+
+
+def _default_name(source: str, where: str, gguf: str | None) -> str:
+    if gguf:
+        return gguf.removesuffix(".gguf")
+    path = Path(where)
+    return path.resolve().name if path.exists() else source
+
+
+def _load_tokenizer(transformers: Any, source: str, where: str, gguf: str | None,
+                    revision: str | None) -> Any:
+    local = Path(where).is_dir()
+    if local and gguf is None and not any((Path(where) / f).exists() for f in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"model folder {source!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+            "save the tokenizer beside the weights, or pass tokenizer=... from Python")
+    try:
+        return transformers.AutoTokenizer.from_pretrained(where, revision=revision,
+                                                          **_gguf_kw(gguf))
+    except Exception as e:  # noqa: BLE001 - tokenizers raise many types for a broken file
+        raise ModelLoadError(
+            f"could not load the tokenizer of {source!r}: {_first_line(e)}") from e
 
 
 def _prepare_tokenizer(tok: Any) -> None:

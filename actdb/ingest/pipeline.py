@@ -14,7 +14,6 @@ import numpy as np
 import pyarrow as pa
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from ..errors import IngestError
 from ..store.arrays import default_chunk_tokens
@@ -23,6 +22,7 @@ from ..store.store import ActBatch, Store
 from .capture import on_norm_io
 from .fields import SiteSink
 from .load import LoadedModel, load
+from .progress import progress_bar
 from .prompts import Prompt, PromptsLike, extra_columns, read_prompts
 from .rows import Work, batch_tables
 from .sites import FoundSite, find_sites
@@ -77,6 +77,7 @@ def ingest(
     sites: str | None = None,
     name: str | None = None,
     revision: str | None = None,
+    device_map: str | dict[str, Any] | None = None,
     chunk_tokens: int | None = None,
     progress: bool = False,
     on_plan: Callable[[IngestPlan], None] | None = None,
@@ -91,7 +92,8 @@ def ingest(
     if max_length is not None and max_length < 1:
         raise IngestError(f"max_length must be at least 1, got {max_length}")
     prompt_list = read_prompts(prompts)
-    loaded = load(model, tokenizer, device=device, dtype=dtype, revision=revision)
+    loaded = load(model, tokenizer, device=device, dtype=dtype, revision=revision,
+                  device_map=device_map)
     model_name = name or loaded.default_name
     limit = _length_limit(loaded, max_length)
     ids, truncated = _tokenize(loaded.tokenizer, [p.text for p in prompt_list], limit)
@@ -325,8 +327,8 @@ def _run(
 
     in_flight: list[Future[Any]] = []
     committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actdb-commit")
-    bar = tqdm(total=sum(len(w.ids) for w in work), unit="tok", unit_scale=True,
-               disable=not progress, desc=f"ingest {record.model}", dynamic_ncols=True)
+    bar = progress_bar(sum(len(w.ids) for w in work), f"ingest {record.model}",
+                       enabled=progress)
     # Registering a new model and sizing its arrays only need to be done before the first
     # write: they run first on the commit thread, alongside the first forward passes.
     def prepare() -> None:

@@ -8,6 +8,7 @@ itself in Jupyter. `save` is the one place that writes a figure to a file.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from ..query.display import visible_token
 from .data import (
     BAND,
     DbOrPath,
@@ -47,8 +49,22 @@ _BAND_TEXT = f"band: {BAND[0] * 100:.0f}th to {BAND[1] * 100:.0f}th percentile o
 # -- helpers ----------------------------------------------------------------------------------
 
 
+class InlineFigure(Figure):
+    """A matplotlib Figure that shows itself in Jupyter with no `%matplotlib` magic: IPython
+    asks an object for `_repr_png_`, and a Figure made without pyplot has no other display."""
+
+    def _repr_png_(self) -> bytes:
+        import io
+
+        buf = io.BytesIO()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+            self.savefig(buf, format="png", dpi=DPI)
+        return buf.getvalue()
+
+
 def _figure(width: float, height: float) -> Figure:
-    fig = Figure(figsize=(width, height), layout="constrained")
+    fig = InlineFigure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
     return fig
 
@@ -57,12 +73,7 @@ def show_token(token: Any, limit: int = 12) -> str:
     """A token as text with its whitespace made visible; long ones are cut with an ellipsis."""
     if is_missing(token):
         return "—"
-    text = str(token)
-    for a, b in ((" ", "␣"), ("\n", "↵"), ("\t", "→"), ("\r", "␍")):
-        text = text.replace(a, b)
-    text = "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in text)
-    if not text:
-        return "∅"
+    text = visible_token(str(token))
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -86,7 +97,11 @@ def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
     if not p.parent.is_dir():
         raise PlotError(f"cannot write {str(p)!r}: the folder {str(p.parent)!r} does not exist")
     try:
-        fig.savefig(p, format=fmt, dpi=DPI)
+        with warnings.catch_warnings():
+            # A token in a script the font lacks is drawn as a box; one warning per glyph
+            # would bury the command's output.
+            warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+            fig.savefig(p, format=fmt, dpi=DPI)
     except OSError as e:
         raise PlotError(f"cannot write {str(p)!r}: {e.strerror or e}") from None
     return p

@@ -5,7 +5,8 @@ from __future__ import annotations
 import atexit
 import os
 import weakref
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import numpy as np
@@ -22,6 +23,10 @@ from .functions import describe as describe_functions
 from .result import Result, translate
 from .tables import TableLike, check_name, load_table
 from .vectors import VectorSource
+
+if TYPE_CHECKING:
+    from .dataset import VectorDataset
+    from .export import Exported
 
 _OPEN: weakref.WeakSet[Database] = weakref.WeakSet()
 
@@ -125,6 +130,53 @@ class Database:
         data = load_table(table)
         self.con.register(name, data)
         self._tables[name.lower()] = data
+
+    def export(self, query: str, path: str | os.PathLike[str], *,
+               params: dict[str, Any] | list[Any] | None = None) -> Exported:
+        """Write the vectors a query selects (views applied) with its other columns.
+
+        Args:
+            query: a SELECT with one vec column (`vec` or a view of it).
+            path: `.parquet`, `.npy` or `.safetensors` (see `actdb export --help`).
+            params: values for `$name` / `?` in the query.
+
+        Returns:
+            What was written (path, rows, d, columns).
+        """
+        from .export import export
+
+        return export(self, query, path, params=params)
+
+    def dataset(self, query: str, *, batch_size: int = 4096, shuffle_buffer: int = 0,
+                seed: int | None = None, columns: Sequence[str] = (),
+                params: dict[str, Any] | list[Any] | None = None,
+                drop_last: bool = False) -> VectorDataset:
+        """A torch IterableDataset of the query's vectors, streamed with bounded memory.
+
+        Args:
+            query: a SELECT with one vec column (`vec` or a view of it).
+            batch_size: rows per batch; use `DataLoader(ds, batch_size=None)`.
+            shuffle_buffer: rows held for shuffling (0: the query's order).
+            seed: the shuffle's seed (each pass over the dataset draws anew from it).
+            columns: other columns of the query to yield beside `vec`.
+            params: values for `$name` / `?` in the query.
+            drop_last: leave out a last batch smaller than `batch_size`.
+
+        Returns:
+            The dataset; each item is `{"vec": Tensor[B, d], column: Tensor[B] or list}`.
+        """
+        from .dataset import VectorDataset
+
+        return VectorDataset(self, query, batch_size=batch_size, shuffle_buffer=shuffle_buffer,
+                             seed=seed, columns=columns, params=params, drop_last=drop_last)
+
+    def __repr__(self) -> str:
+        try:
+            models = [r[0] for r in self.con.execute(
+                "SELECT model FROM models ORDER BY model_id").fetchall()]
+        except duckdb.Error:
+            models = []
+        return f"<actdb.Database {str(self.store.path)!r}: models {models}, device {self.device}>"
 
     # -- the store -------------------------------------------------------------------------
 

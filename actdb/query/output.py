@@ -46,7 +46,12 @@ def check_output(output: Path) -> None:
 def write_result(result: Result, fmt: str, output: Path | None) -> None:
     """Write `result` in `fmt` to `output` (stdout when None).
 
-    An output path that cannot be written is an OutputError, checked before the query runs."""
+    An output path that cannot be written is an OutputError, checked before the query runs;
+    so is a vec handle column in a file format (see query/export.py)."""
+    if fmt != "table":
+        from .export import refuse_handles
+
+        refuse_handles(result, fmt)
     if output is not None:
         check_output(output)
         try:
@@ -108,7 +113,9 @@ def _write_csv(result: Result, stream: IO[str]) -> None:
 def _write_table(result: Result, stream: IO[str]) -> None:
     import pandas as pd
 
-    df = result.df()
+    from .display import visible_frame
+
+    df = visible_frame(result.df())  # tokens' whitespace visible, as in the pictures
     with pd.option_context("display.max_colwidth", 80, "display.width", 200):
         stream.write((df.to_string(index=False) if len(df) else f"(no rows) {list(df.columns)}")
                      + "\n")

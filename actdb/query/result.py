@@ -6,21 +6,31 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
-from ..errors import QueryError
+from ..errors import MissingDependencyError, QueryError
 from .execute import ErrorBox
 
 T = TypeVar("T")
 
 
 class Result:
-    """Lazy until fetched; each fetch method runs the query once."""
+    """A query's rows, lazy until first fetched or shown; then computed once and kept.
+
+    DuckDB's names: `.df()`, `.pl()`, `.arrow()` / `.to_arrow_table()`, `.fetchall()`,
+    `.fetchone()`, `.fetchnumpy()`, `.torch()`, `.show()`, `.limit(n)`. In a notebook a Result
+    shows its first rows and its row count.
+    """
+
+    PREVIEW_ROWS = 10
 
     def __init__(self, relation: duckdb.DuckDBPyRelation, box: ErrorBox, query: str) -> None:
         self._rel = relation
         self._box = box
         self.query = query
+        self._table: pa.Table | None = None  # the rows, once computed
+        self._cursor = 0  # fetchone's position in them
 
     @property
     def columns(self) -> list[str]:
@@ -33,19 +43,78 @@ class Result:
         except duckdb.Error as e:
             raise translate(e, self._box) from None
 
+    def _rows(self) -> pa.Table:
+        """The whole result as Arrow, computed on first use and kept (tensor functions are
+        the expensive part of a query: never run them twice for one Result)."""
+        if self._table is None:
+            self._table = self._run(self._rel.to_arrow_table)
+        return self._table
+
     def df(self) -> Any:
         """A pandas DataFrame."""
-        return self._run(self._rel.df)
+        return self._rows().to_pandas()
 
     def to_arrow_table(self) -> pa.Table:
-        return self._run(self._rel.to_arrow_table)
+        """A pyarrow Table."""
+        return self._rows()
+
+    arrow = to_arrow_table
+
+    def pl(self) -> Any:
+        """A polars DataFrame (needs the `polars` package)."""
+        try:
+            import polars
+        except ImportError:
+            raise MissingDependencyError(
+                "Result.pl() needs polars, which is not installed: pip install polars "
+                "(or use .df() for pandas, .arrow() for Arrow)") from None
+        return polars.from_arrow(self._rows())
 
     def fetchall(self) -> list[tuple[Any, ...]]:
-        return self._run(self._rel.fetchall)
+        """Every row as a tuple."""
+        table = self._rows()
+        return list(zip(*(c.to_pylist() for c in table.columns), strict=True)) if len(
+            table.columns) else []
+
+    def fetchone(self) -> tuple[Any, ...] | None:
+        """The next row as a tuple, or None after the last (each call moves on one row)."""
+        table = self._rows()
+        if self._cursor >= table.num_rows:
+            return None
+        row = table.slice(self._cursor, 1).to_pylist()[0]
+        self._cursor += 1
+        return tuple(row.values())
+
+    def fetchnumpy(self) -> dict[str, np.ndarray]:
+        """Each column as a NumPy array."""
+        return {name: col.to_numpy(zero_copy_only=False)
+                for name, col in zip(self._rows().column_names, self._rows().columns,
+                                     strict=True)}
 
     def torch(self) -> dict[str, Any]:
         """Numeric columns as a dict of torch tensors (DuckDB's `.torch()`)."""
-        return self._run(self._rel.torch)
+        import torch
+
+        arrays = self.fetchnumpy()
+        return {name: torch.from_numpy(np.array(values)) for name, values in arrays.items()
+                if values.dtype.kind in "biuf"}
+
+    def limit(self, n: int, offset: int = 0) -> Result:
+        """The first `n` rows (after `offset`), as a new lazy Result."""
+        return Result(self._rel.limit(n, offset), self._box, self.query)
+
+    def show(self) -> None:
+        """Print the first rows and the row count."""
+        print(repr(self))
+
+    def __len__(self) -> int:
+        return self._rows().num_rows
+
+    def _repr_html_(self) -> str:
+        from .display import html_preview
+
+        table = self._rows()
+        return html_preview(table.slice(0, self.PREVIEW_ROWS), table.num_rows, self.columns)
 
     def record_batches(self, rows_per_batch: int = 65536) -> Iterator[pa.RecordBatch]:
         """Stream the result in Arrow record batches, so memory stays bounded."""
@@ -57,7 +126,13 @@ class Result:
             raise translate(e, self._box) from None
 
     def __repr__(self) -> str:
-        return f"<actdb.Result columns={self.columns}>"
+        from .display import text_preview
+
+        try:
+            table = self._rows()
+        except Exception as e:  # noqa: BLE001 - a repr must not raise; say what went wrong
+            return f"<actdb.Result columns={self.columns}: {e}>"
+        return text_preview(table.slice(0, self.PREVIEW_ROWS), table.num_rows, self.columns)
 
 
 def translate(e: duckdb.Error, box: ErrorBox) -> Exception:

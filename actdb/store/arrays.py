@@ -139,13 +139,18 @@ class Arrays:
         durable.sync_tree(self.path / "models" / str(model_id), skip="acts")
         durable.fsync_dir(self.path / "models")
 
+    # Zarr v3 dimension names, so xarray.open_zarr and other tools label the axes. Names are
+    # unique within a group where sizes can differ (an LM head may have more rows than W_E).
+    _WEIGHT_DIMS = {"embed": ("embed_token", "dim"), "lm_head": ("vocab", "dim"),
+                    "lm_head_bias": ("vocab",), "gain": ("dim",), "bias": ("dim",)}
+
     @staticmethod
     def _write_whole(group: zarr.Group, name: str, value: np.ndarray) -> None:
         value = np.ascontiguousarray(value, dtype=np.float32)
         chunks = (min(value.shape[0], 8192), *value.shape[1:]) if value.ndim == 2 else value.shape
         arr = group.create_array(
             name, shape=value.shape, dtype="float32", chunks=chunks, compressors=[Crc32cCodec()],
-            overwrite=True,
+            overwrite=True, dimension_names=Arrays._WEIGHT_DIMS.get(name),
         )
         arr[...] = value
 
@@ -214,7 +219,9 @@ class Arrays:
                 step = chunk_tokens * (1 if name == "direction" else SCALAR_CHUNK_FACTOR)
                 g.create_array(
                     name, shape=(rows, *tail), dtype=dtype, chunks=(step, *tail),
-                    compressors=[Crc32cCodec()], fill_value=0, dimension_names=None,
+                    compressors=[Crc32cCodec()], fill_value=0,
+                    dimension_names=(("row", "head", "dim") if len(tail) == 2 else ("row", "dim"))
+                    if name == "direction" else ("row", "head")[: 1 + len(tail)],
                 )
         durable.sync_tree(self.path / "models" / str(model_id) / "acts" / site, skip="c")
 

@@ -1,0 +1,5 @@
+"""`python -m actdb`: the same as the `actdb` command."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,222 @@
+"""Vectors out of the store: `actdb export` / `db.export` to Parquet, NumPy or safetensors, and
+the rule that plain query output never carries `vec` handles (integers meaningless elsewhere).
+
+Query output refuses handles rather than expanding them into numbers: a vector is d floats per
+row, so expanding silently would turn a small CSV into a large one; `to_list(vec)` asks for the
+numbers on purpose, and `export` writes them in formats made for matrices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import sqlglot
+from sqlglot import exp
+
+from ..errors import QueryError
+from .handles import VIEWS
+from .result import Result
+
+if TYPE_CHECKING:
+    from .database import Database
+
+FORMATS = (".parquet", ".npy", ".safetensors")
+_VIEW_FUNCTIONS = frozenset(VIEWS[1:])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Exported:
+    """What `export` wrote."""
+
+    path: str
+    rows: int
+    d: int
+    columns: list[str]  # the other columns written beside `vec`
+
+
+def handle_columns(result: Result) -> list[str]:
+    """The result's columns that hold vec handles: `vec` itself (also through `*`), and views
+    of it (`normalized(vec)`, ...), found on the outermost SELECT's syntax tree."""
+    names = result.columns
+    found = {n for n in names if n.lower() == "vec"}
+    try:
+        tree = sqlglot.parse_one(result.query, read="duckdb")
+    except sqlglot.errors.ParseError:
+        return [n for n in names if n in found]
+    select = tree if isinstance(tree, exp.Select) else tree.find(exp.Select)
+    if select is not None:
+        for projection, name in zip(select.expressions, names, strict=False):
+            inner = projection.unalias()
+            if isinstance(inner, exp.Column) and inner.name.lower() == "vec":
+                found.add(name)
+            elif isinstance(inner, exp.Func) and _function_name(inner) in _VIEW_FUNCTIONS:
+                found.add(name)
+    return [n for n in names if n in found]
+
+
+def _function_name(node: exp.Func) -> str:
+    return (node.name if isinstance(node, exp.Anonymous) else node.sql_name()).lower()
+
+
+def refuse_handles(result: Result, fmt: str) -> None:
+    """One sentence instead of writing handles into a file (see the module's docstring)."""
+    handles = handle_columns(result)
+    if handles:
+        raise QueryError(
+            f"column {handles[0]!r} holds vec handles, which mean nothing outside this store; "
+            f"select to_list({handles[0]}) for its numbers in {fmt}, or write the vectors with "
+            "`actdb export STORE SQL -o FILE.parquet` (db.export in Python)")
+
+
+def export(db: Database, query: str, path: str | os.PathLike[str], *,
+           params: dict[str, Any] | list[Any] | None = None,
+           rows_per_batch: int = 4096) -> Exported:
+    """Write the vectors `query` selects, with its other columns, to `path`.
+
+    Args:
+        db: the open store.
+        query: a SELECT with one vec column (`vec` or a view of it) and any other columns.
+        path: `.parquet` (the columns and `vec` as a FLOAT[d] list column, streamed),
+            `.npy` (the matrix [N, d] alone, streamed) or `.safetensors` (a `vec` tensor and
+            one tensor per numeric column; built in memory). Whatever view the query
+            selects, the vectors are written under the name `vec`.
+        params: values for `$name` / `?` in the query.
+        rows_per_batch: rows read and written at a time (bounds memory for parquet and npy).
+
+    Returns:
+        What was written: path, rows, d and the other columns.
+    """
+    out = Path(path)
+    suffix = out.suffix.lower()
+    if suffix not in FORMATS:
+        raise QueryError(f"cannot export to {str(out)!r}: the file name must end in "
+                         f"{', '.join(FORMATS)}")
+    if not out.parent.is_dir():
+        raise QueryError(f"cannot export to {str(out)!r}: the folder {str(out.parent)!r} "
+                         "does not exist")
+    result = db.sql(query, params=params)
+    vec = _vec_column(result)
+    others = [c for c in result.columns if c != vec]
+    batches = _with_vectors(db, result, vec, rows_per_batch)
+    if suffix == ".parquet":
+        rows, d = _write_parquet(batches, out)
+    elif suffix == ".npy":
+        rows, d = _write_npy(batches, out)
+    else:
+        rows, d = _write_safetensors(batches, out, others)
+    return Exported(path=str(out), rows=rows, d=d, columns=others)
+
+
+def _vec_column(result: Result) -> str:
+    handles = handle_columns(result)
+    if "vec" in handles:
+        return "vec"
+    if len(handles) == 1:
+        return handles[0]
+    if not handles:
+        raise QueryError("export needs a query selecting vec (or a view of it, such as "
+                         "normalized(vec)); it selects " + ", ".join(result.columns))
+    raise QueryError(f"export writes one vector column, and the query selects {handles}; "
+                     "keep one, or name one of them vec")
+
+
+def _with_vectors(db: Database, result: Result, vec: str, rows_per_batch: int
+                  ) -> Iterator[tuple[pa.RecordBatch, np.ndarray]]:
+    """(the batch without its handle column, its vectors [n, d] float32), batch by batch."""
+    width: int | None = None
+    for batch in result.record_batches(rows_per_batch):
+        col = batch.column(vec)
+        if col.null_count:
+            raise QueryError(f"column {vec!r} holds NULL handles; filter them out to export")
+        handles = col.to_numpy(zero_copy_only=False).astype(np.int64)
+        x = np.empty((len(handles), width or 0), np.float32)
+        for g in db.source.groups(handles):
+            if width is None:
+                width = int(g.x.shape[-1])
+                x = np.empty((len(handles), width), np.float32)
+            if g.x.shape[-1] != width:
+                raise QueryError(f"the selected vectors have different widths ({width} and "
+                                 f"{g.x.shape[-1]}); export one site width at a time")
+            x[g.index] = g.x.float().cpu().numpy()
+        yield batch.drop_columns([vec]), x
+
+
+def _write_parquet(batches: Iterator[tuple[pa.RecordBatch, np.ndarray]], out: Path
+                   ) -> tuple[int, int]:
+    import pyarrow.parquet as pq
+
+    writer: pq.ParquetWriter | None = None
+    rows = d = 0
+    try:
+        for batch, x in batches:
+            d = x.shape[1]
+            column = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), d)
+            table = pa.Table.from_batches([batch]).append_column("vec", column)
+            if writer is None:
+                writer = pq.ParquetWriter(str(out), table.schema)
+            writer.write_table(table)
+            rows += len(x)
+    finally:
+        if writer is not None:
+            writer.close()
+    if writer is None:
+        raise QueryError("the query selects no rows: nothing to export")
+    return rows, d
+
+
+def _write_npy(batches: Iterator[tuple[pa.RecordBatch, np.ndarray]], out: Path
+               ) -> tuple[int, int]:
+    # The header holds the row count, unknown until the end: rows go to a temporary file
+    # first, then header and rows into the target, so memory stays one batch.
+    rows = d = 0
+    with tempfile.TemporaryFile(dir=out.parent) as tmp:
+        for _, x in batches:
+            d = x.shape[1]
+            tmp.write(np.ascontiguousarray(x).tobytes())
+            rows += len(x)
+        if not rows:
+            raise QueryError("the query selects no rows: nothing to export")
+        tmp.seek(0)
+        with open(out, "wb") as f:
+            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)),
+                      "fortran_order": False, "shape": (rows, d)}
+            np.lib.format.write_array_header_2_0(f, header)
+            while block := tmp.read(16 << 20):
+                f.write(block)
+    return rows, d
+
+
+def _write_safetensors(batches: Iterator[tuple[pa.RecordBatch, np.ndarray]], out: Path,
+                       others: list[str]) -> tuple[int, int]:
+    from safetensors.numpy import save_file
+
+    parts: list[np.ndarray] = []
+    columns: dict[str, list[np.ndarray]] = {c: [] for c in others}
+    for batch, x in batches:
+        for name in others:
+            field = batch.schema.field(name)
+            if not (pa.types.is_integer(field.type) or pa.types.is_floating(field.type)
+                    or pa.types.is_boolean(field.type)):
+                raise QueryError(
+                    f"safetensors holds only numbers, and column {name!r} is {field.type}; "
+                    "leave it out, or export to .parquet")
+            values = batch.column(name)
+            if values.null_count:
+                raise QueryError(f"column {name!r} has NULLs, which safetensors cannot hold; "
+                                 "filter or coalesce them, or export to .parquet")
+            columns[name].append(values.to_numpy(zero_copy_only=False))
+        parts.append(x)
+    if not parts or not sum(len(p) for p in parts):
+        raise QueryError("the query selects no rows: nothing to export")
+    tensors = {"vec": np.concatenate(parts)}
+    tensors.update({name: np.concatenate(v) for name, v in columns.items()})
+    save_file(tensors, str(out), metadata={"columns": json.dumps(others), "source": "actdb"})
+    return len(tensors["vec"]), tensors["vec"].shape[1]

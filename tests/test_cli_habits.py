@@ -1,0 +1,160 @@
+"""CLI habits: --version, python -m actdb, SQL from a file or stdin, vec handles refused in file
+output, export, visible tokens in tables, plain progress lines, -q, and Ctrl-C during an ingest
+(a real SIGINT to a real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+import actdb
+from actdb.cli import cli
+
+ACTDB = [sys.executable, "-m", "actdb"]
+
+
+def run(*args: object, input: str | None = None) -> Any:
+    """`actdb ARGS` in-process (stdout and stderr apart, returncode as a subprocess's)."""
+    r = CliRunner().invoke(cli, [str(a) for a in args], input=input)
+    r.returncode = r.exit_code  # type: ignore[attr-defined]
+    return r
+
+
+def run_process(*args: object, input: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m actdb ARGS` in a real subprocess."""
+    return subprocess.run([*ACTDB, *map(str, args)], capture_output=True, text=True,
+                          input=input, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+@pytest.fixture(scope="module")
+def store(family_store: Callable[[str], Path]) -> Path:
+    return family_store("llama")
+
+
+def test_version_and_python_dash_m() -> None:
+    out = run_process("--version")
+    assert out.returncode == 0 and actdb.__version__ in out.stdout
+
+
+def test_sql_from_file_and_stdin(store: Path, tmp_path: Path) -> None:
+    sql = "SELECT position, token FROM tokens WHERE prompt_id = 0 ORDER BY position"
+    (tmp_path / "q.sql").write_text(sql)
+    runner = CliRunner()
+    direct = runner.invoke(cli, ["query", str(store), sql, "--format", "csv"])
+    from_file = runner.invoke(cli, ["query", str(store), "-f", str(tmp_path / "q.sql"),
+                                    "--format", "csv"])
+    from_stdin = runner.invoke(cli, ["query", str(store), "-", "--format", "csv"], input=sql)
+    from_dash_f = runner.invoke(cli, ["query", str(store), "-f", "-", "--format", "csv"],
+                                input=sql)
+    assert direct.exit_code == 0 and direct.output.count("\n") > 2
+    assert from_file.output == from_stdin.output == from_dash_f.output == direct.output
+    both = runner.invoke(cli, ["query", str(store), sql, "-f", str(tmp_path / "q.sql")])
+    assert both.exit_code == 2 and "not both" in both.output
+    neither = runner.invoke(cli, ["query", str(store)])
+    assert neither.exit_code == 2 and "no SQL" in neither.output
+
+
+@pytest.mark.parametrize("fmt", ["csv", "json", "parquet"])
+def test_vec_handles_are_refused_in_file_output(store: Path, tmp_path: Path, fmt: str) -> None:
+    out = run("query", store, "SELECT layer, normalized(vec) AS z FROM acts LIMIT 3",
+              "--format", fmt, "-o", tmp_path / f"o.{fmt}")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "column 'z' holds vec handles" in out.stderr and "to_list(z)" in out.stderr
+    assert "actdb export" in out.stderr
+    star = run("query", store, "SELECT * FROM acts LIMIT 3", "--format", fmt,
+               "-o", tmp_path / f"s.{fmt}")
+    assert star.returncode == 1 and "column 'vec' holds vec handles" in star.stderr
+    numbers = run("query", store, "SELECT layer, to_list(vec) AS v FROM acts LIMIT 3",
+                  "--format", "json")
+    rows = [json.loads(line) for line in numbers.stdout.splitlines()]
+    assert numbers.returncode == 0 and len(rows) == 3 and len(rows[0]["v"]) == 64
+
+
+def test_export_command_writes_what_db_vectors_reads(store: Path, tmp_path: Path) -> None:
+    sql = "SELECT prompt_id, position, vec FROM acts WHERE site = 'blocks.1.ln2' ORDER BY 1, 2"
+    out = run("export", store, sql, "-o", tmp_path / "v.parquet")
+    assert out.returncode == 0, out.stderr
+    with actdb.connect(store, device="cpu") as db:
+        ref = db.vectors(sql).numpy()
+    assert f"wrote {len(ref)} vectors of d=64 with 2 other columns" in out.stdout
+    table = pq.read_table(tmp_path / "v.parquet")
+    np.testing.assert_array_equal(np.stack(table.column("vec").to_numpy(zero_copy_only=False)),
+                                  ref)
+    out = run("export", store, sql, "-o", tmp_path / "v.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "v.npy"), ref)
+    bad = run("export", store, "SELECT layer FROM acts", "-o", tmp_path / "n.parquet")
+    assert bad.returncode == 1 and "export needs a query selecting vec" in bad.stderr
+
+
+def test_table_output_shows_whitespace_tokens(store: Path) -> None:
+    out = CliRunner().invoke(cli, ["query", str(store), "SELECT ' Paris' AS token, "
+                                   "'a\nb' AS t2, 'The capital of France' AS prose"])
+    assert "␣Paris" in out.output and "a↵b" in out.output
+    assert "The capital of France" in out.output  # prose keeps its spaces
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal_and_quiet(
+        model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The capital of France is Paris.\nOne two three.\n")
+    out = run_process("ingest", tmp_path / "a.actdb", "--model", model_dir("llama"),
+                      "--prompts", prompts)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("ingest ")]
+    assert lines and "tokens (100%)" in lines[-1] and "\r" not in out.stderr
+    quiet = run("ingest", tmp_path / "b.actdb", "--model", model_dir("llama"), "--prompts",
+                prompts, "-q")
+    assert quiet.returncode == 0 and quiet.stdout == "" and quiet.stderr == ""
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_ingest_says_what_is_saved_and_exits_130(
+        model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    prompts = tmp_path / "many.txt"
+    prompts.write_text("\n".join(f"{words[i % 12]} {words[(i * 7) % 12]} number {i} of many"
+                                 for i in range(4000)) + "\n")
+    store = tmp_path / "s.actdb"
+    proc = subprocess.Popen(
+        [*ACTDB, "ingest", str(store), "--model", str(model_dir("llama")), "--prompts",
+         str(prompts), "--batch-size", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    # The first plain progress line comes 10 s into the forward passes, after the first
+    # commit (every 2048 tokens, about 100 of these prompts): interrupt then.
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith("ingest ") and "tokens (" in line:
+            break
+    assert proc.poll() is None, "".join(seen)
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(seen) + rest
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    saved = _saved(store)
+    assert saved < 4000
+    assert f"interrupted: {saved} of 4000 prompts are saved in {store}" in err
+    assert "run the same command again to resume" in err
+    with actdb.connect(store) as db:
+        assert db.verify() == []
+
+
+def _saved(store: Path) -> int:
+    with actdb.connect(store) as db:
+        row = db.sql("SELECT count(DISTINCT prompt_id) FROM tokens").fetchone()
+    return int(row[0]) if row else 0

@@ -1,0 +1,91 @@
+"""Loading: a folder with no tokenizer, a corrupt weights file, GGUF paths, and accelerate's
+device_map with hooks still capturing every site (against a plain ingest of the same model)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import actdb
+from actdb.ingest.load import load
+
+PROMPTS = ["The capital of France is Paris.", "the the the the"]
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_folder_without_tokenizer_is_one_sentence(model_dir: Callable[[str], Path],
+                                                  tmp_path: Path) -> None:
+    folder = copy_model(model_dir("llama"), tmp_path / "m")
+    for f in folder.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            f.unlink()
+    with pytest.raises(actdb.ModelLoadError, match=r"has no tokenizer \(none of tokenizer.json"):
+        load(str(folder), device="cpu")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_weights_are_one_sentence(model_dir: Callable[[str], Path], tmp_path: Path,
+                                          damage: str) -> None:
+    folder = copy_model(model_dir("llama"), tmp_path / "m")
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not a model" * 9)
+    with pytest.raises(actdb.ModelLoadError) as e:
+        load(str(folder), device="cpu")
+    text = str(e.value)
+    assert "could not load the weights of" in text and "is the weights file complete?" in text
+    assert "\n" not in text
+    store = tmp_path / "s.actdb"
+    with pytest.raises(actdb.ModelLoadError):
+        actdb.ingest(store, model=folder, prompts=PROMPTS, device="cpu")
+
+
+def test_gguf_paths_that_cannot_load(tmp_path: Path) -> None:
+    with pytest.raises(actdb.ModelLoadError, match=r"model path '.*missing.gguf' does not exist"):
+        load(str(tmp_path / "missing.gguf"))
+    (tmp_path / "a.gguf").write_bytes(b"x")
+    (tmp_path / "b.gguf").write_bytes(b"x")
+    with pytest.raises(actdb.ModelLoadError, match=r"several GGUF files \(a.gguf, b.gguf\)"):
+        load(str(tmp_path))
+    with pytest.raises(actdb.ModelLoadError, match="could not load a model config from"):
+        load(str(tmp_path / "a.gguf"))  # not a GGUF file at all: one sentence
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(actdb.ModelLoadError, match="has no config.json and no .gguf file"):
+        load(str(tmp_path / "empty"))
+
+
+def test_device_map_keeps_hooks_capturing(model_dir: Callable[[str], Path],
+                                          tmp_path: Path) -> None:
+    """accelerate places each module by an explicit map (all on CPU here: a machine with
+    several devices spreads them); every site must still be captured, equal to a plain load."""
+    pytest.importorskip("accelerate")
+    folder = model_dir("llama")
+    plain, mapped = tmp_path / "plain.actdb", tmp_path / "mapped.actdb"
+    actdb.ingest(plain, model=folder, prompts=PROMPTS, device="cpu", name="m")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    offload = {**device_map, "model.layers.1": "disk"}
+    with pytest.raises(actdb.ModelLoadError, match=r"offloads \d+ modules to disk or meta \(first "
+                       r"'model.layers.1.*'\); actdb needs every weight on a device"):
+        load(str(folder), device_map=offload)
+    summary = actdb.ingest(mapped, model=folder, prompts=PROMPTS, device_map=device_map,
+                           name="m")
+    assert summary.sites > 0 and summary.prompts_new == len(PROMPTS)
+    auto = actdb.ingest(tmp_path / "auto.actdb", model=folder, prompts=PROMPTS,
+                        device_map="auto", name="m")
+    assert auto.sites == summary.sites
+    q = "SELECT vec FROM acts ORDER BY site, prompt_id, position"
+    with actdb.connect(plain) as a, actdb.connect(mapped) as b, \
+            actdb.connect(tmp_path / "auto.actdb") as c:
+        want = a.vectors(q).numpy()
+        np.testing.assert_array_equal(b.vectors(q).numpy(), want)
+        np.testing.assert_array_equal(c.vectors(q).numpy(), want)
+        assert len(want) == a.sql("SELECT count(*) FROM acts").fetchone()[0]  # type: ignore[index]
