@@ -72,5 +72,13 @@ class VerifyError(ActdbError, RuntimeError):
     """`verify` found the catalog and the tensors disagree."""
 
 
+class StoreCorruptError(ActdbError, IOError):
+    """Stored bytes are damaged or missing: a checksum, a size or a file does not match."""
+
+
+class StoreFullError(ActdbError, OSError):
+    """The file system holding the store is full; nothing committed is lost."""
+
+
 class MissingDependencyError(ActdbError, ImportError):
     """An optional package a feature needs is not installed."""

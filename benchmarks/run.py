@@ -4,7 +4,8 @@ Every figure is a ratio against a baseline measured in the same run, on the same
 fixed seeds; times are the median of `--repeats` runs after one warm-up (warm page cache).
 Writes BENCHMARKS.md (or `--output`) with the machine described and the command.
 
-    python benchmarks/run.py [--scale full|tiny] [--output BENCHMARKS.md] [--workdir bench-data]
+    python benchmarks/run.py [--scale full|medium|tiny] [--output BENCHMARKS.md]
+                             [--workdir bench-data] [--only full-scan]
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ SCALES = {
     "full": Scale(name="full", d=768, layers=12, heads=12, vocab=50257, prompts=32,
                   prompt_tokens=128, batch_size=8, scan_sites=4, scan_tokens=262144,
                   big_tokens=720896, nearest_rows=2048),
+    # The scan workloads alone at a quarter of full scale (`--only full-scan`).
+    "medium": Scale(name="medium", d=768, layers=12, heads=12, vocab=50257, prompts=32,
+                    prompt_tokens=128, batch_size=8, scan_sites=4, scan_tokens=65536,
+                    big_tokens=720896, nearest_rows=2048),
     "tiny": Scale(name="tiny", d=64, layers=2, heads=4, vocab=1000, prompts=4,
                   prompt_tokens=16, batch_size=2, scan_sites=2, scan_tokens=2048,
                   big_tokens=4096, nearest_rows=128),
@@ -58,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", type=Path, default=Path("bench-data"))
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
+    ap.add_argument("--only", choices=["full-scan"], default=None,
+                    help="run only the full scan and its checksum cost")
     args = ap.parse_args(argv)
     scale = SCALES[args.scale]
     repeats = args.repeats or (3 if scale.name == "full" else 1)
@@ -67,13 +74,16 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     results = []
     try:
-        results.append(workloads.ingest_overhead(scale, work, repeats))
+        if args.only is None:
+            results.append(workloads.ingest_overhead(scale, work, repeats))
         scan = workloads.ScanData.build(scale, work)
-        results.append(workloads.full_scan(scan, repeats))
-        results.append(workloads.selective(scan, repeats, results[-1]))
-        results.append(workloads.nearest(scan, repeats))
-        results.append(workloads.memory(scan))
-        results.append(workloads.storage(scan))
+        full_scan = workloads.full_scan(scan, repeats)
+        results += [full_scan, workloads.checksum_cost(scan, repeats)]
+        if args.only is None:
+            results.append(workloads.selective(scan, repeats, full_scan))
+            results.append(workloads.nearest(scan, repeats))
+            results.append(workloads.memory(scan))
+            results.append(workloads.storage(scan))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

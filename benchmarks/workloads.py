@@ -482,3 +482,49 @@ def memory(scan: ScanData) -> Result:
         r.notes.append(f"At this scale the store is {size / 1e9:.2f} GB, under the 4 GB the "
                        "target names: run `--scale full` for the real figure.")
     return r
+
+
+# -- 7. checksum cost ------------------------------------------------------------------------
+
+
+def checksum_cost(scan: ScanData, repeats: int) -> Result:
+    """Workload 2's query with every chunk's CRC-32C checked (as always for users) and, in
+    runs alternating with those, not checked: what integrity costs a full scan."""
+    from actdb.store.arrays import crc32c
+
+    ours = ActdbScan(scan.store)
+    arrays = ours.db.store.arrays
+
+    def scan_with(check: bool) -> float:
+        arrays.check_checksums = check
+        t = time.perf_counter()
+        ours()
+        return time.perf_counter() - t
+
+    scan_with(True)
+    scan_with(False)
+    checked, unchecked = [], []
+    for _ in range(max(repeats, 7)):  # alternate, so that load changes hit both alike
+        checked.append(scan_with(True))
+        unchecked.append(scan_with(False))
+    arrays.check_checksums = True
+    t_on, t_off = statistics.median(checked), statistics.median(unchecked)
+    read = ours.stats.get("bytes_read", 0)
+    ours.close()
+    block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8)
+    t = time.perf_counter()
+    crc32c(block)
+    crc_rate = block.nbytes / (time.perf_counter() - t)
+    r = Result(
+        title="7. Checksum cost",
+        what=(f"Workload 2's query over the same {scan.n_vectors:,} vectors "
+              f"({read / 1e6:,.0f} MB of chunks read a scan), with the CRC-32C of every chunk "
+              "checked as it is read (always, for users) and unchecked "
+              "(`Arrays.check_checksums = False`, a benchmark-only switch), in alternating "
+              f"runs; medians of {len(checked)} each."),
+    )
+    r.figure("checked", f"{t_on:.3f} s (fastest {min(checked):.3f} s)")
+    r.figure("unchecked", f"{t_off:.3f} s (fastest {min(unchecked):.3f} s)")
+    r.figure("CRC-32C alone (the crc32c package, one 64 MiB buffer)", f"{crc_rate / 1e9:.1f} GB/s")
+    r.ratio("checked time / unchecked time", t_on / t_off, "<= 1.05", t_on <= 1.05 * t_off)
+    return r

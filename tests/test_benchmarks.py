@@ -19,7 +19,8 @@ def test_tiny_benchmark_writes_every_workload(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     text = out.read_text()
     for title in ("1. Ingest overhead", "2. Full scan", "3. Selective query",
-                  "4. Nearest anchors", "5. Storage", "6. Memory", "## Machine"):
+                  "4. Nearest anchors", "5. Storage", "6. Memory", "7. Checksum cost",
+                  "## Machine"):
         assert title in text
     # Every baseline and ratio is reported, and actdb's answer agrees with the baselines'.
     for label in ("DuckDB array_cosine_similarity", "NumPy float16 memmap", "raw chunk-file read",

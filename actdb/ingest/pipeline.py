@@ -246,10 +246,7 @@ def _register(
                 f"model {name!r} is already in the store with other sites; "
                 "pass --name to store this one under another name"
             )
-        rows = st.catalog.con.execute(
-            "SELECT token FROM vocab WHERE model = ? ORDER BY token_id", [name]
-        ).fetchall()
-        return _Registration(record=existing, token_str=[r[0] for r in rows])
+        return _Registration(record=existing, token_str=st.catalog.token_strings(name))
     model = loaded.model
     embed, lm_head, lm_bias, tied = _weights(model)
     config = getattr(model, "config", None)
@@ -280,7 +277,7 @@ def _register(
     vocab = _vocab_table(loaded.tokenizer, max(vocab_size, len(loaded.tokenizer)))
 
     def write() -> None:
-        loaded.tokenizer.save_pretrained(str(st.tokenizer_dir(record.model_id)))
+        st.save_tokenizer(record.model_id, loaded.tokenizer.save_pretrained)
         st.register_model(record, records, embed=embed, lm_head=lm_head,
                           lm_head_bias=lm_bias, site_params=params, vocab=vocab)
 

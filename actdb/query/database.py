@@ -183,8 +183,17 @@ class Database:
     def info(self) -> StoreInfo:
         return describe(self.store)
 
-    def verify(self) -> list[str]:
-        return verify_store(self.store)
+    def verify(self, *, full: bool = False) -> list[str]:
+        """Check that the catalog and the tensors agree.
+
+        Args:
+            full: also read every chunk of committed rows and every weight and check their
+                checksums (format 2 stores; format 1 stores have none to check).
+
+        Returns:
+            The problems found, one sentence each; empty when the store is consistent.
+        """
+        return verify_store(self.store, full=full)
 
     @staticmethod
     def functions() -> list[dict[str, Any]]:

@@ -297,14 +297,18 @@ class VectorSource:
                 self._weights[key] = make()
             return self._weights[key]
 
-    def _weight(self, model_id: int, name: str) -> torch.Tensor | None:
+    def _weight(self, model_id: int, name: str, *, required: bool = True
+                ) -> torch.Tensor | None:
+        """A weight; absent only where the catalog says the model has none (`required`
+        False), since a weight deleted from a store must be an error, not a default."""
         def make() -> torch.Tensor | None:
-            w = self.store.arrays.weight(model_id, name)
+            w = self.store.arrays.weight(model_id, name, required=required)
             return None if w is None else torch.from_numpy(w).to(self.device)
         return self._cached(("w", model_id, name), make)
 
     def param(self, model: ModelRecord, site: SiteRecord, name: str) -> torch.Tensor | None:
-        return self._weight(model.model_id, f"sites/{site.site}/{name}")
+        has = site.has_gain if name == "gain" else site.has_bias
+        return self._weight(model.model_id, f"sites/{site.site}/{name}", required=has)
 
     def unembed(self, model: ModelRecord) -> tuple[torch.Tensor, torch.Tensor | None]:
         """W_U [V, d] and b_U [V] (or None)."""
@@ -312,7 +316,7 @@ class VectorSource:
             raise QueryError(f"model {model.model!r} has no LM head, so no logits")
         w = self._weight(model.model_id, "embed" if model.tied_embeddings else "lm_head")
         assert w is not None
-        return w, self._weight(model.model_id, "lm_head_bias")
+        return w, self._weight(model.model_id, "lm_head_bias", required=model.has_lm_head_bias)
 
     def anchors(self, model: ModelRecord, anchor_set: str | None) -> torch.Tensor:
         """Unit anchor directions [V, d] (zero rows stay zero)."""

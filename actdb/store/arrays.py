@@ -7,6 +7,9 @@ Layout (see docs/FORMAT.md):
     models/{model_id}/sites/{site}/gain, bias            float32 [d]
     models/{model_id}/acts/{site}/direction   float16 [rows, d] or [rows, heads, d]
     models/{model_id}/acts/{site}/norm, mean  float32 [rows] or [rows, heads]
+
+Every chunk ends with its CRC-32C (Zarr's `crc32c` codec, format 2): checked on every read,
+here and by a plain `zarr.open_group`.
 """
 
 from __future__ import annotations
@@ -19,8 +22,12 @@ from typing import Any
 import numpy as np
 import zarr
 import zarr.storage
+from zarr.codecs import Crc32cCodec
 
+from ..errors import StoreCorruptError
+from . import durable
 from .catalog import FORMAT_VERSION
+from .chunks import RawLayout, crc32c, raw_layout
 
 ACT_FIELDS = ("direction", "norm", "mean")
 # Small direction chunks keep selective queries from reading much they do not need (a
@@ -42,14 +49,24 @@ class Arrays:
     def __init__(self, path: Path, *, read_only: bool, store: Any = None) -> None:
         self.path = path
         self.read_only = read_only
+        # Off only to measure what checking costs (benchmarks/); never off for users.
+        self.check_checksums = True
         self.zstore = store if store is not None else zarr.storage.LocalStore(
             str(path), read_only=read_only
         )
-        self.group = zarr.open_group(self.zstore, mode="r" if read_only else "r+")
+        try:
+            self.group = zarr.open_group(self.zstore, mode="r" if read_only else "r+")
+        except Exception as e:
+            raise StoreCorruptError(
+                f"the root metadata of {str(path)!r} cannot be read ({_first_line(e)}): "
+                "the store is damaged"
+            ) from None
         # Opening an array reads its metadata file: keep the handles (and raw chunk paths).
         self._handles: dict[tuple[int, str, str], zarr.Array] = {}
-        self._raw: dict[tuple[int, str, str], Any] = {}
+        self._raw: dict[tuple[int, str, str], RawLayout | None] = {}
         self._made: set[str] = set()  # chunk folders known to exist
+        self._dirty: set[str] = set()  # folders with renames not yet fsynced
+        self._dirty_lock = threading.Lock()
 
     @classmethod
     def create(cls, path: Path) -> Arrays:
@@ -65,6 +82,34 @@ class Arrays:
         v = self.group.attrs.get("actdb_format_version", -1)
         return int(v) if isinstance(v, int | float | str) else -1
 
+    # -- opening arrays --------------------------------------------------------------------
+
+    def open_array(self, label: str, *, required: bool = True) -> zarr.Array | None:
+        """The array at `label`; a missing required one or damaged metadata is an error."""
+        try:
+            found = self.group[label]
+        except KeyError:
+            if required:
+                raise StoreCorruptError(
+                    f"array {label!r} is missing from {str(self.path)!r}: the store is damaged"
+                ) from None
+            return None
+        except Exception as e:
+            raise StoreCorruptError(
+                f"the metadata of array {label!r} in {str(self.path)!r} cannot be read "
+                f"({_first_line(e)}): the store is damaged"
+            ) from None
+        if not isinstance(found, zarr.Array):
+            raise StoreCorruptError(f"{label!r} in {str(self.path)!r} is not an array")
+        return found
+
+    def raw_layout(self, arr: zarr.Array) -> RawLayout | None:
+        return raw_layout(arr, self.zstore)
+
+    def read_raw(self, raw: RawLayout, chunk: int) -> np.ndarray:
+        """One chunk file, its size and checksum checked."""
+        return raw.read(chunk, check=self.check_checksums)
+
     # -- weights ---------------------------------------------------------------------------
 
     def _model_group(self, model_id: int) -> zarr.Group:
@@ -79,7 +124,8 @@ class Arrays:
         lm_head_bias: np.ndarray | None,
         site_params: dict[str, tuple[np.ndarray | None, np.ndarray | None]],
     ) -> None:
-        """Write a model's weights, replacing any left by an interrupted earlier ingest."""
+        """Write a model's weights, replacing any left by an interrupted earlier ingest,
+        and make them durable before the catalog row that makes them visible."""
         g = self._model_group(model_id)
         named = {"embed": embed, "lm_head": lm_head, "lm_head_bias": lm_head_bias}
         for name, value in named.items():
@@ -90,6 +136,8 @@ class Arrays:
             for name, value in (("gain", gain), ("bias", bias)):
                 if value is not None:
                     self._write_whole(sg, name, value)
+        durable.sync_tree(self.path / "models" / str(model_id), skip="acts")
+        durable.fsync_dir(self.path / "models")
 
     # Zarr v3 dimension names, so xarray.open_zarr and other tools label the axes. Names are
     # unique within a group where sizes can differ (an LM head may have more rows than W_E).
@@ -101,7 +149,7 @@ class Arrays:
         value = np.ascontiguousarray(value, dtype=np.float32)
         chunks = (min(value.shape[0], 8192), *value.shape[1:]) if value.ndim == 2 else value.shape
         arr = group.create_array(
-            name, shape=value.shape, dtype="float32", chunks=chunks, compressors=None,
+            name, shape=value.shape, dtype="float32", chunks=chunks, compressors=[Crc32cCodec()],
             overwrite=True,
             # per-head sites' gain and bias are [heads, d]
             dimension_names=("head", "dim") if name in ("gain", "bias") and value.ndim == 2
@@ -109,14 +157,46 @@ class Arrays:
         )
         arr[...] = value
 
-    def weight(self, model_id: int, name: str) -> np.ndarray | None:
-        key = f"models/{model_id}/{name}"
-        try:
-            arr = self.group[key]
-        except KeyError:
+    def weight(self, model_id: int, name: str, *, required: bool = True) -> np.ndarray | None:
+        """A weight array whole, every chunk present and checked; None when absent and not
+        `required` (the catalog says whether a model has it: then its absence is damage)."""
+        arr = self.open_array(f"models/{model_id}/{name}", required=required)
+        if arr is None:
             return None
-        assert isinstance(arr, zarr.Array)
-        return np.asarray(arr[...])
+        return self._read_checked(arr)
+
+    def check_weight(self, model_id: int, name: str, *, required: bool, full: bool) -> None:
+        """verify's check of one weight array: structure, or (`full`) every byte."""
+        arr = self.open_array(f"models/{model_id}/{name}", required=required)
+        if arr is None:
+            return
+        if full:
+            self._read_checked(arr)
+            return
+        raw = self.raw_layout(arr)
+        if raw is not None:
+            for i in range(_n_chunks(arr)):
+                raw.stat(i)
+
+    def _read_checked(self, arr: zarr.Array) -> np.ndarray:
+        """All of `arr`, chunk by chunk, so that a damaged or missing one is named (zarr
+        itself would read a missing chunk as its fill value)."""
+        raw = self.raw_layout(arr)
+        out = np.empty(arr.shape, dtype=arr.dtype)
+        c = arr.chunks[0]
+        for i in range(_n_chunks(arr)):
+            lo, hi = i * c, min(arr.shape[0], i * c + c)
+            if raw is not None:
+                out[lo:hi] = self.read_raw(raw, i)[: hi - lo]
+                continue
+            try:
+                out[lo:hi] = arr[lo:hi]
+            except Exception as e:
+                raise StoreCorruptError(
+                    f"chunk {i} of array {arr.path!r} cannot be read ({_first_line(e)}): "
+                    "the store is damaged"
+                ) from None
+        return out
 
     # -- vectors ---------------------------------------------------------------------------
 
@@ -142,63 +222,47 @@ class Arrays:
                 step = chunk_tokens * (1 if name == "direction" else SCALAR_CHUNK_FACTOR)
                 g.create_array(
                     name, shape=(rows, *tail), dtype=dtype, chunks=(step, *tail),
-                    compressors=None, fill_value=0,
+                    compressors=[Crc32cCodec()], fill_value=0,
                     dimension_names=(("row", "head", "dim") if len(tail) == 2 else ("row", "dim"))
                     if name == "direction" else ("row", "head")[: 1 + len(tail)],
                 )
+        durable.sync_tree(self.path / "models" / str(model_id) / "acts" / site, skip="c")
 
     def act_array(self, model_id: int, site: str, field: str) -> zarr.Array:
         key = (model_id, site, field)
         arr = self._handles.get(key)
         if arr is None:
-            found = self.group[f"models/{model_id}/acts/{site}/{field}"]
-            assert isinstance(found, zarr.Array)
+            found = self.open_array(f"models/{model_id}/acts/{site}/{field}")
+            assert found is not None
             arr = self._handles[key] = found
         return arr
 
+    def act_layout(self, model_id: int, site: str, field: str) -> RawLayout | None:
+        key = (model_id, site, field)
+        if key not in self._raw:
+            self._raw[key] = self.raw_layout(self.act_array(*key))
+        return self._raw[key]
+
     def read_chunk(self, model_id: int, site: str, field: str, chunk: int) -> np.ndarray:
-        """One whole chunk of a site's field (the rows chunk * C .. chunk * C + C - 1).
+        """One whole chunk of a site's field (the rows chunk * C .. chunk * C + C - 1),
+        checked: a missing, short or damaged chunk is a StoreCorruptError naming it.
 
         Chunks are stored raw (no compression), so where the array is laid out as this
         format writes it, the chunk file is read straight into memory: about 20x less
         overhead per chunk than going through zarr-python. Anything else goes through zarr.
         """
-        key = (model_id, site, field)
-        layout = self._layout(key)
-        if layout:
-            folder, tail, shape, dtype = layout
-            out = np.empty(shape, dtype=dtype)
-            try:
-                # readinto releases the GIL for the read itself, so a read-ahead thread
-                # reads while the query's thread computes (np.fromfile holds it).
-                with open(f"{folder}/{chunk}{tail}", "rb", buffering=0) as f:
-                    f.readinto(out.data.cast("B"))
-            except FileNotFoundError:  # never written: the fill value
-                out[...] = 0
-            return out
-        arr = self.act_array(*key)
+        raw = self.act_layout(model_id, site, field)
+        if raw is not None:
+            return self.read_raw(raw, chunk)
+        arr = self.act_array(model_id, site, field)
         c = arr.chunks[0]
-        return np.asarray(arr[chunk * c : min(chunk * c + c, arr.shape[0])])
-
-    def _raw_layout(self, arr: zarr.Array) -> tuple[Any, ...]:
-        """(folder, key tail, chunk shape, dtype) of chunk files `c/{i}/0...` when the array
-        is stored raw; () when it must be read through zarr."""
-        meta: Any = arr.metadata
-        codecs: tuple[Any, ...] = tuple(getattr(meta, "codecs", ()))
-        encoding: Any = getattr(meta, "chunk_key_encoding", None)
-        raw = (
-            isinstance(self.zstore, zarr.storage.LocalStore)
-            and len(codecs) == 1 and type(codecs[0]).__name__ == "BytesCodec"
-            and str(getattr(codecs[0], "endian", "little")).endswith("little")
-            and np.little_endian and getattr(meta, "fill_value", None) == 0
-            and all(s == c for s, c in zip(arr.shape[1:], arr.chunks[1:], strict=True))
-            and type(encoding).__name__ == "DefaultChunkKeyEncoding"
-            and getattr(encoding, "separator", None) == "/"
-        )
-        if not raw:
-            return ()
-        folder = str(Path(str(self.zstore.root)) / arr.path / "c")
-        return folder, "/0" * (arr.ndim - 1), (arr.chunks[0], *arr.shape[1:]), arr.dtype
+        try:
+            return np.asarray(arr[chunk * c : min(chunk * c + c, arr.shape[0])])
+        except Exception as e:
+            raise StoreCorruptError(
+                f"chunk {chunk} of array {arr.path!r} cannot be read ({_first_line(e)}): "
+                "the store is damaged"
+            ) from None
 
     def write_rows(
         self, model_id: int, site: str, start: int, values: dict[str, np.ndarray]
@@ -206,44 +270,62 @@ class Arrays:
         """Write token rows [start, start + n) of a site's direction, norm and mean."""
         for name in ACT_FIELDS:
             value = values[name]
-            layout = self._layout((model_id, site, name))
-            if layout:
-                self._write_raw(layout, start, value)
+            raw = self.act_layout(model_id, site, name)
+            if raw is not None:
+                self._write_raw(raw, start, value)
             else:
                 self.act_array(model_id, site, name)[start : start + value.shape[0]] = value
 
-    def _write_raw(self, layout: tuple[Any, ...], start: int, value: np.ndarray) -> None:
-        """Write rows straight into raw chunk files, each replaced whole and atomically
-        (a temporary file renamed over it), as zarr's local store would, minus its
-        per-chunk overhead. A chunk only partly covered is read, patched and replaced."""
-        folder, tail, shape, dtype = layout
-        c, stop = shape[0], start + value.shape[0]
-        value = np.ascontiguousarray(value, dtype=dtype)
+    def _write_raw(self, raw: RawLayout, start: int, value: np.ndarray) -> None:
+        """Write rows straight into raw chunk files, each replaced whole and atomically (a
+        temporary file, fsynced, renamed over it), as zarr's local store would, minus its
+        per-chunk overhead. A chunk only partly covered is read (checked), patched and
+        replaced: its rows below `start` are committed."""
+        c, stop = raw.shape[0], start + value.shape[0]
+        value = np.ascontiguousarray(value, dtype=raw.dtype)
         for chunk in range(start // c, (stop - 1) // c + 1):
             lo = chunk * c
             a, b = max(start, lo), min(stop, lo + c)
-            path = f"{folder}/{chunk}{tail}"
+            path = raw.path(chunk)
             if a == lo and b == lo + c:
                 data = value[a - start : b - start]
+            elif a == lo:  # a chunk's first rows: what follows them is not committed
+                data = np.zeros(raw.shape, dtype=raw.dtype)
+                data[: b - a] = value[a - start : b - start]
             else:
-                try:
-                    data = np.fromfile(path, dtype=dtype).reshape(shape)
-                except FileNotFoundError:
-                    data = np.zeros(shape, dtype=dtype)
+                data = self.read_raw(raw, chunk)  # a fresh buffer of our own
                 data[a - lo : b - lo] = value[a - start : b - start]
             parent = os.path.dirname(path)
             if parent not in self._made:
                 os.makedirs(parent, exist_ok=True)
                 self._made.add(parent)
-            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.partial"
-            data.tofile(tmp)
-            os.replace(tmp, path)
+                self._mark_dirty(os.path.dirname(parent), os.path.dirname(raw.folder))
+            raw.write(chunk, data)
+            self._mark_dirty(parent)
 
-    def _layout(self, key: tuple[int, str, str]) -> tuple[Any, ...]:
-        layout = self._raw.get(key)
-        if layout is None:
-            layout = self._raw[key] = self._raw_layout(self.act_array(*key))
-        return layout
+    def _mark_dirty(self, *folders: str) -> None:
+        with self._dirty_lock:
+            self._dirty.update(folders)
+
+    def sync(self) -> None:
+        """fsync the folders whose entries changed since the last call: the renames of
+        the chunks written become durable (before the catalog commit refers to them)."""
+        with self._dirty_lock:
+            folders, self._dirty = sorted(self._dirty, key=len, reverse=True), set()
+        for folder in folders:
+            durable.fsync_dir(folder)
 
     def has_model(self, model_id: int) -> bool:
         return f"models/{model_id}" in self.group
+
+
+__all__ = ["ACT_FIELDS", "Arrays", "crc32c", "default_chunk_tokens"]
+
+
+def _n_chunks(arr: zarr.Array) -> int:
+    return -(-arr.shape[0] // arr.chunks[0]) if arr.ndim else 1
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
+import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -13,11 +16,30 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from ..errors import PromptsError, StoreBusyError, StoreFormatError, StoreNotWritableError
+from ..errors import (
+    PromptsError,
+    StoreBusyError,
+    StoreCorruptError,
+    StoreFormatError,
+    StoreNotWritableError,
+)
 from . import limits
+from .durable import full_disk_as_error
+from .faults import fault
 from .records import ModelRecord, SiteRecord
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# How long a reader waits for a commit, or the writer for a reader's snapshot, to let go of
+# DuckDB's file lock before saying who holds it (ACTDB_LOCK_WAIT_S overrides it).
+LOCK_WAIT_S = 30.0
+
+
+def lock_wait_seconds() -> float:
+    return float(os.environ.get("ACTDB_LOCK_WAIT_S", LOCK_WAIT_S))
+
+
+def _is_lock_conflict(e: BaseException) -> bool:
+    return "Could not set lock" in str(e) or "Conflicting lock" in str(e)
 
 SCHEMA = """
 CREATE TABLE meta (key VARCHAR, value VARCHAR);
@@ -62,26 +84,41 @@ _SITE_COLUMNS = [f.name for f in fields(SiteRecord)]
 
 
 class Catalog:
-    """A DuckDB connection to `catalog.duckdb` with the queries the store needs."""
+    """The queries the store needs, over one of three kinds of DuckDB connection.
 
-    def __init__(self, path: Path, *, read_only: bool) -> None:
+    - reader (`read_only=True`): the file is opened read-only just long enough to copy every
+      table into an in-memory database, then closed; `con` is that copy, a consistent
+      snapshot of what was committed, and the file stays free for the writer.
+    - ingest writer (`read_only=False, hold=False`): the file is opened only for each short
+      session (a few reads, or one commit transaction) and closed after it, so that
+      readers can take their snapshot between commits.
+    - holder (`read_only=False, hold=True`): the file stays open for writing until `close`
+      (`connect(read_only=False)`, and store creation).
+
+    Both sides retry for a while when the other holds DuckDB's file lock.
+    """
+
+    def __init__(self, path: Path, *, read_only: bool, hold: bool = True) -> None:
         self.path = path
         self.read_only = read_only
-        try:
-            # One DuckDB thread: its idle workers otherwise steal the cores torch needs for the
-            # forward pass (measured: a 20x slower forward after the first catalog write).
-            self.con = duckdb.connect(str(path), read_only=read_only, config={"threads": 1})
-        except duckdb.IOException as e:
-            if "Could not set lock" in str(e):
-                pid = re.search(r"\(PID (\d+)\)", str(e))
-                who = f" (PID {pid.group(1)})" if pid else ""
-                raise StoreBusyError(
-                    f"store {str(path.parent)!r} is being written by another process{who}; "
-                    "try again when its ingest has finished"
-                ) from None
-            if "Permission denied" in str(e) or "Read-only" in str(e):
-                raise StoreNotWritableError(f"cannot open catalog {str(path)!r} for writing") from e
-            raise StoreFormatError(f"cannot open catalog {str(path)!r}: {e}") from e
+        self._hold = hold
+        self._lock = threading.RLock()
+        self._con: duckdb.DuckDBPyConnection | None = None
+        if read_only:
+            self._con = self._snapshot()
+        elif hold:
+            self._con = self._open()
+        else:
+            with self._session():  # fail now, not at the first commit, if it cannot open
+                pass
+
+    @property
+    def con(self) -> duckdb.DuckDBPyConnection:
+        """The DuckDB connection: the in-memory snapshot for a reader, the file otherwise
+        (an ingest writer has one only inside a session)."""
+        if self._con is None:
+            raise RuntimeError("the ingest's catalog is open only inside a session")
+        return self._con
 
     @classmethod
     def create(cls, path: Path) -> Catalog:
@@ -95,24 +132,112 @@ class Catalog:
         return cat
 
     def close(self) -> None:
-        self.con.close()
+        with self._lock:
+            if self._con is not None:
+                self._con.close()
+                self._con = None
+
+    # -- connections -----------------------------------------------------------------------
+
+    def _open(self, *, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+        """A connection to the file, waiting while another process holds its lock."""
+        deadline = time.monotonic() + lock_wait_seconds()
+        pause = 0.002
+        while True:
+            try:
+                # One DuckDB thread: its idle workers otherwise steal the cores torch needs
+                # for the forward pass (measured: a 20x slower forward after a catalog write).
+                return duckdb.connect(str(self.path), read_only=read_only,
+                                      config={"threads": 1})
+            except duckdb.Error as e:
+                if _is_lock_conflict(e) and time.monotonic() < deadline:
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.05)
+                    continue
+                raise self._open_error(e) from None
+
+    def _snapshot(self) -> duckdb.DuckDBPyConnection:
+        """Every table of the file, copied into memory inside one read-only attach."""
+        mem = duckdb.connect(":memory:", config={"threads": 1})
+        quoted = str(self.path).replace("'", "''")
+        deadline = time.monotonic() + lock_wait_seconds()
+        pause = 0.002
+        try:
+            while True:
+                try:
+                    mem.execute(f"ATTACH '{quoted}' AS _actdb_file (READ_ONLY)")
+                    break
+                except duckdb.Error as e:
+                    if _is_lock_conflict(e) and time.monotonic() < deadline:
+                        time.sleep(pause)
+                        pause = min(pause * 2, 0.05)
+                        continue
+                    raise self._open_error(e) from None
+            try:
+                mem.execute("COPY FROM DATABASE _actdb_file TO memory")
+            except duckdb.Error as e:
+                raise self._open_error(e) from None
+            finally:
+                mem.execute("DETACH _actdb_file")
+        except BaseException:
+            mem.close()
+            raise
+        return mem
+
+    def _open_error(self, e: duckdb.Error) -> Exception:
+        text = str(e)
+        store = str(self.path.parent)
+        if _is_lock_conflict(e):
+            pid = re.search(r"\(PID (\d+)\)", text)
+            who = f" (PID {pid.group(1)})" if pid else ""
+            return StoreBusyError(
+                f"the catalog of store {store!r} is held open by another process{who} for "
+                f"more than {lock_wait_seconds():g} s (an ingest holds it only while it "
+                "commits; a session opened with read_only=False holds it until closed); "
+                "try again when it has closed it"
+            )
+        if "Permission denied" in text or "Read-only" in text:
+            return StoreNotWritableError(f"cannot open catalog {str(self.path)!r} for writing")
+        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        return StoreCorruptError(
+            f"the catalog {str(self.path)!r} cannot be read ({first}): the store is damaged"
+        )
+
+    @contextmanager
+    def _session(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """The connection, opened for this session only when it is not open already."""
+        with self._lock, full_disk_as_error(self.path.parent, "the catalog"):
+            if self._con is not None:
+                yield self._con
+                return
+            self._con = self._open()
+            try:
+                yield self._con
+            finally:
+                con, self._con = self._con, None
+                con.close()  # checkpoints: the log is folded into the file
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
-        self.con.execute("BEGIN TRANSACTION")
-        try:
-            yield
-        except BaseException:
-            self.con.execute("ROLLBACK")
-            raise
-        self.con.execute("COMMIT")
+        with self._session() as con:
+            con.execute("BEGIN TRANSACTION")
+            try:
+                yield
+                fault("catalog_commit")
+            except BaseException:
+                with suppress(duckdb.Error):  # a failed write may have ended it already
+                    con.execute("ROLLBACK")
+                raise
+            con.execute("COMMIT")
+            fault("committed")
 
     # -- reading ---------------------------------------------------------------------------
 
     def one(self, sql: str, params: Sequence[Any] | None = None) -> tuple[Any, ...] | None:
         """The first row of a query, fetched to the end: an unfinished result would block
         the connection for every later statement."""
-        rows = self.con.execute(sql, list(params or [])).fetchall()
+        with self._session() as con:
+            rows = con.execute(sql, list(params or [])).fetchall()
         return rows[0] if rows else None
 
     def format_version(self) -> int:
@@ -127,9 +252,10 @@ class Catalog:
         columns of models and sites never change after creation."""
         cache = self.__dict__.setdefault("_column_cache", {})
         if table not in cache:
-            res = self.con.execute(f"SELECT * FROM {table} LIMIT 0")  # table is one of ours
-            cache[table] = {r[0] for r in res.description or []}
-            res.fetchall()  # an unfinished result would block the connection
+            with self._session() as con:
+                res = con.execute(f"SELECT * FROM {table} LIMIT 0")  # table is one of ours
+                cache[table] = {r[0] for r in res.description or []}
+                res.fetchall()  # an unfinished result would block the connection
         return [c for c in wanted if c in cache[table]]
 
     def _add_missing_columns(self) -> None:
@@ -137,13 +263,15 @@ class Catalog:
             have = self._columns(table, list(cols))
             for name, sqltype in cols.items():
                 if name not in have:
-                    self.con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {sqltype}")
+                    with self._session() as con:
+                        con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {sqltype}")
                     self.__dict__.pop("_column_cache", None)
 
     def models(self) -> list[ModelRecord]:
         names = self._columns("models", _MODEL_COLUMNS)
         cols = ", ".join(quote(c) for c in names)
-        rows = self.con.execute(f"SELECT {cols} FROM models ORDER BY model_id").fetchall()
+        with self._session() as con:
+            rows = con.execute(f"SELECT {cols} FROM models ORDER BY model_id").fetchall()
         out = []
         for row in rows:
             kw = dict(zip(names, row, strict=True))
@@ -157,9 +285,10 @@ class Catalog:
     def sites(self, model: str) -> list[SiteRecord]:
         names = self._columns("sites", _SITE_COLUMNS)
         cols = ", ".join(names)
-        rows = self.con.execute(
-            f"SELECT {cols} FROM sites WHERE model = ? ORDER BY site_id", [model]
-        ).fetchall()
+        with self._session() as con:
+            rows = con.execute(
+                f"SELECT {cols} FROM sites WHERE model = ? ORDER BY site_id", [model]
+            ).fetchall()
         return [SiteRecord(**dict(zip(names, r, strict=True))) for r in rows]
 
     def prompt_ids(self, texts: Sequence[str]) -> dict[str, int]:
@@ -167,13 +296,14 @@ class Catalog:
         if not texts:
             return {}
         wanted = pa.table({"text": pa.array(list(set(texts)), pa.string())})
-        self.con.register("_wanted", wanted)
-        try:
-            rows = self.con.execute(
-                "SELECT p.text, p.prompt_id FROM prompts p JOIN _wanted w USING (text)"
-            ).fetchall()
-        finally:
-            self.con.unregister("_wanted")
+        with self._session() as con:
+            con.register("_wanted", wanted)
+            try:
+                rows = con.execute(
+                    "SELECT p.text, p.prompt_id FROM prompts p JOIN _wanted w USING (text)"
+                ).fetchall()
+            finally:
+                con.unregister("_wanted")
         return {t: int(i) for t, i in rows}
 
     def next_prompt_id(self) -> int:
@@ -181,15 +311,25 @@ class Catalog:
         return int(row[0]) if row else 0
 
     def ingested_prompt_ids(self, model: str) -> set[int]:
-        rows = self.con.execute("SELECT prompt_id FROM prompt_runs WHERE model = ?", [model])
-        return {int(r[0]) for r in rows.fetchall()}
+        with self._session() as con:
+            rows = con.execute("SELECT prompt_id FROM prompt_runs WHERE model = ?", [model])
+            return {int(r[0]) for r in rows.fetchall()}
 
     def prompt_columns(self) -> dict[str, str]:
-        rows = self.con.execute(
-            "SELECT column_name, data_type FROM information_schema.columns "
-            "WHERE table_name = 'prompts' ORDER BY ordinal_position"
-        ).fetchall()
+        with self._session() as con:
+            rows = con.execute(
+                "SELECT column_name, data_type FROM information_schema.columns "
+                "WHERE table_name = 'prompts' ORDER BY ordinal_position"
+            ).fetchall()
         return {name: dtype for name, dtype in rows}
+
+    def token_strings(self, model: str) -> list[str | None]:
+        """Each token id of the model's vocabulary decoded alone, in id order."""
+        with self._session() as con:
+            rows = con.execute(
+                "SELECT token FROM vocab WHERE model = ? ORDER BY token_id", [model]
+            ).fetchall()
+        return [r[0] for r in rows]
 
     def next_model_id(self) -> int:
         row = self.one("SELECT coalesce(max(model_id) + 1, 0) FROM models")
@@ -201,6 +341,11 @@ class Catalog:
         """Add the extra prompt fields (JSONL keys) that `prompts` does not have yet, after
         checking every field against the columns already there (same name, same case, a type
         its values fit): a field that changed type between runs is a PromptsError."""
+        with self._session() as con:
+            self._add_prompt_columns(con, columns)
+
+    def _add_prompt_columns(self, con: duckdb.DuckDBPyConnection, columns: dict[str, str]
+                            ) -> None:
         have = self.prompt_columns()
         by_lower = {name.lower(): name for name in have}
         for name, sqltype in columns.items():
@@ -223,7 +368,7 @@ class Catalog:
                 column_type = "VARCHAR" if sqltype == "NULL" else sqltype  # null so far
                 if column_type not in _FIELD_TYPES:  # never pasted: only our own type names
                     raise ValueError(f"unexpected prompt column type {sqltype!r}")
-                self.con.execute(f"ALTER TABLE prompts ADD COLUMN {quote(name)} {column_type}")
+                con.execute(f"ALTER TABLE prompts ADD COLUMN {quote(name)} {column_type}")
 
     def insert_model(
         self, model: ModelRecord, sites: Sequence[SiteRecord], vocab: pa.Table

@@ -1,0 +1,136 @@
+"""Chunk files of arrays stored raw on a local disk: where they lie, and reading and writing
+one whole, checked (size and CRC-32C) and atomic (temporary file, fsync, rename).
+
+A raw array has the `bytes` codec (little-endian), optionally followed by `crc32c` (format 2):
+chunk `i` is the file `{folder}/{i}{tail}`, the chunk's values, then their CRC-32C in 4 bytes
+little-endian, exactly as Zarr's own codec writes it, so zarr-python reads these files too.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import crc32c as _crc32c
+import numpy as np
+import zarr
+import zarr.storage
+
+from ..errors import StoreCorruptError
+from .durable import PARTIAL_SUFFIX
+from .faults import fault
+
+CRC_BYTES = 4
+
+
+def crc32c(data: np.ndarray) -> int:
+    """CRC-32C of a contiguous array's bytes, as Zarr's `crc32c` codec computes it."""
+    return int(_crc32c.crc32c(data.reshape(-1).view(np.uint8).data, gil_release_mode=1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RawLayout:
+    """Where the chunk files of one raw array lie, and what each holds."""
+
+    label: str  # the array's path in the group, for messages
+    folder: str
+    tail: str
+    shape: tuple[int, ...]  # of one chunk
+    dtype: np.dtype[Any]
+    crc: bool
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+    @property
+    def file_bytes(self) -> int:
+        return self.nbytes + (CRC_BYTES if self.crc else 0)
+
+    def path(self, chunk: int) -> str:
+        return f"{self.folder}/{chunk}{self.tail}"
+
+    def read(self, chunk: int, *, check: bool = True) -> np.ndarray:
+        """Chunk `chunk` read straight from its file, its size and (`check`) checksum
+        checked: a missing, short, long or damaged chunk is a StoreCorruptError naming it."""
+        path = self.path(chunk)
+        # One byte more than expected: a file too long shows in the count read.
+        buf = np.empty(self.file_bytes + 1, dtype=np.uint8)
+        try:
+            # readinto releases the GIL for the read itself, so a read-ahead thread
+            # reads while the query's thread computes (np.fromfile holds it).
+            with open(path, "rb", buffering=0) as f:
+                got = f.readinto(buf.data)
+        except FileNotFoundError:
+            raise self._damaged(chunk, "is missing") from None
+        if got != self.file_bytes:
+            raise self._damaged(chunk, f"has {got} bytes, not {self.file_bytes}")
+        data = buf[: self.nbytes]
+        if self.crc and check:
+            stored = int.from_bytes(buf[self.nbytes : self.file_bytes].tobytes(), "little")
+            if crc32c(data) != stored:
+                raise self._damaged(chunk, "fails its checksum")
+        return data.view(self.dtype).reshape(self.shape)
+
+    def stat(self, chunk: int) -> None:
+        """The structural check of one chunk: its file exists with the right size."""
+        try:
+            size = os.stat(self.path(chunk)).st_size
+        except FileNotFoundError:
+            raise self._damaged(chunk, "is missing") from None
+        if size != self.file_bytes:
+            raise self._damaged(chunk, f"has {size} bytes, not {self.file_bytes}")
+
+    def write(self, chunk: int, data: np.ndarray) -> None:
+        """Replace chunk `chunk` whole: a temporary file beside it, fsynced, renamed over it
+        (the caller fsyncs the folder). Its folder must exist."""
+        path = self.path(chunk)
+        data = np.ascontiguousarray(data, dtype=self.dtype)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{PARTIAL_SUFFIX}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data.data.cast("B"))
+                fault("chunk_write")  # a kill here leaves a torn temporary file
+                if self.crc:
+                    f.write(crc32c(data).to_bytes(CRC_BYTES, "little"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def _damaged(self, chunk: int, what: str) -> StoreCorruptError:
+        return StoreCorruptError(
+            f"chunk {chunk} of array {self.label!r} {what} ({self.path(chunk)!r}): "
+            "the store is damaged"
+        )
+
+
+def raw_layout(arr: zarr.Array, zstore: Any) -> RawLayout | None:
+    """The chunk files of `arr` when it is stored raw on a local disk; None when it must be
+    read through zarr."""
+    meta: Any = arr.metadata
+    codecs: tuple[Any, ...] = tuple(getattr(meta, "codecs", ()))
+    names = [type(c).__name__ for c in codecs]
+    encoding: Any = getattr(meta, "chunk_key_encoding", None)
+    raw = (
+        isinstance(zstore, zarr.storage.LocalStore)
+        and names in (["BytesCodec"], ["BytesCodec", "Crc32cCodec"])
+        and str(getattr(codecs[0], "endian", "little")).endswith("little")
+        and np.little_endian
+        and all(s == c for s, c in zip(arr.shape[1:], arr.chunks[1:], strict=True))
+        and type(encoding).__name__ == "DefaultChunkKeyEncoding"
+        and getattr(encoding, "separator", None) == "/"
+    )
+    if not raw:
+        return None
+    return RawLayout(
+        label=arr.path, folder=str(Path(str(zstore.root)) / arr.path / "c"),
+        tail="/0" * (arr.ndim - 1), shape=(arr.chunks[0], *arr.shape[1:]),
+        dtype=np.dtype(arr.dtype), crc=len(codecs) == 2,
+    )

@@ -1,0 +1,48 @@
+"""Named fault points in the commit protocol, for the fault-injection tests.
+
+`ACTDB_FAULT=point[:n[:action]]` makes the process act the n-th time (default 1) it reaches
+`point`: `kill` (default) sends itself SIGKILL, `enospc` raises OSError(ENOSPC) as a full disk
+would. Unset, `fault()` is one comparison. Points (docs/FORMAT.md lists them):
+create_before_catalog, create_after_catalog, weights_written, chunk_write, tensors_written,
+catalog_commit, committed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import threading
+
+POINTS = ("create_before_catalog", "create_after_catalog", "weights_written", "chunk_write",
+          "tensors_written", "catalog_commit", "committed")
+
+
+def _parse(spec: str | None) -> tuple[str, int, str] | None:
+    if not spec:
+        return None
+    point, _, rest = spec.partition(":")
+    count, _, action = rest.partition(":")
+    if point not in POINTS or action not in ("", "kill", "enospc"):
+        raise ValueError(f"ACTDB_FAULT={spec!r}: points are {POINTS}, actions kill or enospc")
+    return point, int(count or 1), action or "kill"
+
+
+_SPEC = _parse(os.environ.get("ACTDB_FAULT"))
+_seen = 0
+_lock = threading.Lock()
+
+
+def fault(point: str) -> None:
+    """Act here if ACTDB_FAULT names this point and this is its n-th passage."""
+    global _seen
+    if _SPEC is None or _SPEC[0] != point:
+        return
+    with _lock:
+        _seen += 1
+        hit = _seen == _SPEC[1]
+    if not hit:
+        return
+    if _SPEC[2] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"<ACTDB_FAULT {point}>")
