@@ -38,6 +38,8 @@ ESCAPES = [
     "EXPLAIN ANALYZE CREATE OR REPLACE TEMP VIEW acts AS SELECT 1 AS x",
     "EXPLAIN ANALYZE CREATE OR REPLACE TEMP MACRO vec_norm(v) AS 42",
     "EXPLAIN ANALYZE DELETE FROM prompts",
+    # a quoted option value that hides a ')' from a hand-written reading of the prefix
+    "EXPLAIN (ANALYZE ') SELECT 1 --') DELETE FROM tokens",
     "EXPLAIN ANALYZE INSERT INTO prompts (prompt_id, text) VALUES (99, 'fake')",
     "EXPLAIN ANALYZE UPDATE models SET n_rows = 0",
     "EXPLAIN ANALYZE ATTACH '{target}' AS x",
@@ -206,6 +208,29 @@ def test_cli_escape_is_refused(template: str, setup: dict[str, Any],
     assert res.exit_code == 1, res.output
     assert "Traceback" not in res.output and res.output.startswith("Error: "), res.output
     _after(setup, digest, target, res.output)
+
+
+@pytest.mark.parametrize("read_only", [True, False])
+def test_misread_explain_prefix_runs_only_the_checked_select(
+        read_only: bool, setup: dict[str, Any], digest: dict[str, str]) -> None:
+    """DuckDB nests /* */ comments: a prefix read differently from DuckDB must not let the
+    text after the checked SELECT run (the EXPLAIN is rebuilt around what was checked)."""
+    setup["db"].close()
+    db = actdb.connect(setup["store"], read_only=read_only, device="cpu")
+    try:
+        before = db.sql(REFERENCE).fetchall()
+        for query in ("EXPLAIN ANALYZE /* /* */ SELECT 1 --*/ DELETE FROM tokens",
+                      "EXPLAIN ANALYZE /* /* */ SELECT 1 --*/ "
+                      "CREATE OR REPLACE TEMP MACRO vec_norm(v) AS 42"):
+            try:
+                db.sql(query).fetchall()
+            except actdb.ActdbError as e:
+                assert "\n" not in str(e)
+            assert db.sql(REFERENCE).fetchall() == before
+    finally:
+        db.close()
+        setup["db"] = actdb.connect(setup["store"], device="cpu")
+    _after(setup, digest, setup["root"] / "target-misread.out", "")
 
 
 @pytest.mark.slow

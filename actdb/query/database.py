@@ -84,10 +84,10 @@ class Database:
 
     def sql(self, query: str, *, params: dict[str, Any] | list[Any] | None = None) -> Result:
         """Run a read-only query; `$name` / `?` parameters bind from `params`."""
-        plan.check(query, self._parser, self._known)
+        runnable = plan.check(query, self._parser, self._known)
         self._box.error = None
         try:
-            rel = _relation(self.con, query, params)
+            rel = _relation(self.con, runnable, params)
         except duckdb.Error as e:
             raise translate(e, self._box) from None
         if rel is None:

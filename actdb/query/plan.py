@@ -21,13 +21,14 @@ from .functions import ANCHORS, INT, REGISTRY, TOKEN, VEC
 from .vectors import ANCHOR_SETS
 
 
-def check(query: str, con: duckdb.DuckDBPyConnection, known: set[str]) -> None:
-    """Raise a QueryError unless `query` is one sandboxed SELECT (sandbox.py) calling known
-    functions with sane literal arguments. `con` only parses: it never sees the store."""
+def check(query: str, con: duckdb.DuckDBPyConnection, known: set[str]) -> str:
+    """The text to run (the query, or an EXPLAIN rebuilt around its checked SELECT); a
+    QueryError unless `query` is one sandboxed SELECT (sandbox.py) calling known functions
+    with sane literal arguments. `con` only parses: it never sees the store."""
     if not query.strip():
         raise QueryError("the query is empty")
     try:
-        select = sandbox.check_statement(query, con)
+        select, runnable = sandbox.check_statement(query, con)
         sandbox.check_duckdb_tree(select, con)
     except duckdb.ParserException as e:
         if "expression depth" in str(e):
@@ -42,12 +43,13 @@ def check(query: str, con: duckdb.DuckDBPyConnection, known: set[str]) -> None:
     except (ParseError, sqlglot.errors.TokenError, RecursionError):
         # DuckDB parses what sqlglot does not, and nests deeper than Python's stack lets
         # sqlglot go: DuckDB's own tree was checked above, and its binder checks the rest.
-        return
+        return runnable
     if isinstance(tree, exp.Command):
-        return  # sqlglot's fallback for syntax it lacks (SHOW acts): DuckDB's tree was checked
+        return runnable  # sqlglot's fallback for syntax it lacks (SHOW acts): DuckDB's tree
     sandbox.check_sqlglot_tree(tree)
     for node in tree.find_all(exp.Anonymous):
         _check_call(node, known)
+    return runnable
 
 
 def _too_deep() -> QueryError:

@@ -86,15 +86,19 @@ def lock(con: duckdb.DuckDBPyConnection) -> None:
         con.execute(f"SET {name} = {str(want).lower()}")
 
 
-def check_statement(query: str, con: duckdb.DuckDBPyConnection) -> str:
-    """The SELECT a query runs (the query itself, or the inner statement of an EXPLAIN);
-    a QueryError for anything else. DuckDB parse errors propagate as duckdb.ParserException."""
+def check_statement(query: str, con: duckdb.DuckDBPyConnection) -> tuple[str, str]:
+    """(the SELECT a query runs, the text to run); a QueryError for anything else. DuckDB
+    parse errors propagate as duckdb.ParserException.
+
+    For an EXPLAIN the text to run is rebuilt from a fixed prefix and the checked SELECT, so
+    a comment or quote that makes our reading of the prefix differ from DuckDB's can never
+    smuggle another statement past the check: DuckDB runs exactly what was checked."""
     statements = con.extract_statements(query)
     if len(statements) != 1:
         raise QueryError(f"give one statement at a time; the query holds {len(statements)}")
     kind = _kind(statements[0])
     if kind == "EXPLAIN":
-        inner = _explained(query)
+        prefix, inner = _explained(query)
         inner_statements = con.extract_statements(inner) if inner.strip() else []
         inner_kind = _kind(inner_statements[0]) if len(inner_statements) == 1 else "MULTI"
         if inner_kind != "SELECT":
@@ -102,14 +106,14 @@ def check_statement(query: str, con: duckdb.DuckDBPyConnection) -> str:
                 "EXPLAIN (and EXPLAIN ANALYZE, which executes) is allowed only for one plain "
                 f"SELECT; this one explains {_article(inner_kind)} {inner_kind} statement"
             )
-        return inner
+        return inner, f"{prefix} {inner}"
     if kind == "MULTI":
         raise QueryError("the query expands to several statements (a PIVOT without an IN list "
                          "does); give one plain SELECT, e.g. PIVOT ... ON col IN (...)")
     if kind != "SELECT":
         raise QueryError(f"queries are read-only: {_article(kind)} {kind} statement would "
                          "change the store or the session, so it is refused")
-    return query
+    return query, query
 
 
 def check_duckdb_tree(select: str, con: duckdb.DuckDBPyConnection) -> None:
@@ -193,24 +197,31 @@ def _article(word: str) -> str:
     return "an" if word[:1] in "AEIOU" else "a"
 
 
-def _explained(query: str) -> str:
-    """The statement an EXPLAIN wraps: after EXPLAIN, an optional ANALYZE and an optional
-    parenthesised option list, comments skipped. If this reading differs from DuckDB's, what
-    remains is not one SELECT to DuckDB's parser, so the query is refused, never let through."""
+# An EXPLAIN option list we pass on: words and commas only, nothing that can hide text.
+_OPTIONS = re.compile(r"\(\s*[A-Za-z_]+(\s+[A-Za-z_]+)?(\s*,\s*[A-Za-z_]+(\s+[A-Za-z_]+)?)*\s*\)")
+
+
+def _explained(query: str) -> tuple[str, str]:
+    """(a clean EXPLAIN prefix, the statement it wraps): after EXPLAIN, an optional ANALYZE
+    and an optional option list of plain words, comments skipped. The prefix is rebuilt from
+    what was recognised, so any misreading only changes what is explained, never adds to it."""
     i = _skip_blank(query, 0)
-    words = 0
-    while words < 2:
+    words: list[str] = []
+    while len(words) < 2:
         word = re.match(r"[A-Za-z]+", query[i:])
         text = word.group(0).upper() if word else ""
-        if (words == 0 and text != "EXPLAIN") or (words == 1 and text not in ("ANALYZE",
-                                                                             "ANALYSE")):
+        if (not words and text != "EXPLAIN") or (words and text not in ("ANALYZE", "ANALYSE")):
             break
+        words.append(text)
         i = _skip_blank(query, i + len(text))
-        words += 1
     if query[i:i + 1] == "(":
-        close = query.find(")", i)
-        i = _skip_blank(query, close + 1) if close >= 0 else len(query)
-    return query[i:]
+        options = _OPTIONS.match(query, i)
+        if options is None:
+            raise QueryError("EXPLAIN options may be plain words only, e.g. "
+                             "EXPLAIN (ANALYZE, FORMAT json) SELECT ...")
+        words.append(options.group(0))
+        i = _skip_blank(query, options.end())
+    return " ".join(words or ["EXPLAIN"]), query[i:]
 
 
 def _skip_blank(query: str, i: int) -> int:
