@@ -151,6 +151,9 @@ class Arrays:
         arr = group.create_array(
             name, shape=value.shape, dtype="float32", chunks=chunks, compressors=[Crc32cCodec()],
             overwrite=True,
+            # a chunk equal to the fill value (an all-zero bias) is still written: a missing
+            # chunk is damage, never zeros
+            config={"write_empty_chunks": True},
             # per-head sites' gain and bias are [heads, d]
             dimension_names=("head", "dim") if name in ("gain", "bias") and value.ndim == 2
             else Arrays._WEIGHT_DIMS.get(name),
@@ -223,6 +226,7 @@ class Arrays:
                 g.create_array(
                     name, shape=(rows, *tail), dtype=dtype, chunks=(step, *tail),
                     compressors=[Crc32cCodec()], fill_value=0,
+                    config={"write_empty_chunks": True},  # missing is damage, never zeros
                     dimension_names=(("row", "head", "dim") if len(tail) == 2 else ("row", "dim"))
                     if name == "direction" else ("row", "head")[: 1 + len(tail)],
                 )
