@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from snapshots import assert_same, snapshot
 
 import actdb
@@ -56,3 +57,29 @@ def test_jsonl_fields_become_columns_and_truncation_is_counted(
         assert rows == [(records[0]["text"], "pets", 1, None, 4),
                         (records[1]["text"], "math", 2, True, 4)]
         assert db.sql("SELECT bool_and(truncated) FROM prompt_runs").fetchall() == [(True,)]
+
+
+def test_resume_refuses_another_checkpoint_under_the_same_name(
+        model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """Rows added under a name are read with that name's stored weights: a model whose norm
+    weights differ (another checkpoint) is refused, and nothing is added."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    store = tmp_path / "s.actdb"
+    path = model_dir("llama")
+    actdb.ingest(store, model=str(path), prompts=["one prompt here"], name="x", device="cpu")
+    other = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        other.model.norm.weight.mul_(1.5)
+    with pytest.raises(actdb.IngestError, match="other weights"):
+        actdb.ingest(store, model=other, tokenizer=AutoTokenizer.from_pretrained(path),
+                     prompts=["another prompt"], name="x", device="cpu")
+    with actdb.connect(store) as db:
+        assert db.sql("SELECT count(*) FROM prompts").fetchall() == [(1,)]
+    # the same weights resume as before
+    same = AutoModelForCausalLM.from_pretrained(path)
+    actdb.ingest(store, model=same, tokenizer=AutoTokenizer.from_pretrained(path),
+                 prompts=["another prompt"], name="x", device="cpu")
+    with actdb.connect(store) as db:
+        assert db.sql("SELECT count(*) FROM prompts").fetchall() == [(2,)]

@@ -229,6 +229,28 @@ class _Registration:
     write: Callable[[], None] | None = None  # a new model's weights, tokenizer and rows
 
 
+def _check_same_weights(st: Store, existing: ModelRecord, found: list[FoundSite]) -> None:
+    """Resuming adds rows read with the stored weights: refuse a model whose measured norm
+    gains and biases differ from them (another checkpoint under the same name), which would
+    otherwise give silently wrong answers. Version-1 sites stored raw weights: not compared."""
+    stored_sites = {s.site: s for s in st.catalog.sites(existing.model)}
+    for f in found:
+        if stored_sites[f.record.site].centered is None:
+            continue
+        for part, value in (("gain", f.gain), ("bias", f.bias)):
+            stored = st.arrays.weight(existing.model_id, f"sites/{f.record.site}/{part}",
+                                      required=False)
+            same = (value is None) == (stored is None) and (
+                value is None or stored is None or (stored.shape == tuple(value.shape) and
+                np.allclose(stored, value.float().numpy(), rtol=1e-4, atol=1e-6)))
+            if not same:
+                raise IngestError(
+                    f"model {existing.model!r} is already in the store with other weights "
+                    f"(the {part} of site {f.record.site!r} differs): pass --name to store "
+                    "this one under another name"
+                )
+
+
 def _register(
     st: Store, loaded: LoadedModel, found: list[FoundSite], n_layers: int, name: str,
     sites_glob: str | None, limit: int | None, chunk_tokens: int | None,
@@ -246,6 +268,7 @@ def _register(
                 f"model {name!r} is already in the store with other sites; "
                 "pass --name to store this one under another name"
             )
+        _check_same_weights(st, existing, found)
         return _Registration(record=existing, token_str=st.catalog.token_strings(name))
     model = loaded.model
     embed, lm_head, lm_bias, tied = _weights(model)
