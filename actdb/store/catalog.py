@@ -7,11 +7,11 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
 import pyarrow as pa
@@ -29,6 +29,7 @@ from .faults import fault
 from .records import ModelRecord, SiteRecord
 
 FORMAT_VERSION = 2
+T = TypeVar("T")
 # How long a reader waits for a commit, or the writer for a reader's snapshot, to let go of
 # DuckDB's file lock before saying who holds it (ACTDB_LOCK_WAIT_S overrides it).
 LOCK_WAIT_S = 30.0
@@ -139,16 +140,14 @@ class Catalog:
 
     # -- connections -----------------------------------------------------------------------
 
-    def _open(self, *, read_only: bool = False) -> duckdb.DuckDBPyConnection:
-        """A connection to the file, waiting while another process holds its lock."""
+    def _retrying(self, step: Callable[[], T]) -> T:
+        """`step`, retried while another process holds DuckDB's file lock (up to the lock
+        wait), then any failure as one of our errors."""
         deadline = time.monotonic() + lock_wait_seconds()
         pause = 0.002
         while True:
             try:
-                # One DuckDB thread: its idle workers otherwise steal the cores torch needs
-                # for the forward pass (measured: a 20x slower forward after a catalog write).
-                return duckdb.connect(str(self.path), read_only=read_only,
-                                      config={"threads": 1})
+                return step()
             except duckdb.Error as e:
                 if _is_lock_conflict(e) and time.monotonic() < deadline:
                     time.sleep(pause)
@@ -156,23 +155,19 @@ class Catalog:
                     continue
                 raise self._open_error(e) from None
 
+    def _open(self, *, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+        """A connection to the file, waiting while another process holds its lock."""
+        # One DuckDB thread: its idle workers otherwise steal the cores torch needs for the
+        # forward pass (measured: a 20x slower forward after a catalog write).
+        return self._retrying(lambda: duckdb.connect(str(self.path), read_only=read_only,
+                                                     config={"threads": 1}))
+
     def _snapshot(self) -> duckdb.DuckDBPyConnection:
         """Every table of the file, copied into memory inside one read-only attach."""
         mem = duckdb.connect(":memory:", config={"threads": 1})
         quoted = str(self.path).replace("'", "''")
-        deadline = time.monotonic() + lock_wait_seconds()
-        pause = 0.002
         try:
-            while True:
-                try:
-                    mem.execute(f"ATTACH '{quoted}' AS _actdb_file (READ_ONLY)")
-                    break
-                except duckdb.Error as e:
-                    if _is_lock_conflict(e) and time.monotonic() < deadline:
-                        time.sleep(pause)
-                        pause = min(pause * 2, 0.05)
-                        continue
-                    raise self._open_error(e) from None
+            self._retrying(lambda: mem.execute(f"ATTACH '{quoted}' AS _actdb_file (READ_ONLY)"))
             try:
                 mem.execute("COPY FROM DATABASE _actdb_file TO memory")
             except duckdb.Error as e:
