@@ -251,10 +251,12 @@ _CLI_READER = textwrap.dedent("""
             continue
         q = runner.invoke(cli, ["query", store, "SELECT count(*) AS n FROM prompt_runs",
                                 "--format", "csv"])
-        codes = [q.exit_code] + [runner.invoke(cli, [c, store]).exit_code
-                                 for c in ("info", "verify")]
+        rest = [runner.invoke(cli, [c, store]) for c in ("info", "verify")]
+        codes = [r.exit_code for r in [q, *rest]]
         n = int(q.output.split()[-1]) if q.exit_code == 0 else -1
-        print(json.dumps({"n": n, "codes": codes, "err": q.stderr[-300:]}), flush=True)
+        err = " | ".join((r.stderr or repr(r.exception))[-300:] for r in [q, *rest]
+                         if r.exit_code != 0)
+        print(json.dumps({"n": n, "codes": codes, "err": err}), flush=True)
         if finished:
             break
         time.sleep(0.05)

@@ -13,6 +13,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
+from contextlib import suppress
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,9 +285,18 @@ class Store:
     def disk_bytes(self) -> dict[str, int]:
         """Bytes on disk of the catalog, the tensors, and both."""
         def size(p: Path) -> int:
-            if p.is_file():
-                return p.stat().st_size
-            return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+            # A running ingest renames and removes files (chunk temporaries, the catalog's
+            # log) while this walks: one that vanished between listing and stat counts 0.
+            if not p.is_dir():
+                with suppress(FileNotFoundError):
+                    return p.stat().st_size
+                return 0
+            total = 0
+            for folder, _, files in os.walk(p):  # os.walk skips folders it cannot list
+                for name in files:
+                    with suppress(FileNotFoundError):
+                        total += os.stat(os.path.join(folder, name)).st_size
+            return total
 
         cat = sum(size(f) for f in self.path.glob(CATALOG_NAME + "*"))
         ten = size(self.path / TENSORS_NAME)
