@@ -13,8 +13,8 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
-from contextlib import suppress
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
