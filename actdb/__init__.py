@@ -4,6 +4,9 @@ Every normalization site's input is stored as a point on the unit sphere plus it
 SQL with geometric tensor functions queries it lazily.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     ActdbError,
     DeviceError,
@@ -19,8 +22,27 @@ from .errors import (
     StoreNotWritableError,
     TokenError,
 )
-from .ingest import IngestSummary, ingest
-from .query import Database, Result, connect
+from .lazy import lazy_module
+
+lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
+
+if TYPE_CHECKING:
+    from .ingest import IngestSummary, ingest
+    from .query import Database, Result, connect
+
+# The query and ingest layers load on first use, so `import actdb` (and the CLI) stays cheap.
+_LAZY = {"IngestSummary": "ingest", "ingest": "ingest", "Database": "query", "Result": "query",
+         "connect": "query"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import DeviceError
+from .lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
 
 def resolve_device(device: str) -> torch.device:

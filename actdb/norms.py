@@ -5,14 +5,21 @@ divide by the root mean square plus eps, then a per-dimension affine `y = gain *
 whose gain and bias are the *effective* ones measured by probing the module at ingest
 (a Gemma-style `(1 + weight)` is already folded into the stored gain).
 
-Imports nothing of ours, so `ingest/` and `query/` can both use it without importing each other.
+Imports nothing of ours but lazy.py, so `ingest/` and `query/` can both use it without
+importing each other.
 All functions take float tensors whose last dimension is the site width `d`.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
+
+from .lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
 # Kind names are for information (what the module looked like); the maths reads `centered`.
 KINDS = ("layernorm", "rmsnorm", "layernorm_1p", "rmsnorm_1p")
@@ -60,8 +67,8 @@ def apply(
     if fused and x.dtype in (torch.float32, torch.float64):
         d = x.shape[-1]
         if centered:
-            return F.layer_norm(x, (d,), gain, bias, eps)
-        y = F.rms_norm(x, (d,), gain, eps)
+            return torch.nn.functional.layer_norm(x, (d,), gain, bias, eps)
+        y = torch.nn.functional.rms_norm(x, (d,), gain, eps)
         return y + bias if bias is not None else y
     z = normalize(centered, x, eps, mean)
     if gain is not None:

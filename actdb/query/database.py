@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 import numpy as np
-import torch
 
 from ..devices import resolve_device
 from ..errors import ActdbError, QueryError
+from ..lazy import lazy_module
 from ..store.info import StoreInfo, describe
 from ..store.store import Store
 from ..store.verify import verify as verify_store
@@ -23,6 +23,11 @@ from .functions import describe as describe_functions
 from .result import Result, translate
 from .tables import TableLike, check_name, load_table
 from .vectors import VectorSource
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
 if TYPE_CHECKING:
     from .dataset import VectorDataset
@@ -51,7 +56,9 @@ class Database:
         self, path: str | os.PathLike[str], *, read_only: bool = True, device: str = "auto",
         cache_bytes: int = 256 << 20, threads: int = 1,
     ) -> None:
-        self.device = resolve_device(device)
+        # `auto` and `cpu` are resolved when a tensor is first needed (so a query without
+        # tensor functions never imports torch); anything else is checked now.
+        spec = device if device in ("auto", "cpu") else resolve_device(device)
         # Statements are parsed and their trees serialized on a connection of their own, which
         # holds no data: checking a query never runs anything next to the store.
         self._parser = duckdb.connect(":memory:")
@@ -63,7 +70,7 @@ class Database:
         if not sandbox.is_locked(self.con):  # else set by the first Database of this process
             self.con.execute(f"SET threads = {int(threads)}")
             _quiet_progress_bar(self.con)
-        self.source = VectorSource(self.store, self.device, cache_bytes=cache_bytes)
+        self.source = VectorSource(self.store, spec, cache_bytes=cache_bytes)
         self._box = ErrorBox()
         prepare(self.con, self.source, self._box)
         _OPEN.add(self)
@@ -79,6 +86,11 @@ class Database:
         }
         self._tables: dict[str, object] = {}
         sandbox.lock(self.con)
+
+    @property
+    def device(self) -> torch.device:
+        """The torch device tensor functions compute on."""
+        return self.source.device
 
     # -- queries ---------------------------------------------------------------------------
 

@@ -135,18 +135,19 @@ def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox) ->
             null_handling=FunctionNullHandling.SPECIAL, side_effects=False,
         )
     # The store's (model, site, head) streams with the numbers handles carry (handles.py).
+    # Filled from lists bound as parameters: registering an Arrow table makes DuckDB import
+    # pandas, a second of CPU that a `SELECT 1` should not pay.
     names = {m.model_id: m.model for m in src.models.values()}
-    streams = pa.table({
-        "model": [names[s.model_id] for s in src.codec.streams],
-        "site": [src.site(s.model_id, s.site_id).site for s in src.codec.streams],
-        "head": pa.array([s.head if s.head >= 0 else None for s in src.codec.streams],
-                         pa.int32()),
-        "stream": pa.array(range(len(src.codec.streams)), pa.int64()),
-    })
-    con.register("_actdb_streams_arrow", streams)
-    con.execute("CREATE OR REPLACE TEMP TABLE _actdb_streams AS "
-                "SELECT * FROM _actdb_streams_arrow")
-    con.unregister("_actdb_streams_arrow")
+    streams = src.codec.streams
+    con.execute("CREATE OR REPLACE TEMP TABLE _actdb_streams "
+                "(model VARCHAR, site VARCHAR, head INTEGER, stream BIGINT)")
+    if streams:
+        con.execute(
+            "INSERT INTO _actdb_streams SELECT unnest($1), unnest($2), unnest($3), unnest($4)",
+            [[names[s.model_id] for s in streams],
+             [src.site(s.model_id, s.site_id).site for s in streams],
+             [s.head if s.head >= 0 else None for s in streams], list(range(len(streams)))],
+        )
     handle = H.encode_sql('t."row"', "h.stream")
     con.execute(f"""
         CREATE OR REPLACE TEMP VIEW acts AS

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from ..errors import QueryError
+from ..lazy import lazy_module
 from .vectors import OFF_STREAM_ROLES, Group, VectorSource
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
 _BLOCK = 512  # rows per matrix product against a whole vocabulary
 

@@ -7,15 +7,21 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .. import norms
 from ..errors import QueryError, TokenError
+from ..lazy import lazy_module
 from ..store.records import ModelRecord, SiteRecord
 from ..store.store import Store
 from . import handles as H
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
 INT_TYPES = {"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT",
              "UINTEGER", "UBIGINT", "UHUGEINT"}
@@ -130,9 +136,10 @@ class Group:
 class VectorSource:
     """Everything tensor functions read from a store, cached, on one device."""
 
-    def __init__(self, store: Store, device: torch.device, *, cache_bytes: int = 256 << 20):
+    def __init__(self, store: Store, device: torch.device | str, *,
+                 cache_bytes: int = 256 << 20):
         self.store = store
-        self.device = device
+        self._device = device
         self.cache = ChunkCache(cache_bytes)
         self.models = {m.model_id: m for m in store.catalog.models()}
         self.sites: dict[tuple[int, int], SiteRecord] = {}
@@ -157,6 +164,17 @@ class VectorSource:
                 "SELECT token FROM vocab WHERE model = ? ORDER BY token_id", [m.model]
             ).fetchall()
             self._tokens[m.model_id] = [r[0] for r in rows]
+
+    @property
+    def device(self) -> torch.device:
+        """The device, resolved on first use: the first tensor function imports torch."""
+        if isinstance(self._device, str):
+            from ..devices import resolve_device
+            from ..lazy import load
+
+            load(torch)
+            self._device = resolve_device(self._device)
+        return self._device
 
     # -- identity --------------------------------------------------------------------------
 
