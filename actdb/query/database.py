@@ -72,7 +72,7 @@ class Database:
             _quiet_progress_bar(self.con)
         self.source = VectorSource(self.store, spec, cache_bytes=cache_bytes)
         self._box = ErrorBox()
-        prepare(self.con, self.source, self._box)
+        self._bulk = prepare(self.con, self.source, self._box)
         _OPEN.add(self)
         self._known = {
             r[0].lower() for r in self.con.execute(
@@ -218,9 +218,12 @@ class Database:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Chunks and bytes read from the tensors since the database was opened."""
+        """Chunks and bytes read from the tensors since the database was opened, and the rows
+        of one-vector functions answered from bulk windows or computed as asked (bulk.py)."""
         return {"chunks_read": self.source.cache.chunks_read,
-                "bytes_read": self.source.cache.bytes_read}
+                "bytes_read": self.source.cache.bytes_read,
+                "rows_bulk": sum(b.rows_bulk for b in self._bulk),
+                "rows_exact": sum(b.rows_exact for b in self._bulk)}
 
     def close(self) -> None:
         self._parser.close()

@@ -14,6 +14,7 @@ from duckdb.func import FunctionNullHandling, PythonUDFType
 
 from ..errors import ActdbError
 from . import handles as H
+from .bulk import BulkEvaluator
 from .functions import ANCHORS, FUNCTIONS, TOKEN, VEC, TensorFunction
 from .kernels import Arg
 from .vectors import VectorSource
@@ -25,6 +26,12 @@ _ARROW_TYPES = {
 
 
 _SESSIONS = itertools.count()
+# Rows a window of bulk evaluation may reach ahead (bulk.py): scalar results are 8 bytes a
+# row; a list result (top_logits, nearest_anchors) is a vocabulary-wide product a row, so its
+# windows stay smaller. The cache holds this many rows of results for each function.
+BULK_ROWS = 1 << 16
+BULK_LIST_ROWS = 1 << 12
+BULK_CACHE_ROWS = 1 << 19
 
 
 class ErrorBox:
@@ -57,24 +64,35 @@ def _with_arity(f: Callable[..., pa.Array], n: int) -> Callable[..., pa.Array]:
     return scope["udf"]
 
 
-def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox) -> Callable[..., pa.Array]:
+def _drop_nulls(arrays: tuple[pa.Array, ...]) -> tuple[tuple[pa.Array, ...], np.ndarray | None]:
+    """The rows with no NULL argument, and their positions (None: every row)."""
+    if not any(a.null_count for a in arrays):
+        return arrays, None
+    null = np.zeros(len(arrays[0]), dtype=bool)
+    for a in arrays:
+        if a.null_count:
+            null |= a.is_null().to_numpy(zero_copy_only=False)
+    keep = np.nonzero(~null)[0]
+    return tuple(a.take(pa.array(keep)) for a in arrays), keep
+
+
+def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
+              bulk: list[BulkEvaluator]) -> Callable[..., pa.Array]:
     kinds = _expanded_kinds(fn)
     scalar = fn.returns == "DOUBLE"
     out_type = _arrow_type(fn.returns)
     assert fn.kernel is not None
     kernel = fn.kernel
+    evaluator: BulkEvaluator | None = None
+    if kinds.count(VEC) == 1:  # a function of one vector: bulk-evaluated (bulk.py)
+        evaluator = BulkEvaluator(
+            src, kernel, scalar=scalar, vec_at=kinds.index(VEC), convert=Arg.of,
+            broadcast=Arg.repeat, max_rows=BULK_ROWS if scalar else BULK_LIST_ROWS,
+            cache_rows=BULK_CACHE_ROWS,
+        )
+        bulk.append(evaluator)
 
-    def udf(*arrays: pa.Array) -> pa.Array:
-        n = len(arrays[0])
-        if any(a.null_count for a in arrays):
-            null = np.zeros(n, dtype=bool)
-            for a in arrays:
-                if a.null_count:
-                    null |= a.is_null().to_numpy(zero_copy_only=False)
-            keep = np.nonzero(~null)[0]
-            arrays = tuple(a.take(pa.array(keep)) for a in arrays)
-        else:
-            keep = np.arange(n)
+    def exact(arrays: tuple[pa.Array, ...]) -> Any:
         vecs: list[np.ndarray] = []
         rest: list[Arg] = []
         for a, kind in zip(arrays, kinds, strict=True):
@@ -82,22 +100,31 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox) -> Callable[
                 vecs.append(a.to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
             else:
                 rest.append(Arg.of(a))
+        n = len(arrays[0])
+        out: Any = np.full(n, np.nan) if scalar else [None] * n
+        kernel(src, *vecs, out, *rest)
+        return out
+
+    def udf(*arrays: pa.Array) -> pa.Array:
+        n = len(arrays[0])
+        arrays, keep = _drop_nulls(arrays)
         try:
-            if scalar:
-                sub = np.full(len(keep), np.nan)
-                kernel(src, *vecs, sub, *rest)
-                full = np.full(n, np.nan)
-                full[keep] = sub
-                return pa.array(full, type=pa.float64(), mask=np.isnan(full))
-            sub_list: list[Any] = [None] * len(keep)
-            kernel(src, *vecs, sub_list, *rest)
-            full_list: list[Any] = [None] * n
-            for j, i in enumerate(keep):
-                full_list[i] = sub_list[j]
-            return pa.array(full_list, type=out_type)
+            sub = evaluator.evaluate(arrays) if evaluator is not None else exact(arrays)
         except ActdbError as e:
             box.error = e
             raise
+        if scalar:
+            if keep is not None:
+                full = np.full(n, np.nan)
+                full[keep] = sub
+                sub = full
+            return pa.array(sub, type=pa.float64(), mask=np.isnan(sub))
+        if keep is not None:
+            full_list: list[Any] = [None] * n
+            for j, i in enumerate(keep):
+                full_list[i] = sub[j]
+            sub = full_list
+        return pa.array(sub, type=out_type)
 
     return _with_arity(udf, len(kinds))
 
@@ -116,13 +143,16 @@ def _stored_field_udf(src: VectorSource, name: str) -> Callable[[pa.Array], pa.A
     return udf
 
 
-def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox) -> None:
-    """Register UDFs, macros and the temp views `acts` and its helpers on `con`."""
+def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox
+            ) -> list[BulkEvaluator]:
+    """Register UDFs, macros and the temp views `acts` and its helpers on `con`; returns the
+    bulk evaluators of the functions of one vector (their counters are the session's stats)."""
     session = f"s{next(_SESSIONS)}"
+    bulk: list[BulkEvaluator] = []
     for fn in FUNCTIONS:
         if fn.kernel is not None:
             con.create_function(
-                fn.udf_name(session), _make_udf(fn, src, box),
+                fn.udf_name(session), _make_udf(fn, src, box, bulk),
                 [duckdb.sqltype(t) for t in fn.udf_params()], duckdb.sqltype(fn.returns),
                 type=PythonUDFType.ARROW, null_handling=FunctionNullHandling.SPECIAL,
                 side_effects=False,
@@ -162,6 +192,7 @@ def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox) ->
             JOIN _actdb_streams h ON h.model = s.model AND h.site = s.site
         )
     """)
+    return bulk
 
 
 __all__ = ["ANCHORS", "ErrorBox", "prepare"]

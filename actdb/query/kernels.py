@@ -94,6 +94,11 @@ class Arg:
         return cls(encoded.dictionary.to_pylist(),
                    encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64))
 
+    @classmethod
+    def repeat(cls, one: pa.Array, n: int) -> Arg:
+        """`n` rows of the single value in `one`."""
+        return cls(one.to_pylist(), np.zeros(n, dtype=np.int64))
+
 
 def _per_value(args: list[Arg], index: np.ndarray) -> dict[tuple[Any, ...], np.ndarray]:
     """Positions (into `index`) of each distinct combination of argument values in a group:

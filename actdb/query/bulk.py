@@ -1,0 +1,188 @@
+"""Bulk evaluation: a tensor function computed over whole windows of a stream's rows at once.
+
+DuckDB hands a Python UDF at most 2,048 rows a call. When a query walks a stream (one model,
+site, head and view) in row order, as a scan does, the rows it will ask for next are the rows
+that follow: this evaluator then computes the function over a window of the rows ahead in one
+kernel call (one read of whole chunks, one matrix product, read-ahead overlapping the compute),
+keeps the results, and answers the next calls from them. The window doubles while the walk goes
+on (up to `max_rows`), so speculation never costs more than the work the query has already
+asked for, and a LIMIT stops it early. Rows asked for out of order, sparsely, or with arguments
+that vary from row to row are computed exactly as asked (the selective-query path): see
+docs/ENGINE.md.
+
+A function's value depends only on the stored vector and its arguments, and stored rows never
+change, so a result computed ahead is the result the query would have got.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from . import handles as H
+from .vectors import VectorSource
+
+Kernel = Callable[..., None]
+Convert = Callable[[pa.Array], Any]  # an argument column -> what the kernel takes (kernels.Arg)
+# (a column of one value, m) -> what the kernel takes for m rows of that value
+Broadcast = Callable[[pa.Array, int], Any]
+
+
+@dataclass(kw_only=True)
+class _Window:
+    lo: int  # first row
+    values: Any  # float64 [n] (NaN = NULL) or a list of n results
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+@dataclass(kw_only=True)
+class _Walk:
+    """The last rows a query asked of one stream, and the size of the last window."""
+
+    lo: int
+    hi: int
+    size: int
+
+
+class BulkEvaluator:
+    """One tensor function with exactly one vec argument, evaluated for a DuckDB session."""
+
+    def __init__(self, src: VectorSource, kernel: Kernel, *, scalar: bool, vec_at: int,
+                 convert: Convert, broadcast: Broadcast, max_rows: int,
+                 cache_rows: int) -> None:
+        self.src, self.kernel, self.scalar = src, kernel, scalar
+        self.vec_at, self.convert, self.broadcast = vec_at, convert, broadcast
+        self.max_rows, self.cache_rows = max_rows, cache_rows
+        self._windows: OrderedDict[tuple[Any, ...], _Window] = OrderedDict()
+        self._walks: dict[tuple[Any, ...], _Walk] = {}
+        self._cached = 0
+        self._lock = threading.Lock()  # DuckDB may call a UDF from several threads
+        self.rows_bulk = 0  # rows answered from windows
+        self.rows_exact = 0  # rows computed as asked
+
+    def evaluate(self, arrays: tuple[pa.Array, ...]) -> Any:
+        """Results for one call's rows (no NULLs among them): float64 [n] or a list of n."""
+        handles = arrays[self.vec_at].to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        rest = [a for i, a in enumerate(arrays) if i != self.vec_at]
+        key = _constant_key(rest)
+        n = len(handles)
+        if key is None or n == 0:
+            return self._exact(handles, rest)
+        with self._lock:
+            return self._evaluate(handles, rest, key)
+
+    def _evaluate(self, handles: np.ndarray, rest: list[pa.Array], key: tuple[Any, ...]) -> Any:
+        n = len(handles)
+        out: Any = np.full(n, np.nan) if self.scalar else [None] * n
+        streams = handles >> H.STREAM_SHIFT  # stream, view and tag bits: one walk each
+        first, last = int(streams.min()), int(streams.max())
+        if first == last:
+            parts: list[tuple[int, np.ndarray | None]] = [(first, None)]
+        else:
+            parts = [(int(s), np.nonzero(streams == s)[0]) for s in np.unique(streams)]
+        exact: list[np.ndarray] = []
+        for stream, at in parts:
+            h = handles if at is None else handles[at]
+            window = self._window(stream, h, key, rest)
+            if window is None:
+                exact.append(np.arange(n) if at is None else at)
+                continue
+            local = (h & H.ROW_MASK) - window.lo
+            if self.scalar:
+                if at is None:
+                    out = window.values[local]
+                else:
+                    out[at] = window.values[local]
+            else:
+                for j, i in enumerate(np.arange(n) if at is None else at):
+                    out[i] = window.values[local[j]]
+            self.rows_bulk += len(h)
+        if exact:
+            at = np.concatenate(exact) if len(exact) > 1 else exact[0]
+            sub = self._exact(handles[at], [a.take(pa.array(at)) for a in rest])
+            if self.scalar:
+                out[at] = sub
+            else:
+                for j, i in enumerate(at):
+                    out[i] = sub[j]
+        return out
+
+    def _window(self, stream: int, h: np.ndarray, key: tuple[Any, ...],
+                rest: list[pa.Array]) -> _Window | None:
+        """The cached window holding all of `h` (one stream's handles), computing the next one
+        when the query walks the stream; None: compute these rows exactly."""
+        rows = h & H.ROW_MASK
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        wkey = (key, stream)
+        window = self._windows.get(wkey)
+        if window is not None and window.lo <= lo and hi <= window.lo + len(window):
+            self._windows.move_to_end(wkey)
+            return window
+        # Only a valid handle reaches the kernels: the ends of the range are decoded (and so
+        # checked) here, and every value between them differs from them in the row alone.
+        self.src.codec.decode(np.array([h.min(), h.max()]))
+        walk = self._walks.get(wkey)
+        dense = hi - lo <= 2 * len(rows)
+        walking = walk is not None and walk.lo <= lo <= walk.hi
+        if not (dense and walking):
+            self._walks[wkey] = _Walk(lo=lo, hi=hi, size=hi - lo)
+            return None
+        assert walk is not None
+        size = min(max(2 * walk.size, hi - lo), self.max_rows)
+        n_rows = self.src.codec.streams[stream & H.STREAM_MASK].n_rows
+        end = min(n_rows, max(hi, lo + size))
+        window = self._compute(stream, lo, end, rest)
+        self._walks[wkey] = _Walk(lo=lo, hi=end, size=end - lo)
+        self._remember(wkey, window)
+        return window
+
+    def _compute(self, stream: int, lo: int, hi: int, rest: list[pa.Array]) -> _Window:
+        m = hi - lo
+        handles = (np.int64(stream) << H.STREAM_SHIFT) | np.arange(lo, hi, dtype=np.int64)
+        out: Any = np.full(m, np.nan) if self.scalar else [None] * m
+        self.kernel(self.src, handles, out, *[self.broadcast(a.slice(0, 1), m) for a in rest])
+        return _Window(lo=lo, values=out)
+
+    def _remember(self, wkey: tuple[Any, ...], window: _Window) -> None:
+        old = self._windows.pop(wkey, None)
+        self._cached -= len(old) if old is not None else 0
+        self._windows[wkey] = window
+        self._cached += len(window)
+        while self._cached > self.cache_rows and len(self._windows) > 1:
+            _, gone = self._windows.popitem(last=False)
+            self._cached -= len(gone)
+
+    def _exact(self, handles: np.ndarray, rest: list[pa.Array]) -> Any:
+        """The kernel over exactly these rows (their handles are checked as they decode)."""
+        self.rows_exact += len(handles)
+        out: Any = np.full(len(handles), np.nan) if self.scalar else [None] * len(handles)
+        args = [self.convert(a) for a in rest]
+        vecs: list[Any] = [handles]
+        self.kernel(self.src, *vecs, out, *args)
+        return out
+
+
+def _constant_key(arrays: list[pa.Array]) -> tuple[Any, ...] | None:
+    """The one value of each argument column (with its type), or None if any column varies
+    (or holds a type whose values cannot be compared here: then the rows go the exact way)."""
+    key: list[Any] = []
+    for a in arrays:
+        if len(a) == 0:
+            return None
+        first = a[0]
+        try:
+            if len(a) > 1 and not pc.all(pc.equal(a, first)).as_py():
+                return None
+            key.append((str(a.type), repr(first.as_py())))
+        except (pa.ArrowException, TypeError, ValueError):
+            return None
+    return tuple(key)
