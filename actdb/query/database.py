@@ -22,6 +22,7 @@ from .execute import ErrorBox, prepare
 from .functions import describe as describe_functions
 from .result import Result, translate
 from .tables import TableLike, check_name, load_table
+from .threads import DUCKDB_THREADS, torch_threads
 from .vectors import VectorSource
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class Database:
 
     def __init__(
         self, path: str | os.PathLike[str], *, read_only: bool = True, device: str = "auto",
-        cache_bytes: int = 256 << 20, threads: int = 1,
+        cache_bytes: int = 256 << 20, threads: int = DUCKDB_THREADS,
     ) -> None:
         # `auto` and `cpu` are resolved when a tensor is first needed (so a query without
         # tensor functions never imports torch); anything else is checked now.
@@ -65,8 +66,7 @@ class Database:
         sandbox.lock(self._parser)
         self.store = Store(path, read_only=read_only)
         self.con = self.store.catalog.con
-        # One DuckDB thread by default: the UDFs hold the GIL anyway, and idle DuckDB workers
-        # compete with torch for the cores (see BENCHMARKS.md).
+        # DuckDB's share of the thread policy (threads.py).
         if not sandbox.is_locked(self.con):  # else set by the first Database of this process
             self.con.execute(f"SET threads = {int(threads)}")
             _quiet_progress_bar(self.con)
@@ -117,6 +117,11 @@ class Database:
         if col.null_count:
             raise QueryError(f"column {column!r} holds NULL handles")
         handles = col.to_numpy().astype(np.int64)
+        with torch_threads(1):
+            return self._gather(handles)
+
+    def _gather(self, handles: np.ndarray) -> torch.Tensor:
+        """[N, d]: the vectors of the handles, views applied."""
         out: torch.Tensor | None = None
         for g in self.source.groups(handles):
             if out is None:

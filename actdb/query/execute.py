@@ -17,6 +17,7 @@ from . import handles as H
 from .bulk import BulkEvaluator
 from .functions import ANCHORS, FUNCTIONS, TOKEN, VEC, TensorFunction
 from .kernels import Arg
+from .threads import torch_threads
 from .vectors import VectorSource
 
 _ARROW_TYPES = {
@@ -109,7 +110,8 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
         n = len(arrays[0])
         arrays, keep = _drop_nulls(arrays)
         try:
-            sub = evaluator.evaluate(arrays) if evaluator is not None else exact(arrays)
+            with torch_threads(1):  # threads.py: small ops never fan out
+                sub = evaluator.evaluate(arrays) if evaluator is not None else exact(arrays)
         except ActdbError as e:
             box.error = e
             raise
@@ -136,8 +138,10 @@ def _stored_field_udf(src: VectorSource, name: str) -> Callable[[pa.Array], pa.A
         values = pc.drop_null(h).to_numpy(zero_copy_only=False).astype(np.int64)
         out = np.full(len(h), np.nan)
         if len(values):
-            for g in src.groups(values):
-                out[keep[g.index]] = (g.norm if name == "norm" else g.mean).double().cpu().numpy()
+            with torch_threads(1):
+                for g in src.groups(values):
+                    field = g.norm if name == "norm" else g.mean
+                    out[keep[g.index]] = field.double().cpu().numpy()
         return pa.array(out, type=pa.float64(), mask=null)
 
     return udf

@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from ..errors import QueryError
 from ..lazy import lazy_module
+from .threads import threads_for, torch_threads
 from .vectors import OFF_STREAM_ROLES, Group, VectorSource
 
 if TYPE_CHECKING:
@@ -280,7 +281,8 @@ def _topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
                index: np.ndarray, ok: torch.Tensor, out: list[Any], strings: list[str | None],
                label: str, model: Any = None) -> None:
     for lo in range(0, x.shape[0], _BLOCK):
-        scores = x[lo : lo + _BLOCK] @ w.T  # [block, V]
+        with torch_threads(threads_for(2.0 * min(_BLOCK, x.shape[0] - lo) * w.numel())):
+            scores = x[lo : lo + _BLOCK] @ w.T  # [block, V]
         if b is not None:
             scores = scores + b
         if model is not None:

@@ -17,6 +17,7 @@ from ..lazy import lazy_module
 from ..store.records import ModelRecord, SiteRecord
 from ..store.store import Store
 from . import handles as H
+from .threads import READAHEAD_CHUNKS
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +40,7 @@ class ChunkCache:
     and computing overlap on two cores.
     """
 
-    def __init__(self, max_bytes: int, *, readahead: int = 8) -> None:
+    def __init__(self, max_bytes: int, *, readahead: int = READAHEAD_CHUNKS) -> None:
         self.max_bytes = max_bytes
         self.readahead = readahead
         self._items: OrderedDict[tuple[object, ...], np.ndarray] = OrderedDict()

@@ -1,0 +1,72 @@
+"""One thread policy for a query: DuckDB's threads, torch's intra-op pool, and the read-ahead.
+
+Measured on a busy machine (BENCHMARKS.md): the same scan took 10 s with torch's default
+threads and 0.35 s with one, because small tensor ops fanned out to a pool whose threads
+fought DuckDB, the read-ahead and the machine's other processes for the cores. So:
+- DuckDB runs one thread: every tensor function is a Python UDF holding the GIL, so more
+  DuckDB threads only wait on it (and idle DuckDB workers compete with torch).
+- Tensor functions run torch on one thread; an op fans out only when it is big enough to
+  repay it (a vocabulary-wide matrix product), and then only to the cores that are idle now.
+- One read-ahead thread reads and checks chunks while the query computes (file reads and
+  CRC checks release the GIL); it reads `READAHEAD_CHUNKS` chunks ahead of a walk.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
+
+DUCKDB_THREADS = 1
+READAHEAD_CHUNKS = 8
+# Below this many floating-point operations an op is done on one thread faster than a pool
+# can be woken and joined (about 10 ms of one core's matrix work).
+FAN_OUT_FLOPS = 5e8
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def idle_cores() -> int:
+    """Cores not running anything right now, this process's own thread counted as idle
+    (Linux: /proc/loadavg's count of runnable tasks, which includes the reader itself)."""
+    n = cores()
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return n
+    return max(1, min(n, n - (running - 1)))
+
+
+def threads_for(flops: float) -> int:
+    """torch threads for one op of `flops`: one unless it is big and cores are idle."""
+    return 1 if flops < FAN_OUT_FLOPS else idle_cores()
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with torch's intra-op pool at `n` threads, then restore the caller's
+    setting (a notebook's own torch work keeps its threads)."""
+    before = torch.get_num_threads()
+    if n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
