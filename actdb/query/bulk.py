@@ -46,10 +46,9 @@ class _Window:
 
 @dataclass(kw_only=True)
 class _Walk:
-    """The last rows a query asked of one stream, and the size of the last window."""
+    """Where the last rows a query asked of one stream ended, and the last window's size."""
 
-    lo: int
-    hi: int
+    end: int
     size: int
 
 
@@ -124,24 +123,28 @@ class BulkEvaluator:
         lo, hi = int(rows.min()), int(rows.max()) + 1
         wkey = (key, stream)
         window = self._windows.get(wkey)
+        walk = self._walks.get(wkey)
         if window is not None and window.lo <= lo and hi <= window.lo + len(window):
             self._windows.move_to_end(wkey)
+            if walk is not None:
+                walk.end = hi
             return window
         # Only a valid handle reaches the kernels: the ends of the range are decoded (and so
         # checked) here, and every value between them differs from them in the row alone.
         self.src.codec.decode(np.array([h.min(), h.max()]))
-        walk = self._walks.get(wkey)
         dense = hi - lo <= 2 * len(rows)
-        walking = walk is not None and walk.lo <= lo <= walk.hi
+        # A walk goes on where the last call of this stream ended (a gap of at most this call's
+        # span: a filter that keeps most rows); anything else starts a walk afresh.
+        walking = walk is not None and walk.end <= lo <= walk.end + (hi - lo)
         if not (dense and walking):
-            self._walks[wkey] = _Walk(lo=lo, hi=hi, size=hi - lo)
+            self._walks[wkey] = _Walk(end=hi, size=hi - lo)
             return None
         assert walk is not None
         size = min(max(2 * walk.size, hi - lo), self.max_rows)
         n_rows = self.src.codec.streams[stream & H.STREAM_MASK].n_rows
         end = min(n_rows, max(hi, lo + size))
         window = self._compute(stream, lo, end, rest)
-        self._walks[wkey] = _Walk(lo=lo, hi=end, size=end - lo)
+        self._walks[wkey] = _Walk(end=hi, size=end - lo)
         self._remember(wkey, window)
         return window
 

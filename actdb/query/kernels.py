@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from ..errors import QueryError
 from ..lazy import lazy_module
+from . import topk
 from .threads import threads_for, torch_threads
 from .vectors import OFF_STREAM_ROLES, Group, VectorSource
 
@@ -280,14 +281,20 @@ def top_logits(src: VectorSource, h: np.ndarray, out: list[Any], k: Arg) -> None
 def _topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
                index: np.ndarray, ok: torch.Tensor, out: list[Any], strings: list[str | None],
                label: str, model: Any = None) -> None:
+    lowp = topk.lowp_dtype(x.device)
+    # The logit transform keeps ranks (so ranks are taken before it) unless its scale is not
+    # positive; then the transformed logits are ranked whole.
+    reversing = model is not None and model.logit_scale is not None and model.logit_scale <= 0
     for lo in range(0, x.shape[0], _BLOCK):
-        with torch_threads(threads_for(2.0 * min(_BLOCK, x.shape[0] - lo) * w.numel())):
-            scores = x[lo : lo + _BLOCK] @ w.T  # [block, V]
-        if b is not None:
-            scores = scores + b
-        if model is not None:
-            scores = _to_logits(model, scores)
-        vals, ids = torch.topk(scores, k, dim=-1)
+        block = x[lo : lo + _BLOCK]
+        if reversing:
+            with torch_threads(threads_for(2.0 * block.shape[0] * w.numel())):
+                scores = block @ w.T  # [block, V]
+            scores = _to_logits(model, scores + b if b is not None else scores)
+            vals, ids = torch.topk(scores, k, dim=-1)
+        else:
+            vals, ids = topk.topk(block, w, b, k, lowp=lowp, transform=(
+                None if model is None else lambda v: _to_logits(model, v)))
         vals_l, ids_l = vals.double().cpu().tolist(), ids.cpu().tolist()
         oks = ok[lo : lo + _BLOCK].cpu().tolist()
         for j, (vs, ts, good) in enumerate(zip(vals_l, ids_l, oks, strict=True)):

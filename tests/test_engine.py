@@ -1,0 +1,290 @@
+"""The query engine: bulk evaluation, the thread policy, the low-precision top-k, fast start.
+
+Bulk results are checked against the float64 reference (query_reference.py) in every SQL
+context a function can sit in; DuckDB hands UDFs 2,048 rows a call, so the store here holds
+enough tokens (about 7,000 a site) for a scan to walk each stream over several calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import PROMPTS
+from query_reference import build_reference, uniform_angle, unit
+from test_query_functions import (
+    COS_TOL,
+    LOGIT_ATOL,
+    REL_TOL,
+    Rows,
+    check_topk,
+    close,
+    col,
+    fetch,
+    token_id,
+    vocab_strings,
+    words,
+)
+
+import actdb
+from actdb.query import threads, topk
+
+FAMILY = "gpt2"
+# Long prompts (few forward passes to build) with enough tokens in all for several DuckDB
+# calls per site; each differs so tokens differ.
+MANY = [f"Number {i}. " + " ".join(PROMPTS) + " " + " ".join(PROMPTS[i % 3 : i % 3 + 3])
+        for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def big(model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("store-bulk") / "s.actdb"
+    actdb.ingest(path, model=str(model_dir(FAMILY)), prompts=MANY, batch_size=64, device="cpu",
+                 name=FAMILY, chunk_tokens=256)
+    ref = build_reference(FAMILY, model_dir(FAMILY), MANY)
+    db = actdb.connect(path, device="cpu")
+    yield ref, db
+    db.close()
+
+
+def _site(db, role: str) -> str:
+    return db.sql("SELECT site FROM sites WHERE role = $r ORDER BY layer DESC LIMIT 1",
+                  params={"r": role}).fetchall()[0][0]
+
+
+def test_store_is_big_enough_to_walk(big):
+    _, db = big
+    n = db.sql("SELECT count(*) FROM tokens").fetchall()[0][0]
+    assert n > 3 * 2048, n
+
+
+def test_scalar_functions_in_bulk(big):
+    ref, db = big
+    w1, _ = words(ref)
+    before = db.stats["rows_bulk"]
+    rows = fetch(db, f"""
+        SELECT prompt_id, position, site, cosine_to_anchor(vec, '{w1}') AS c,
+               dim_contribution(vec, 3) AS dc, uniform_angle(vec) AS ua,
+               vec_norm(normed(vec)) AS ny, logit(vec, '{w1}') AS lg
+        FROM acts""")
+    assert db.stats["rows_bulk"] - before > len(rows), db.stats  # most rows came from windows
+    r = Rows(ref, db, rows)
+    x = r.x
+    close(col(rows, "c"), unit(x) @ ref.anchors("unembed")[token_id(ref, w1)], atol=COS_TOL,
+          what="cosine_to_anchor")
+    close(col(rows, "dc"), unit(x)[:, 3], atol=COS_TOL, what="dim_contribution")
+    close(col(rows, "ua"), uniform_angle(x), atol=0.2, what="uniform_angle")
+    close(col(rows, "ny"), np.linalg.norm(r.y, axis=-1), rtol=REL_TOL, what="vec_norm(normed)")
+    close(col(rows, "lg"), ref.logit(r.f, token_id(ref, w1)), atol=2e-3, rtol=2e-3,
+          what="logit")
+
+
+def test_aggregates_in_bulk(big):
+    ref, db = big
+    w1, _ = words(ref)
+    groups = fetch(db, f"""
+        SELECT site, count(*) AS n, avg(cosine_to_anchor(vec, '{w1}')) AS c,
+               max(vec_norm(vec)) AS mx, sum(dim_contribution(vec, 5)) AS s
+        FROM acts GROUP BY site ORDER BY site""")
+    rows = fetch(db, "SELECT prompt_id, position, site FROM acts")
+    x = Rows(ref, db, rows).x
+    sites = np.array([r["site"] for r in rows])
+    a = ref.anchors("unembed")[token_id(ref, w1)]
+    for g in groups:
+        m = sites == g["site"]
+        assert g["n"] == m.sum()
+        close(g["c"], (unit(x[m]) @ a).mean(), atol=COS_TOL, what=f"avg {g['site']}")
+        close(g["mx"], np.linalg.norm(x[m], axis=-1).max(), rtol=REL_TOL, what="max")
+        close(g["s"], unit(x[m])[:, 5].sum(), atol=COS_TOL * m.sum() ** 0.5, what="sum")
+
+
+def test_list_functions_in_bulk(big):
+    ref, db = big
+    final = _site(db, "final")
+    before = db.stats["rows_bulk"]
+    rows = fetch(db, f"SELECT prompt_id, position, site, top_logits(vec, 3) AS tl, "
+                     f"nearest_anchors(vec, 2) AS na FROM acts WHERE site = '{final}'")
+    assert db.stats["rows_bulk"] > before, db.stats
+    r = Rows(ref, db, rows)
+    strings = vocab_strings(db, FAMILY)
+    b = ref.b_U if ref.b_U is not None else 0.0
+    check_topk([x["tl"] for x in rows], r.f @ ref.W_U.T + b, 3, key="logit",
+               id_key="token_id", tol=LOGIT_ATOL, what="top_logits", strings=strings)
+    check_topk([x["na"] for x in rows], unit(r.x) @ ref.anchors("unembed").T, 2, key="cosine",
+               id_key="token_id", tol=COS_TOL, what="nearest_anchors", strings=strings)
+
+
+def test_where_join_and_subqueries(big):
+    ref, db = big
+    w1, _ = words(ref)
+    site = _site(db, "pre_mlp")
+    a = ref.anchors("unembed")[token_id(ref, w1)]
+    cta = f"cosine_to_anchor(vec, '{w1}')"
+    every = fetch(db, f"SELECT prompt_id, position FROM acts WHERE site = '{site}'")
+    want = dict(zip([(e["prompt_id"], e["position"]) for e in every],
+                    unit(Rows(ref, db, [{**e, "site": site} for e in every]).x) @ a,
+                    strict=True))
+
+    # A filter on the function itself, over a whole walk of the site.
+    thr = float(np.median(list(want.values())))
+    got = {(g["prompt_id"], g["position"]) for g in fetch(
+        db, f"SELECT prompt_id, position FROM acts WHERE site = '{site}' AND {cta} > {thr}")}
+    for key, c in want.items():
+        if abs(c - thr) > COS_TOL:
+            assert (key in got) == (c > thr), f"WHERE {key}: cos {c:.4f}, threshold {thr:.4f}"
+
+    # Sparse rows (every third position): these go the exact way, mixed with bulk windows.
+    sparse = fetch(db, f"SELECT prompt_id, position, {cta} AS c FROM acts "
+                       f"WHERE site = '{site}' AND position % 3 = 1")
+    close(col(sparse, "c"), [want[(s["prompt_id"], s["position"])] for s in sparse],
+          atol=COS_TOL, what="sparse WHERE")
+
+    # A join with prompts, and a correlated subquery per prompt.
+    joined = fetch(db, f"""
+        SELECT a.prompt_id, a.position, {cta} AS c, p.n_tokens
+        FROM acts a JOIN prompts p USING (prompt_id)
+        WHERE a.site = '{site}' AND p.n_tokens > 12""")
+    assert joined and all(j["n_tokens"] > 12 for j in joined)
+    close(col(joined, "c"), [want[(j["prompt_id"], j["position"])] for j in joined],
+          atol=COS_TOL, what="join")
+    best = fetch(db, f"""
+        SELECT p.prompt_id, (SELECT max({cta}) FROM acts WHERE acts.prompt_id = p.prompt_id
+                             AND site = '{site}') AS best
+        FROM prompts p WHERE p.prompt_id % 50 = 0 ORDER BY p.prompt_id""")
+    for b in best:
+        close(b["best"], max(v for k, v in want.items() if k[0] == b["prompt_id"]),
+              atol=COS_TOL, what=f"correlated subquery {b['prompt_id']}")
+    above = fetch(db, f"""
+        SELECT prompt_id, position, {cta} AS c FROM acts WHERE site = '{site}'
+          AND {cta} > (SELECT avg({cta}) FROM acts WHERE site = '{site}')""")
+    mean = float(np.mean(list(want.values())))
+    assert abs(len(above) - sum(v > mean for v in want.values())) <= 3
+    close(col(above, "c"), [want[(x["prompt_id"], x["position"])] for x in above],
+          atol=COS_TOL, what="scalar subquery")
+
+
+def test_selective_queries_read_exactly(big):
+    """Two prompts in forty: rows are computed as asked, and few chunks are read."""
+    ref, db = big
+    w1, _ = words(ref)
+    db.drop_caches()
+    before = dict(db.stats)
+    ids = [5, 25]
+    rows = fetch(db, f"SELECT prompt_id, position, site, cosine_to_anchor(vec, '{w1}') AS c "
+                     f"FROM acts WHERE prompt_id IN ({', '.join(map(str, ids))})")
+    assert db.stats["rows_bulk"] == before["rows_bulk"], "a sparse query ran windows ahead"
+    close(col(rows, "c"), unit(Rows(ref, db, rows).x) @ ref.anchors("unembed")[
+        token_id(ref, w1)], atol=COS_TOL, what="selective")
+    n_sites = db.sql("SELECT count(*) FROM sites").fetchall()[0][0]
+    n_chunks = db.sql("SELECT ceil(n_rows / chunk_tokens) FROM models").fetchall()[0][0]
+    read = db.stats["chunks_read"] - before["chunks_read"]
+    # each prompt's rows lie in at most 2 chunks of 256 rows per site and field read
+    assert read <= 2 * len(ids) * n_sites * 2, read
+    assert read < 0.25 * n_chunks * n_sites, (read, n_chunks)
+
+
+# -- vocabulary-wide top-k in low precision ----------------------------------------------------
+
+
+def _near_ties(seed: int, V: int = 3000, d: int = 256, n: int = 40, tied: int = 400):
+    """Rows x and a vocabulary whose `tied` best tokens for every row score within a few
+    parts in 10^4 of each other: far below bfloat16's resolution, far above float32's."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    w = torch.randn(V, d, generator=g) * 0.05
+    direction = x.mean(0) / torch.linalg.vector_norm(x.mean(0))
+    w[:tied] = direction * 2.0 + torch.randn(tied, d, generator=g) * 1e-4
+    x = x * 0.1 + direction * 5.0  # every row points at the tied block
+    return x, w
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bf16_candidates_equal_fp32_topk_on_near_ties(seed):
+    x, w = _near_ties(seed)
+    b = torch.randn(w.shape[0], generator=torch.Generator().manual_seed(seed)) * 1e-4
+    x64, w64, b64 = x.double(), w.double(), b.double()
+    want = torch.topk(x64 @ w64.T + b64, 10, dim=-1)
+    got_v, got_i = topk.topk(x, w, b, 10, lowp=torch.bfloat16, transform=None)
+    # bf16 alone scrambles these ranks (so the test can tell a proof from a guess) ...
+    bf = torch.topk((x.bfloat16() @ w.bfloat16().T).float() + b, 10, dim=-1).indices
+    assert not torch.equal(bf, want.indices)
+    # ... the candidate path gives the float64 order wherever float32 can tell the values apart
+    s64 = (x64 @ w64.T + b64)
+    for i in range(x.shape[0]):
+        order = torch.argsort(s64[i], descending=True)[:11]
+        gaps = (s64[i, order[:-1]] - s64[i, order[1:]]).abs()
+        if bool((gaps > 1e-5).all()):
+            assert got_i[i].tolist() == order[:10].tolist(), f"row {i}"
+    close(got_v.double().numpy(), want.values.numpy(), atol=1e-4, what="top-k values")
+
+
+def test_bf16_candidates_on_spread_scores():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(64, 128, generator=g), torch.randn(5000, 128, generator=g)
+    got = topk.topk(x, w, None, 7, lowp=torch.bfloat16, transform=None)
+    want = torch.topk(x.double() @ w.double().T, 7, dim=-1)
+    assert torch.equal(got[1], want.indices)
+
+
+def test_top_logits_through_bf16_candidates(big, monkeypatch):
+    ref, db = big
+    monkeypatch.setenv(topk.ENV, "bf16")
+    final = _site(db, "final")
+    rows = fetch(db, f"SELECT prompt_id, position, site, top_logits(vec, 4) AS tl, "
+                     f"nearest_anchors(vec, 3, 'embed') AS na FROM acts "
+                     f"WHERE site = '{final}' AND prompt_id < 40 AND position = 3")
+    r = Rows(ref, db, rows)
+    strings = vocab_strings(db, FAMILY)
+    b = ref.b_U if ref.b_U is not None else 0.0
+    check_topk([x["tl"] for x in rows], r.f @ ref.W_U.T + b, 4, key="logit",
+               id_key="token_id", tol=LOGIT_ATOL, what="top_logits bf16", strings=strings)
+    check_topk([x["na"] for x in rows], unit(r.x) @ ref.anchors("embed").T, 3, key="cosine",
+               id_key="token_id", tol=COS_TOL, what="nearest_anchors bf16", strings=strings)
+
+
+# -- threads and start-up ---------------------------------------------------------------------
+
+
+def test_thread_policy_keeps_the_callers_setting(big):
+    _, db = big
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        db.sql("SELECT avg(vec_norm(normed(vec))) FROM acts").fetchall()
+        assert torch.get_num_threads() == 2
+        with threads.torch_threads(1):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert threads.threads_for(1e6) == 1  # small ops never fan out
+    assert 1 <= threads.threads_for(1e12) <= threads.cores()
+
+
+def test_start_imports_nothing_heavy(family_store):
+    """`actdb query STORE "SELECT 1"` loads neither transformers nor matplotlib, and torch only
+    when a tensor function runs."""
+    code = f"""
+import json, sys
+import actdb.cli
+seen = {{"cli": sorted(m for m in ("transformers", "matplotlib", "pandas") if m in sys.modules)}}
+import actdb
+db = actdb.connect({str(family_store(FAMILY))!r})
+db.sql("SELECT 1").fetchall()
+torch = sys.modules.get("torch")
+seen["torch_loaded_by_select_1"] = torch is not None and type(torch).__name__ == "module"
+seen["query"] = sorted(m for m in ("transformers", "matplotlib") if m in sys.modules)
+db.sql("SELECT vec_norm(vec) FROM acts LIMIT 1").fetchall()
+seen["torch_loaded_by_vec_norm"] = type(sys.modules["torch"]).__name__ == "module"
+print(json.dumps(seen))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"cli": [], "torch_loaded_by_select_1": False, "query": [],
+                    "torch_loaded_by_vec_norm": True}, seen
