@@ -45,10 +45,18 @@ def machine() -> dict[str, str]:
     except (OSError, ValueError, IndexError):
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    flags: list[str] = []
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+        flags = [f for f in line.split() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")]
+    except OSError:
+        pass
     return {
         "CPU": f"{cpu}, {os.cpu_count()} cores",
         "memory": mem,
         "GPU": gpu,
+        "matrix instructions": ", ".join(flags) or "unknown",
         "OS": platform.platform(),
         "Python": platform.python_version(),
         "torch": f"{torch.__version__} ({torch.get_num_threads()} threads)",

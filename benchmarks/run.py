@@ -5,7 +5,7 @@ fixed seeds; times are the median of `--repeats` runs after one warm-up (warm pa
 Writes BENCHMARKS.md (or `--output`) with the machine described and the command.
 
     python benchmarks/run.py [--scale full|medium|tiny] [--output BENCHMARKS.md]
-                             [--workdir bench-data] [--only full-scan]
+                             [--workdir bench-data] [--only full-scan] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -45,11 +45,12 @@ class Scale:
 SCALES = {
     "full": Scale(name="full", d=768, layers=12, heads=12, vocab=50257, prompts=32,
                   prompt_tokens=128, batch_size=8, scan_sites=4, scan_tokens=262144,
-                  big_tokens=720896, nearest_rows=2048),
-    # The scan workloads alone at a quarter of full scale (`--only full-scan`).
+                  big_tokens=720896, nearest_rows=8192),
+    # A quarter of full scale for the scans; the memory workload's store is not grown past
+    # the scan's (a machine shared with other work).
     "medium": Scale(name="medium", d=768, layers=12, heads=12, vocab=50257, prompts=32,
                     prompt_tokens=128, batch_size=8, scan_sites=4, scan_tokens=65536,
-                    big_tokens=720896, nearest_rows=2048),
+                    big_tokens=65536, nearest_rows=8192),
     "tiny": Scale(name="tiny", d=64, layers=2, heads=4, vocab=1000, prompts=4,
                   prompt_tokens=16, batch_size=2, scan_sites=2, scan_tokens=2048,
                   big_tokens=4096, nearest_rows=128),
@@ -65,7 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
     ap.add_argument("--only", choices=["full-scan"], default=None,
                     help="run only the full scan and its checksum cost")
+    ap.add_argument("--device", default="cpu",
+                    help="where queries, the ingest and the torch baselines run: cpu or cuda")
     args = ap.parse_args(argv)
+    workloads.DEVICE = args.device
     scale = SCALES[args.scale]
     repeats = args.repeats or (3 if scale.name == "full" else 1)
     work = args.workdir
@@ -82,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.only is None:
             results.append(workloads.selective(scan, repeats, full_scan))
             results.append(workloads.nearest(scan, repeats))
+            results.append(workloads.contention(scan, repeats))
+            results.append(workloads.start_up(scan, repeats))
             results.append(workloads.memory(scan))
             results.append(workloads.storage(scan))
     finally:
