@@ -29,10 +29,12 @@ _ARROW_TYPES = {
 _SESSIONS = itertools.count()
 # Rows a window of bulk evaluation may reach ahead (bulk.py): scalar results are 8 bytes a
 # row; a list result (top_logits, nearest_anchors) is a vocabulary-wide product a row, so its
-# windows stay smaller. The cache holds this many rows of results for each function.
+# windows stay smaller. The cache holds this many rows of results for each function (a list
+# result's row holds k Python dicts, so far fewer of them).
 BULK_ROWS = 1 << 16
 BULK_LIST_ROWS = 1 << 12
 BULK_CACHE_ROWS = 1 << 19
+BULK_LIST_CACHE_ROWS = 1 << 13
 
 
 class ErrorBox:
@@ -89,7 +91,7 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
         evaluator = BulkEvaluator(
             src, kernel, scalar=scalar, vec_at=kinds.index(VEC), convert=Arg.of,
             broadcast=Arg.repeat, max_rows=BULK_ROWS if scalar else BULK_LIST_ROWS,
-            cache_rows=BULK_CACHE_ROWS,
+            cache_rows=BULK_CACHE_ROWS if scalar else BULK_LIST_CACHE_ROWS,
         )
         bulk.append(evaluator)
 
