@@ -5,6 +5,8 @@ SQL with geometric tensor functions queries it lazily.
 """
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -31,8 +33,26 @@ if TYPE_CHECKING:
     from .query import Database, Result, connect
 
 # The query and ingest layers load on first use, so `import actdb` (and the CLI) stays cheap.
-_LAZY = {"IngestSummary": "ingest", "ingest": "ingest", "Database": "query", "Result": "query",
-         "connect": "query"}
+_LAZY = {"IngestSummary": "ingest", "Database": "query", "Result": "query", "connect": "query"}
+
+
+class _Package(types.ModuleType):
+    """`actdb.ingest` is the function, as it was when it was imported eagerly: importing the
+    subpackage `actdb.ingest` (which the import system records on its parent) must not
+    replace it. The subpackage stays in sys.modules."""
+
+    @property
+    def ingest(self) -> Any:
+        from .ingest import ingest
+
+        return ingest
+
+    @ingest.setter
+    def ingest(self, value: Any) -> None:
+        pass
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:
