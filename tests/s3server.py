@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,7 +41,7 @@ class S3Server:
 def running() -> Iterator[S3Server]:
     from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    logging.getLogger("werkzeug").setLevel(logging.ERROR if not os.environ.get("S3LOG") else logging.INFO)  # one line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:

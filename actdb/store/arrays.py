@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from concurrent.futures import Executor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -145,22 +148,40 @@ class Arrays:
         lm_head: np.ndarray | None,
         lm_head_bias: np.ndarray | None,
         site_params: dict[str, tuple[np.ndarray | None, np.ndarray | None]],
+        pool: Executor | None = None,
     ) -> None:
         """Write a model's weights, replacing any left by an interrupted earlier ingest,
         and make them durable before the catalog row that makes them visible."""
-        g = self._model_group(model_id)
-        named = {"embed": embed, "lm_head": lm_head, "lm_head_bias": lm_head_bias}
-        for name, value in named.items():
-            if value is not None:
-                self._write_whole(g, name, value)
-        for site, (gain, bias) in site_params.items():
-            sg = g.require_group(f"sites/{site}")
-            for name, value in (("gain", gain), ("bias", bias)):
+        self._model_group(model_id)  # its parents exist, on object storage too
+        with self._staged(f"models/{model_id}", pool) as g:
+            named = {"embed": embed, "lm_head": lm_head, "lm_head_bias": lm_head_bias}
+            for name, value in named.items():
                 if value is not None:
-                    self._write_whole(sg, name, value)
+                    self._write_whole(g, name, value)
+            for site, (gain, bias) in site_params.items():
+                sg = g.require_group(f"sites/{site}")
+                for name, value in (("gain", gain), ("bias", bias)):
+                    if value is not None:
+                        self._write_whole(sg, name, value)
         if self.path is not None:  # an object PUT is durable when it returns
             durable.sync_tree(self.path / "models" / str(model_id), skip="acts")
             durable.fsync_dir(self.path / "models")
+
+    @contextmanager
+    def _staged(self, label: str, pool: Executor | None) -> Iterator[zarr.Group]:
+        """The group `label` to create arrays in. On object storage it is built in memory
+        and its objects PUT when the block ends (concurrently with `pool`): zarr creating an
+        array there re-checks and re-creates every parent group, tens of round trips each."""
+        if self.objects is None:
+            yield self.group.require_group(label)
+            return
+        staged: dict[str, Any] = {}
+        root = zarr.open_group(zarr.storage.MemoryStore(staged), mode="w", zarr_format=3)
+        yield root.require_group(label)
+        objects = self.objects
+        items = [(k, v) for k, v in staged.items() if k.startswith(label + "/")]
+        list((pool.map if pool else map)(lambda kv: objects.put(kv[0], kv[1].to_bytes()),
+                                         items))
 
     # Zarr v3 dimension names, so xarray.open_zarr and other tools label the axes. Names are
     # unique within a group where sizes can differ (an LM head may have more rows than W_E).
@@ -226,13 +247,29 @@ class Arrays:
 
     # -- vectors ---------------------------------------------------------------------------
 
+    def ensure_act_groups(self, model_id: int) -> None:
+        """The model's `acts` group, made before sites' arrays are made concurrently."""
+        self._model_group(model_id).require_group("acts")
+
     def ensure_act_arrays(
         self, model_id: int, site: str, *, inner: tuple[int, ...], rows: int, chunk_tokens: int
     ) -> None:
         """Create the site's arrays or grow them to at least `rows` token rows."""
-        g = self._model_group(model_id).require_group(f"acts/{site}")
         for name in ACT_FIELDS:
             self._handles.pop((model_id, site, name), None)
+        label = f"models/{model_id}/acts/{site}"
+        if self.objects is not None and label not in self.group:
+            with self._staged(label, None) as g:
+                self._create_act_arrays(g, inner=inner, rows=rows, chunk_tokens=chunk_tokens)
+            return
+        g = self._model_group(model_id).require_group(f"acts/{site}")
+        self._create_act_arrays(g, inner=inner, rows=rows, chunk_tokens=chunk_tokens)
+        if self.path is not None:
+            durable.sync_tree(self.path / "models" / str(model_id) / "acts" / site, skip="c")
+
+    def _create_act_arrays(self, g: zarr.Group, *, inner: tuple[int, ...], rows: int,
+                           chunk_tokens: int) -> None:
+        """In the site's group `g`: each field's array, created, or grown to `rows`."""
         specs = {
             "direction": ((*inner,), "float16"),
             "norm": (inner[:-1], "float32"),
@@ -254,8 +291,6 @@ class Arrays:
                     dimension_names=(("row", "head", "dim") if len(tail) == 2 else ("row", "dim"))
                     if name == "direction" else ("row", "head")[: 1 + len(tail)],
                 )
-        if self.path is not None:
-            durable.sync_tree(self.path / "models" / str(model_id) / "acts" / site, skip="c")
 
     def act_array(self, model_id: int, site: str, field: str) -> zarr.Array:
         key = (model_id, site, field)

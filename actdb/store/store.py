@@ -149,7 +149,7 @@ class Store:
         with self.backend.writing(f"the weights of model {model.model!r}"):
             self.arrays.write_weights(
                 model.model_id, embed=embed, lm_head=lm_head, lm_head_bias=lm_head_bias,
-                site_params=site_params,
+                site_params=site_params, pool=self._writers,
             )
         fault("weights_written")
         with self.backend.writing("the catalog"):
@@ -162,13 +162,15 @@ class Store:
 
     def reserve_rows(self, model: ModelRecord, sites: list[SiteRecord], rows: int) -> None:
         """Make every site's arrays at least `rows` long (rows past n_rows stay invisible)."""
+        def ensure(s: SiteRecord) -> None:
+            inner = (s.n_heads, s.d) if s.n_heads else (s.d,)
+            self.arrays.ensure_act_arrays(model.model_id, s.site, inner=inner, rows=rows,
+                                          chunk_tokens=model.chunk_tokens)
+
         with self.backend.writing("array metadata"):
-            for s in sites:
-                inner = (s.n_heads, s.d) if s.n_heads else (s.d,)
-                self.arrays.ensure_act_arrays(
-                    model.model_id, s.site, inner=inner, rows=rows,
-                    chunk_tokens=model.chunk_tokens,
-                )
+            self.arrays.ensure_act_groups(model.model_id)
+            # Sites are independent arrays: sized concurrently (round trips on object storage)
+            list(self._writers.map(ensure, sites))
 
     def commit_batch(
         self,
