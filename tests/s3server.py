@@ -41,7 +41,9 @@ class S3Server:
 def running() -> Iterator[S3Server]:
     from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR if not os.environ.get("S3LOG") else logging.INFO)  # one line per request otherwise
+    # werkzeug logs a line per request (S3LOG=1 keeps them, to count requests)
+    logging.getLogger("werkzeug").setLevel(logging.INFO if os.environ.get("S3LOG")
+                                           else logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:

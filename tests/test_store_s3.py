@@ -15,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import test_faults
 import zarr
 from click.testing import CliRunner
 from conftest import PROMPTS
 from s3server import S3Server
 from snapshots import assert_same, open_plain, snapshot
-from test_faults import _SCRIPT, PROMPTS
 
 import actdb
 from actdb.cli import cli
@@ -303,8 +303,8 @@ def test_two_writers_cannot_both_publish(s3: S3Server, tmp_path: Path) -> None:
 
 
 # The fault tests' ingest script (tests/test_faults.py), with commits of about 3 prompts.
-FAULT_SCRIPT = _SCRIPT.replace("_FLUSH_TOKENS = 32", "_FLUSH_TOKENS = 40")
-FAULT_PROMPTS = PROMPTS[:12]
+FAULT_SCRIPT = test_faults._SCRIPT.replace("_FLUSH_TOKENS = 32", "_FLUSH_TOKENS = 40")
+FAULT_PROMPTS = test_faults.PROMPTS[:12]
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +323,7 @@ def fault_reference(model_dir: Callable[[str], Path], tmp_path_factory: pytest.T
 # the pointer names it (the protocol step only object storage has). chunk_write:20 (a kill
 # between shard PUTs) passes too; run it with -k and ACTDB_S3_FAULTS=all.
 @pytest.mark.parametrize("point", ["catalog_uploaded:3"] + (
-    ["chunk_write:20", "tensors_written:2", "committed:2"]
+    ["chunk_write:20", "tensors_written:2", "committed:3"]
     if os.environ.get("ACTDB_S3_FAULTS") == "all" else []))
 def test_kill_then_resume_on_s3(s3: S3Server, model_dir: Callable[[str], Path], tmp_path: Path,
                                 fault_reference: dict[str, object], point: str) -> None:
