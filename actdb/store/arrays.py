@@ -44,8 +44,9 @@ ACT_FIELDS = ("direction", "norm", "mean")
 # chunks cost a full scan little. norm and mean are 4 bytes a row: their chunks hold more rows.
 _TARGET_CHUNK_BYTES = 256 << 10
 SCALAR_CHUNK_FACTOR = 32
-# Inner chunks per shard on object storage: a direction shard of about 4 MiB (one PUT per
-# shard an ingest batch touches), read back by range one 256 KiB inner chunk at a time.
+# Inner chunks per shard on object storage: a direction shard of 16 chunks of about 256 KiB
+# (3 MiB at d = 768; one PUT per shard an ingest batch touches), read back by range one inner
+# chunk at a time.
 SHARD_CHUNKS = 16
 
 
