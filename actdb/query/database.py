@@ -49,7 +49,7 @@ class Database:
 
     def __init__(
         self, path: str | os.PathLike[str], *, read_only: bool = True, device: str = "auto",
-        cache_bytes: int = 256 << 20, threads: int = 1,
+        cache_bytes: int = 256 << 20, threads: int = 1, cluster: Any = None,
     ) -> None:
         self.device = resolve_device(device)
         # Statements are parsed and their trees serialized on a connection of their own, which
@@ -79,12 +79,27 @@ class Database:
         }
         self._tables: dict[str, object] = {}
         sandbox.lock(self.con)
+        self._cluster: Any = None
+        if cluster is not None:
+            from .distributed import Cluster
+
+            self._cluster = Cluster(cluster, path=_worker_path(path), device=device)
 
     # -- queries ---------------------------------------------------------------------------
 
     def sql(self, query: str, *, params: dict[str, Any] | list[Any] | None = None) -> Result:
         """Run a read-only query; `$name` / `?` parameters bind from `params`."""
         runnable = plan.check(query, self._parser, self._known)
+        if self._cluster is not None:
+            from . import distributed
+
+            return distributed.run(self, self._cluster, query, runnable, params,
+                                   lambda text: self._run(text, params, query))
+        return self._run(runnable, params, query)
+
+    def _run(self, runnable: str, params: dict[str, Any] | list[Any] | None, query: str
+             ) -> Result:
+        """A checked query, here in this process."""
         self._box.error = None
         try:
             rel = _relation(self.con, runnable, params)
@@ -211,6 +226,9 @@ class Database:
                 "bytes_read": self.source.cache.bytes_read}
 
     def close(self) -> None:
+        if self._cluster is not None:
+            self._cluster.close()
+            self._cluster = None
         self._parser.close()
         self.source.cache.close()
         self.store.close()
@@ -228,6 +246,12 @@ def _relation(con: duckdb.DuckDBPyConnection, query: str, params: Any) -> Any:
     return con.sql(query, params=params) if params is not None else con.sql(query)
 
 
+def _worker_path(path: str | os.PathLike[str]) -> str:
+    """The store as workers open it: a URL as given, a local path made absolute."""
+    text = os.fspath(path)
+    return text if "://" in text else os.path.abspath(text)
+
+
 def _quiet_progress_bar(con: duckdb.DuckDBPyConnection) -> None:
     """Progress bar off, so it is never drawn into our results. Inside a Jupyter kernel without
     ipywidgets DuckDB has already turned it off and refuses any change to the setting (even to
@@ -242,10 +266,25 @@ def _quiet_progress_bar(con: duckdb.DuckDBPyConnection) -> None:
 
 def connect(
     path: str | os.PathLike[str], *, read_only: bool = True, device: str = "auto",
-    cache_bytes: int = 256 << 20,
+    cache_bytes: int = 256 << 20, cluster: Any = None,
 ) -> Database:
-    """Open a store for queries (read-only unless `read_only=False`)."""
-    return Database(path, read_only=read_only, device=device, cache_bytes=cache_bytes)
+    """Open a store for queries (read-only unless `read_only=False`).
+
+    Args:
+        path: the store.
+        read_only: False takes the catalog's write lock (queries never write).
+        device: where tensor functions compute: auto, cpu, cuda or cuda:i.
+        cache_bytes: memory for stored chunks read by queries.
+        cluster: run queries on Dask: `"local:N"` (N worker processes started here), a
+            scheduler address (`"tcp://host:8786"`) or a `distributed.Client`. Queries that
+            split (see `EXPLAIN`) run per chunk range on the workers; the rest run here, and
+            their result's `note` says why.
+
+    Returns:
+        The Database.
+    """
+    return Database(path, read_only=read_only, device=device, cache_bytes=cache_bytes,
+                    cluster=cluster)
 
 
 __all__ = ["ActdbError", "Database", "connect"]
