@@ -83,7 +83,11 @@ class Database:
         if cluster is not None:
             from .distributed import Cluster
 
-            self._cluster = Cluster(cluster, path=_worker_path(path), device=device)
+            try:
+                self._cluster = Cluster(cluster, path=_worker_path(path), device=device)
+            except BaseException:
+                self.close()
+                raise
 
     # -- queries ---------------------------------------------------------------------------
 

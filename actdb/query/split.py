@@ -172,6 +172,12 @@ def _output_names(select: exp.Select) -> dict[str, int]:
     return names
 
 
+def _aliases(select: exp.Select) -> set[str]:
+    """Names the projection gives to something other than the column of that name."""
+    return {e.alias.lower() for e in select.expressions if isinstance(e, exp.Alias) and not (
+        isinstance(e.this, exp.Column) and e.this.name.lower() == e.alias.lower())}
+
+
 def _limits(select: exp.Select) -> tuple[int | None, int]:
     limit = select.args.get("limit")
     offset = select.args.get("offset")
@@ -220,7 +226,8 @@ def _split_rows(select: exp.Select) -> Split:
                     raise Unsplittable("ORDER BY an alias beside SELECT * is not split")
                 keys.append((o, f"_c{names[e.name.lower()]}"))
                 continue
-            if any(c.name.lower() in names for c in e.find_all(exp.Column)):
+            if any(not c.table and c.name.lower() in _aliases(select)
+                   for c in e.find_all(exp.Column)):
                 raise Unsplittable("an ORDER BY expression over a SELECT alias is not split")
             name = f"{_KEY}{len(hidden)}"
             hidden.append(name)
