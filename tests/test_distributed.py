@@ -106,6 +106,8 @@ SPLIT = [
      "ORDER BY norm DESC, model, site, prompt_id, position, head LIMIT 7", True),
     ("SELECT model, prompt_id, position, site, head FROM acts WHERE prompt_id = $p "
      "ORDER BY uniform_angle(vec), model, site, position, head LIMIT 5 OFFSET 2", True),
+    ("SELECT model, prompt_id, position, site, head FROM acts "
+     "ORDER BY model, prompt_id, position, site, head LIMIT 3 OFFSET 6", True),
     ("SELECT model, site, head, position, vec FROM acts WHERE position < 2", False),
     ("SELECT * FROM acts WHERE position = 0 ORDER BY 1, 2, 3, 6, 9", True),
 ]
@@ -253,6 +255,10 @@ def test_partitions_are_whole_chunks_covering_every_row(
     ("WITH x AS (SELECT * FROM acts) SELECT count(*) FROM x", None),
     ("SELECT count(*) FROM acts UNION ALL SELECT count(*) FROM acts", None),
     ("SELECT count(*) FROM acts, range(3)", None),
+    ("SELECT layer % 2 AS parity, count(*) FROM acts GROUP BY parity", None),
+    ("SELECT norm * 2 AS n2, count(*) FROM acts WHERE n2 > 1 GROUP BY norm", None),
+    ("SELECT uniform_angle(vec), count(*) FROM acts GROUP BY vec", None),
+    ("SELECT layer, count(*) AS n FROM acts GROUP BY layer HAVING n > 2", None),
 ])
 def test_split_shapes(query: str, kind: str | None) -> None:
     tree = sqlglot.parse_one(query, read="duckdb")

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from sqlglot import exp
 
+from .functions import REGISTRY
+
 PARTS = "_actdb_parts"  # the table of partial rows in the combining query
 _KEY = "_actdb_k"  # hidden ORDER BY keys (rows) or group keys (aggregates)
 _AGG = "_actdb_a"  # hidden partial aggregates
@@ -116,8 +118,8 @@ def _aggregate_kind(node: exp.Func, aggregates: set[str]) -> str | None:
     """'fold' for an aggregate we fold, 'other' for any other aggregate, None otherwise."""
     if type(node) in _FOLDS:
         this = node.this
-        if isinstance(this, exp.Distinct) or node.expressions or any(
-                node.args.get(k) for k in ("order", "ignore_nulls")):
+        extra = {k for k, v in node.args.items() if v} - {"this", "big_int"}
+        if extra or isinstance(this, exp.Distinct | exp.Order):  # min(x, n), DISTINCT, ...
             return "other"
         if isinstance(node, exp.Count) and this is None:
             return "other"
@@ -314,6 +316,14 @@ def _split_aggregate(select: exp.Select) -> Split:
             if _int_literal(g) is not None or isinstance(g, exp.Literal):
                 raise Unsplittable("GROUP BY a position is not split; name the expression")
             group.append(g)
+    # The partial query drops the projection: a SELECT alias used in GROUP BY or WHERE would
+    # no longer resolve there.
+    aliases = _aliases(select)
+    for clause in (*group, select.args.get("where")):
+        if clause is not None and any(not c.table and c.name.lower() in aliases
+                                      for c in clause.find_all(exp.Column)):
+            raise Unsplittable("a SELECT alias used in GROUP BY or WHERE is not split; repeat "
+                               "the expression")
     if any(isinstance(e, exp.Star) for e in select.expressions):
         raise Unsplittable("SELECT * with aggregates is not split")
     folder = _Folder(group)
@@ -334,6 +344,9 @@ def _split_aggregate(select: exp.Select) -> Split:
             order_refs.append((o, folder.fold(e)))
     for e in [*outputs, *([having_sql] if having_sql is not None else []),
               *[r for _, r in order_refs if isinstance(r, exp.Expr)]]:
+        for f in e.find_all(exp.Anonymous):
+            if str(f.name).lower() in REGISTRY:  # the combine has no store to compute them on
+                raise Unsplittable(f"{f.name}() over GROUP BY keys is not split")
         for c in e.find_all(exp.Column):
             if not c.name.startswith((_KEY, _AGG)):
                 raise Unsplittable(f"column {c.sql()!r} is outside the GROUP BY keys and the "
