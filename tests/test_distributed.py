@@ -268,3 +268,25 @@ def test_split_shapes(query: str, kind: str | None) -> None:
             split(tree, aggregates)
     else:
         assert split(tree, aggregates).kind == kind
+
+
+def test_workers_see_the_coordinators_snapshot(store: Path, client: Any,
+                                               model_dir: Callable[[str], Path],
+                                               dbs: tuple[actdb.Database, actdb.Database]
+                                               ) -> None:
+    """Rows committed after the coordinator's snapshot stay out of its queries (the workers'
+    open snapshots are reused); a coordinator that sees them gets them from every worker.
+    Runs last: it grows the module's store."""
+    _, dist = dbs
+    query = "SELECT model, count(*), sum(norm) FROM acts GROUP BY model ORDER BY model"
+    before = dist.sql(query).fetchall()
+    actdb.ingest(store, model=str(model_dir("gpt2")), prompts=["More text for the workers."],
+                 device="cpu", name="gpt2")
+    assert dist.sql(query).fetchall() == before
+    with actdb.connect(store, device="cpu") as local, \
+            actdb.connect(store, device="cpu", cluster=client) as fresh:
+        after = fresh.sql(query)
+        assert after.note is not None and after.note.startswith("split into")
+        rows = after.fetchall()
+        _same(rows, local.sql(query).fetchall())
+    assert rows[0][1] > before[0][1] and rows[1] == before[1]
