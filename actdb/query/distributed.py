@@ -99,14 +99,13 @@ class Cluster:
             self.client = Client(self._own)
         elif isinstance(spec, str):
             try:
-                self.client = Client(spec, timeout=30)
+                self.client = Client(spec, timeout=20)
             except (OSError, TimeoutError) as e:
                 raise QueryError(f"cannot reach the Dask scheduler {spec!r}: {e}") from None
         elif isinstance(spec, Client):
             self.client = spec
         elif hasattr(spec, "scheduler_address"):
             self.client = Client(spec)
-            self._own = None
         else:
             raise QueryError(f"cluster must be 'local:N', a scheduler address or a Dask "
                              f"client, not {type(spec).__name__}")
