@@ -108,6 +108,7 @@ SPLIT = [
      "ORDER BY uniform_angle(vec), model, site, position, head LIMIT 5 OFFSET 2", True),
     ("SELECT model, prompt_id, position, site, head FROM acts "
      "ORDER BY model, prompt_id, position, site, head LIMIT 3 OFFSET 6", True),
+    ("SELECT 1 AS one FROM acts ORDER BY count(*)", True),
     ("SELECT model, site, head, position, vec FROM acts WHERE position < 2", False),
     ("SELECT * FROM acts WHERE position = 0 ORDER BY 1, 2, 3, 6, 9", True),
 ]
@@ -191,7 +192,8 @@ def test_explain_shows_the_split(dbs: tuple[actdb.Database, actdb.Database]) -> 
     assert rows["split"].startswith("aggregate")
     assert "SUM(norm)" in rows["per partition"] and "COUNT(norm)" in rows["per partition"]
     assert "GROUP BY" in rows["combine"]
-    local = dict(dist.sql("EXPLAIN SELECT median(norm) FROM acts").fetchall())
+    local = dict(dist.sql("EXPLAIN SELECT median(norm) FROM acts WHERE layer = $l",
+                          params={"l": 1}).fetchall())
     assert local["split"].startswith("runs in one process")
     assert "physical_plan" in local
 
@@ -240,6 +242,8 @@ def test_partitions_are_whole_chunks_covering_every_row(
     ("SELECT count(*) FROM acts", "aggregate"),
     ("SELECT layer FROM acts GROUP BY layer", "aggregate"),
     ("SELECT norm FROM acts a ORDER BY a.norm LIMIT 3", "rows"),
+    ("SELECT 1 AS one FROM acts ORDER BY count(*)", "aggregate"),
+    ("SELECT x FROM acts AS a(x, y)", None),
     ("SELECT sum(norm) FILTER (WHERE layer > 0) FROM acts", "aggregate"),
     ("SELECT string_agg(token, ',') FROM acts", None),
     ("SELECT list(vec) FROM acts", None),

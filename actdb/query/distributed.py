@@ -158,7 +158,7 @@ def run(db: Database, cluster: Cluster, query: str, runnable: str, params: Any,
             raise Unsplittable("the store holds no rows to partition")
     except Unsplittable as why:
         note = f"runs in one process, not split: {why}"
-        result = _explain_local(db, text, note) if explain else local(runnable)
+        result = _explain_local(db, text, note, params) if explain else local(runnable)
         result.note = note
         return result
     box = ErrorBox()
@@ -230,10 +230,11 @@ def _explain_split(plan: Split, parts: list[Partition], cluster: Cluster, query:
                              "explain_value": [v for _, v in steps]}), query)
 
 
-def _explain_local(db: Database, text: str, note: str) -> Result:
+def _explain_local(db: Database, text: str, note: str, params: Any) -> Result:
     rows = [("split", note)]
     try:
-        rows += [(str(k), str(v)) for k, v in db.con.sql(text).fetchall()]
+        plan = db.con.sql(text, params=params) if params is not None else db.con.sql(text)
+        rows += [(str(k), str(v)) for k, v in plan.fetchall()]
     except duckdb.Error as e:
         raise translate(e, ErrorBox()) from None
     return _result(pa.table({"explain_key": [k for k, _ in rows],

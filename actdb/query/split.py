@@ -92,6 +92,8 @@ def _check_shape(tree: exp.Expr, aggregates: set[str]) -> exp.Select:
             "db") or table.args.get("catalog") or table.args.get("joins"):
         raise Unsplittable("only a query over acts alone is split (its rows are what the "
                            "partitions divide)")
+    if isinstance(table.args.get("alias"), exp.TableAlias) and table.args["alias"].columns:
+        raise Unsplittable("acts with renamed columns (AS a(x, y, ...)) is not split")
     for node in tree.walk():
         if node is not tree and isinstance(node, exp.Select | exp.SetOperation | exp.Subquery):
             raise Unsplittable("a query with a subquery is not split")
@@ -160,9 +162,13 @@ def _int_literal(node: exp.Expr | None) -> int | None:
 
 
 def _is_aggregate(select: exp.Select) -> bool:
+    """Grouped, or an aggregate in the projection or ORDER BY (which makes DuckDB aggregate
+    the whole query into one row)."""
     if select.args.get("group") or select.args.get("having"):
         return True
-    return any(type(n) in _FOLDS for e in select.expressions for n in e.walk())
+    order = select.args.get("order")
+    clauses = [*select.expressions, *(order.expressions if order is not None else [])]
+    return any(type(n) in _FOLDS for e in clauses for n in e.walk())
 
 
 def _output_names(select: exp.Select) -> dict[str, int]:
