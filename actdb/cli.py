@@ -57,7 +57,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 @cli.command()
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("store", type=click.Path(path_type=str))
 @click.option("--model", "model", required=True,
               help="Hugging Face hub name, model folder, or .gguf file (or a folder holding one).")
 @click.option("--prompts", "prompts", required=True,
@@ -84,7 +84,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
                    "otherwise (default: on unless -q).")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 @click.pass_context
-def ingest(ctx: click.Context, store: Path, progress: bool | None, quiet: bool,
+def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
            **kw: Any) -> None:
     """Run a model over prompts; store every norm site's input in STORE.
 
@@ -129,7 +129,7 @@ def ingest(ctx: click.Context, store: Path, progress: bool | None, quiet: bool,
     )
 
 
-def _interrupted(store: Path, plan: Any) -> None:
+def _interrupted(store: str, plan: Any) -> None:
     """Ctrl-C during an ingest: say what is saved and how to go on, exit 130 like a shell."""
     if plan is None:
         click.echo(f"\ninterrupted before any prompt was ingested into {store}; run the same "
@@ -166,7 +166,7 @@ def _read_sql(sql: str | None, file: str | None) -> str:
 
 
 @cli.command()
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("store", type=click.Path(path_type=str))
 @click.argument("sql", required=False)
 @click.option("-f", "--file", "sql_file", default=None, metavar="FILE.sql",
               help="Read the SQL from this file (- for standard input).")
@@ -185,7 +185,7 @@ def _read_sql(sql: str | None, file: str | None) -> str:
               help="Run the query on Dask: a scheduler address, or local:N to start N worker "
                    "processes here. What does not split runs here, with a note on stderr.")
 @click.pass_context
-def query(ctx: click.Context, store: Path, sql: str | None, sql_file: str | None, fmt: str,
+def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None, fmt: str,
           output: Path | None, device: str, params: tuple[str, ...],
           tables: tuple[str, ...], cluster: str | None) -> None:
     """Run a read-only SQL query (DuckDB dialect) with the tensor functions.
@@ -244,7 +244,7 @@ def _parse_param(text: str) -> tuple[str, Any]:
 
 
 @cli.command()
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("store", type=click.Path(path_type=str))
 @click.argument("sql", required=False)
 @click.option("-f", "--file", "sql_file", default=None, metavar="FILE.sql",
               help="Read the SQL from this file (- for standard input).")
@@ -254,7 +254,7 @@ def _parse_param(text: str) -> tuple[str, Any]:
 @click.option("-p", "--param", "params", multiple=True, metavar="NAME=VALUE",
               help="Bind $NAME in the query (repeatable); numbers bind as numbers.")
 @click.pass_context
-def export(ctx: click.Context, store: Path, sql: str | None, sql_file: str | None,
+def export(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
            output: Path, device: str, params: tuple[str, ...]) -> None:
     """Write the vectors a query selects (views applied), with its other columns.
 
@@ -277,9 +277,9 @@ def export(ctx: click.Context, store: Path, sql: str | None, sql_file: str | Non
 
 
 @cli.command()
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("store", type=click.Path(path_type=str))
 @click.pass_context
-def info(ctx: click.Context, store: Path) -> None:
+def info(ctx: click.Context, store: str) -> None:
     """Models, prompts, sites (role, kind, faithfulness) and bytes on disk.
 
     \b
@@ -330,11 +330,11 @@ def _logit_text(m: dict[str, object]) -> str:
 
 
 @cli.command()
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("store", type=click.Path(path_type=str))
 @click.option("--full", is_flag=True,
               help="Also read every stored chunk and weight and check its checksum.")
 @click.pass_context
-def verify(ctx: click.Context, store: Path, full: bool) -> None:
+def verify(ctx: click.Context, store: str, full: bool) -> None:
     """Check that the catalog and the tensors agree; exit 1 listing the problems.
 
     \b

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -77,9 +77,11 @@ class Cluster:
             (`tcp://host:8786`), or a `distributed.Client` / cluster object.
         path: the store, as the workers will open it (the same file system or URL).
         device: the device the workers compute on.
+        storage_options: object-storage settings the workers open the store with.
     """
 
-    def __init__(self, spec: Any, *, path: str, device: str) -> None:
+    def __init__(self, spec: Any, *, path: str, device: str,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
         try:
             from distributed import Client, LocalCluster
         except ImportError:  # pragma: no cover - a dependency of actdb
@@ -87,6 +89,7 @@ class Cluster:
                              "'dask[distributed]'") from None
         self.path = path
         self.device = device
+        self.storage_options = dict(storage_options) if storage_options else None
         self._own: Any = None
         if isinstance(spec, str) and spec.startswith("local:"):
             n = spec.removeprefix("local:")
@@ -123,7 +126,8 @@ class Cluster:
     def map(self, sqls: list[str], params: Any, need: dict[str, int]) -> list[pa.Table]:
         """Each partial query's rows, in order, from the workers."""
         futures = self.client.map(run_partial, sqls, path=self.path, device=self.device,
-                                  params=params, need=need, pure=False)
+                                  storage_options=self.storage_options, params=params,
+                                  need=need, pure=False)
         return list(self.client.gather(futures))
 
 
@@ -246,8 +250,8 @@ def _explain_local(db: Database, text: str, note: str, params: Any) -> Result:
 _OPENED: dict[tuple[str, str], Database] = {}
 
 
-def run_partial(sql: str, *, path: str, device: str, params: Any, need: dict[str, int]
-                ) -> pa.Table:
+def run_partial(sql: str, *, path: str, device: str, params: Any, need: dict[str, int],
+                storage_options: dict[str, Any] | None = None) -> pa.Table:
     """On a worker: one partition's query, through the sandbox like any other.
 
     The worker keeps its database open between tasks while its snapshot holds every row the
@@ -264,7 +268,7 @@ def run_partial(sql: str, *, path: str, device: str, params: Any, need: dict[str
             db = None
     if db is None:
         _one_thread_per_task()
-        db = Database(path, device=device)
+        db = Database(path, device=device, storage_options=storage_options)
         _OPENED[key] = db
     return db.sql(sql, params=params).to_arrow_table()
 
