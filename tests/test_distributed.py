@@ -294,3 +294,24 @@ def test_workers_see_the_coordinators_snapshot(store: Path, client: Any,
         rows = after.fetchall()
         _same(rows, local.sql(query).fetchall())
     assert rows[0][1] > before[0][1] and rows[1] == before[1]
+
+
+def test_cluster_query_on_an_s3_store(client: Any, model_dir: Callable[[str], Path]) -> None:
+    """Workers open an S3 store themselves, with the coordinator's storage_options (they do
+    not share its environment): the split answers equal the single-process ones."""
+    from s3server import running
+
+    query = ("SELECT layer, count(*), sum(norm), max(uniform_angle(vec)) FROM acts "
+             "GROUP BY layer ORDER BY layer")
+    with running() as s3:
+        url = s3.url()
+        options = {"endpoint": s3.endpoint, "access_key_id": "testing",
+                   "secret_access_key": "testing", "region": "us-east-1"}
+        actdb.ingest(url, model=str(model_dir("gpt2")), prompts=PROMPTS, batch_size=4,
+                     device="cpu", name="gpt2", chunk_tokens=8, storage_options=options)
+        with actdb.connect(url, device="cpu", storage_options=options, cluster=client) as db:
+            got = db.sql(query)
+            assert got.note is not None and got.note.startswith("split into"), got.note
+            rows = got.fetchall()
+        with actdb.connect(url, device="cpu", storage_options=options) as db:
+            _same(rows, db.sql(query).fetchall())
