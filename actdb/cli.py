@@ -181,10 +181,13 @@ def _read_sql(sql: str | None, file: str | None) -> str:
 @click.option("--table", "tables", multiple=True, metavar="NAME=FILE",
               help="Make FILE (.csv, .parquet, .jsonl/.json) a read-only table NAME for the "
                    "query (repeatable); queries cannot read files otherwise.")
+@click.option("--cluster", default=None, metavar="ADDRESS|local:N",
+              help="Run the query on Dask: a scheduler address, or local:N to start N worker "
+                   "processes here. What does not split runs here, with a note on stderr.")
 @click.pass_context
 def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None, fmt: str,
           output: Path | None, device: str, params: tuple[str, ...],
-          tables: tuple[str, ...]) -> None:
+          tables: tuple[str, ...], cluster: str | None) -> None:
     """Run a read-only SQL query (DuckDB dialect) with the tensor functions.
 
     Queries run sandboxed: one SELECT, no files except those named with --table. The SQL is
@@ -198,6 +201,8 @@ def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
       actdb query runs.actdb -f lens.sql --format csv -o lens.csv
       actdb query runs.actdb "SELECT l.label, count(*) FROM prompts p
         JOIN labels l USING (prompt_id) GROUP BY 1" --table labels=labels.csv
+      actdb query runs.actdb "SELECT layer, avg(norm) FROM acts GROUP BY layer"
+        --cluster local:2
     """
     sql = _read_sql(sql, sql_file)
     from . import connect
@@ -210,11 +215,13 @@ def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
     with _errors(ctx):
         if output is not None:
             check_output(output)
-        with connect(store, device=device) as db:
+        with connect(store, device=device, cluster=cluster) as db:
             for name, path in named:
                 db.register(name, path)
             result = db.sql(sql, params=bound)
             write_result(result, fmt, output)
+            if result.note is not None and not result.note.startswith("split"):
+                click.echo(f"note: {result.note}", err=True)
 
 
 def _parse_table(text: str) -> tuple[str, Path]:

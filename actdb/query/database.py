@@ -56,7 +56,7 @@ class Database:
     def __init__(
         self, path: str | os.PathLike[str], *, read_only: bool = True, device: str = "auto",
         cache_bytes: int = 256 << 20, threads: int = DUCKDB_THREADS,
-        storage_options: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None, cluster: Any = None,
     ) -> None:
         # `auto` and `cpu` are resolved when a tensor is first needed (so a query without
         # tensor functions never imports torch); anything else is checked now.
@@ -87,6 +87,16 @@ class Database:
         }
         self._tables: dict[str, object] = {}
         sandbox.lock(self.con)
+        self._cluster: Any = None
+        if cluster is not None:
+            from .distributed import Cluster
+
+            try:
+                self._cluster = Cluster(cluster, path=_worker_path(path), device=device,
+                                        storage_options=storage_options)
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def device(self) -> torch.device:
@@ -98,6 +108,16 @@ class Database:
     def sql(self, query: str, *, params: dict[str, Any] | list[Any] | None = None) -> Result:
         """Run a read-only query; `$name` / `?` parameters bind from `params`."""
         runnable = plan.check(query, self._parser, self._known)
+        if self._cluster is not None:
+            from . import distributed
+
+            return distributed.run(self, self._cluster, query, runnable, params,
+                                   lambda text: self._run(text, params, query))
+        return self._run(runnable, params, query)
+
+    def _run(self, runnable: str, params: dict[str, Any] | list[Any] | None, query: str
+             ) -> Result:
+        """A checked query, here in this process."""
         self._box.error = None
         try:
             rel = _relation(self.con, runnable, params)
@@ -232,6 +252,9 @@ class Database:
                 "rows_exact": sum(b.rows_exact for b in self._bulk)}
 
     def close(self) -> None:
+        if self._cluster is not None:
+            self._cluster.close()
+            self._cluster = None
         self._parser.close()
         self.source.cache.close()
         self.store.close()
@@ -249,6 +272,12 @@ def _relation(con: duckdb.DuckDBPyConnection, query: str, params: Any) -> Any:
     return con.sql(query, params=params) if params is not None else con.sql(query)
 
 
+def _worker_path(path: str | os.PathLike[str]) -> str:
+    """The store as workers open it: a URL as given, a local path made absolute."""
+    text = os.fspath(path)
+    return text if "://" in text else os.path.abspath(text)
+
+
 def _quiet_progress_bar(con: duckdb.DuckDBPyConnection) -> None:
     """Progress bar off, so it is never drawn into our results. Inside a Jupyter kernel without
     ipywidgets DuckDB has already turned it off and refuses any change to the setting (even to
@@ -264,6 +293,7 @@ def _quiet_progress_bar(con: duckdb.DuckDBPyConnection) -> None:
 def connect(
     path: str | os.PathLike[str], *, read_only: bool = True, device: str = "auto",
     cache_bytes: int = 256 << 20, storage_options: Mapping[str, Any] | None = None,
+    cluster: Any = None,
 ) -> Database:
     """Open a store for queries (read-only unless `read_only=False`).
 
@@ -276,12 +306,17 @@ def connect(
         cache_bytes: memory for chunks kept between queries.
         storage_options: object-storage settings that override the environment, e.g.
             `{"endpoint": "http://127.0.0.1:9000", "access_key_id": ..., "region": ...}`.
+        cluster: run queries on Dask: `"local:N"` (N worker processes started here), a
+            scheduler address (`"tcp://host:8786"`) or a `distributed.Client`. Queries that
+            split (see `EXPLAIN`) run per chunk range on the workers, which open the store
+            themselves (with the same `storage_options`); the rest run here, and their
+            result's `note` says why.
 
     Returns:
         A Database; `.sql(query)` runs queries on it.
     """
     return Database(path, read_only=read_only, device=device, cache_bytes=cache_bytes,
-                    storage_options=storage_options)
+                    storage_options=storage_options, cluster=cluster)
 
 
 __all__ = ["ActdbError", "Database", "connect"]

@@ -24,6 +24,7 @@ class Result:
     """
 
     PREVIEW_ROWS = 10
+    note: str | None = None  # how a cluster ran the query (distributed.py), else None
 
     def __init__(self, relation: duckdb.DuckDBPyRelation, box: ErrorBox, query: str) -> None:
         self._rel = relation

@@ -1,0 +1,289 @@
+"""Queries on a Dask cluster: partition the rows of `acts` by chunk ranges, run the query per
+partition on the workers, combine the partial results here.
+
+Each worker opens the store read-only itself (an actdb Database of its own, kept between
+tasks) and runs its partition's query through `Database.sql`, so the sandbox checks every
+statement a worker runs. The per-partition and combining queries come from split.py; a query
+it cannot split runs here, in one process, with a note saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import duckdb
+import pyarrow as pa
+import sqlglot
+from sqlglot import exp
+from sqlglot.errors import ParseError
+
+from ..errors import QueryError
+from . import handles as H
+from . import sandbox
+from .execute import ErrorBox
+from .result import Result, translate
+from .split import PARTS, Split, Unsplittable, split
+
+if TYPE_CHECKING:
+    from .database import Database
+
+# Partitions per worker thread: a few, so that one slow partition does not hold up the rest.
+PARTITIONS_PER_THREAD = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class Partition:
+    """Token rows [lo, hi) of one model: whole direction chunks, but for the last one."""
+
+    model: str
+    lo: int
+    hi: int
+
+    def table(self) -> exp.Select:
+        """This partition's rows of acts, as a subquery (the row is the handle's low bits)."""
+        row = f"(vec & {H.ROW_MASK})"
+        return exp.select("*").from_("acts").where(
+            exp.and_(exp.EQ(this=exp.column("model"), expression=exp.Literal.string(self.model)),
+                     f"{row} >= {self.lo}", f"{row} < {self.hi}"))
+
+
+def partitions(models: list[tuple[str, int, int]], target: int) -> list[Partition]:
+    """Cut every model's rows into about `target` ranges in all, each whole chunks.
+
+    Args:
+        models: (name, committed rows, rows per direction chunk), in model_id order.
+        target: how many partitions to aim for.
+    """
+    total = sum(n for _, n, _ in models)
+    out: list[Partition] = []
+    for name, n_rows, chunk in models:
+        size = max(chunk, math.ceil(max(total, 1) / max(target, 1) / chunk) * chunk)
+        out += [Partition(model=name, lo=lo, hi=min(lo + size, n_rows))
+                for lo in range(0, n_rows, size)]
+    return out
+
+
+class Cluster:
+    """A Dask client and how to reach the store from its workers.
+
+    Args:
+        spec: `local:N` (a LocalCluster of N single-thread worker processes on 127.0.0.1,
+            started here and closed with the database), a scheduler address
+            (`tcp://host:8786`), or a `distributed.Client` / cluster object.
+        path: the store, as the workers will open it (the same file system or URL).
+        device: the device the workers compute on.
+        storage_options: object-storage settings the workers open the store with.
+    """
+
+    def __init__(self, spec: Any, *, path: str, device: str,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        try:
+            from distributed import Client, LocalCluster
+        except ImportError:  # pragma: no cover - a dependency of actdb
+            raise QueryError("cluster queries need dask[distributed]: pip install "
+                             "'dask[distributed]'") from None
+        self.path = path
+        self.device = device
+        self.storage_options = dict(storage_options) if storage_options else None
+        self._own: Any = None
+        if isinstance(spec, str) and spec.startswith("local:"):
+            n = spec.removeprefix("local:")
+            if not n.isdigit() or int(n) < 1:
+                raise QueryError(f"cluster {spec!r}: write local:N with N a number of workers "
+                                 "of 1 or more, e.g. local:2")
+            self._own = LocalCluster(n_workers=int(n), threads_per_worker=1, processes=True,
+                                     host="127.0.0.1", dashboard_address=None,
+                                     silence_logs=logging.ERROR)
+            self.client = Client(self._own)
+        elif isinstance(spec, str):
+            try:
+                self.client = Client(spec, timeout=20)
+            except (OSError, TimeoutError) as e:
+                raise QueryError(f"cannot reach the Dask scheduler {spec!r}: {e}") from None
+        elif isinstance(spec, Client):
+            self.client = spec
+        elif hasattr(spec, "scheduler_address"):
+            self.client = Client(spec)
+        else:
+            raise QueryError(f"cluster must be 'local:N', a scheduler address or a Dask "
+                             f"client, not {type(spec).__name__}")
+        self._made_client = not isinstance(spec, Client)
+
+    def threads(self) -> int:
+        return max(1, sum(self.client.nthreads().values()))
+
+    def close(self) -> None:
+        if self._made_client:
+            self.client.close()
+        if self._own is not None:
+            self._own.close()
+
+    def map(self, sqls: list[str], params: Any, need: dict[str, int]) -> list[pa.Table]:
+        """Each partial query's rows, in order, from the workers."""
+        futures = self.client.map(run_partial, sqls, path=self.path, device=self.device,
+                                  storage_options=self.storage_options, params=params,
+                                  need=need, pure=False)
+        return list(self.client.gather(futures))
+
+
+# -- the coordinator -----------------------------------------------------------------------
+
+
+def run(db: Database, cluster: Cluster, query: str, runnable: str, params: Any,
+        local: Callable[[str], Result]) -> Result:
+    """A checked query on the cluster, or here in one process with a note saying why.
+
+    Args:
+        db: the coordinator's database (partitions, binding, the single-process fallback).
+        cluster: where partitions run.
+        query: the user's query, as given.
+        runnable: what plan.check returned for it (an EXPLAIN rebuilt around its SELECT).
+        params: the query's parameters.
+        local: runs the query in this process (Database's own path).
+    """
+    select, text = sandbox.check_statement(runnable, db._parser)
+    explain = text != select
+    parts: list[Partition] = []
+    try:
+        try:
+            tree = sqlglot.parse_one(select, read="duckdb")
+        except (ParseError, sqlglot.errors.TokenError, RecursionError):
+            raise Unsplittable("sqlglot cannot read the query, so it is not split") from None
+        plan = split(tree, _aggregates(db))
+        parts = partitions([(m.model, m.n_rows, m.chunk_tokens)
+                            for _, m in sorted(db.source.models.items())],
+                           cluster.threads() * PARTITIONS_PER_THREAD)
+        if not parts:
+            raise Unsplittable("the store holds no rows to partition")
+    except Unsplittable as why:
+        note = f"runs in one process, not split: {why}"
+        result = _explain_local(db, text, note, params) if explain else local(runnable)
+        result.note = note
+        return result
+    box = ErrorBox()
+    try:  # binding only: the names and types of the single-process result
+        bound = db.con.sql(select, params=params) if params is not None else db.con.sql(select)
+        columns, types = list(bound.columns), [str(t) for t in bound.types]
+    except duckdb.Error as e:
+        raise translate(e, box) from None
+    if explain:
+        return _explain_split(plan, parts, cluster, query, types)
+    need = {m.model: m.n_rows for m in db.source.models.values()}
+    tables = cluster.map([plan.partial(p.table()) for p in parts], params, need)
+    table = _combine(plan, tables, columns, types)
+    result = _result(table, query)
+    result.note = (f"split into {len(parts)} partitions of acts rows on "
+                   f"{cluster.threads()} worker threads ({plan.kind})")
+    return result
+
+
+def _aggregates(db: Database) -> set[str]:
+    rows = db.con.execute("SELECT DISTINCT lower(function_name) FROM duckdb_functions() "
+                          "WHERE function_type = 'aggregate'").fetchall()
+    return {r[0] for r in rows}
+
+
+def _combine(plan: Split, tables: list[pa.Table], columns: list[str], types: list[str]
+             ) -> pa.Table:
+    parts = pa.concat_tables(tables)
+    own = parts.num_columns - len(plan.hidden)
+    parts = parts.rename_columns([f"_c{i}" for i in range(own)] + list(plan.hidden))
+    sql = plan.combine(len(columns), types)
+    if sql is None:  # plain rows in partition order: the first LIMIT + OFFSET of them
+        stop = parts.num_rows if plan.limit is None else plan.offset + plan.limit
+        out = parts.slice(plan.offset, max(0, stop - plan.offset)).select(
+            [f"_c{i}" for i in range(own)])
+    else:
+        con = duckdb.connect(":memory:", config={"threads": 1})
+        try:
+            con.register(PARTS, parts)
+            sandbox.lock(con)
+            out = con.sql(sql).to_arrow_table()
+        finally:
+            con.close()
+    return out.rename_columns(columns)
+
+
+def _result(table: pa.Table, query: str) -> Result:
+    """A Result over rows already computed, held by an in-memory DuckDB of its own."""
+    con = duckdb.connect(":memory:", config={"threads": 1})
+    result = Result(con.from_arrow(table), ErrorBox(), query)
+    result._table = table
+    setattr(result, "_keep", con)  # noqa: B010 - the relation's connection lives with it
+    return result
+
+
+def _explain_split(plan: Split, parts: list[Partition], cluster: Cluster, query: str,
+                   types: list[str]) -> Result:
+    first = parts[0]
+    steps = [
+        ("split", f"{plan.kind}: {len(parts)} partitions of acts rows (whole chunks) on "
+                  f"{cluster.threads()} worker threads"),
+        ("partitions", "; ".join(f"{p.model} rows {p.lo}..{p.hi - 1}" for p in parts)),
+        ("per partition", plan.partial(first.table())),
+        ("combine", plan.combine(len(types), types)
+         or "the partitions' rows one after another"
+         + (f", rows {plan.offset}..{plan.offset + plan.limit - 1}" if plan.limit else "")),
+    ]
+    return _result(pa.table({"explain_key": [k for k, _ in steps],
+                             "explain_value": [v for _, v in steps]}), query)
+
+
+def _explain_local(db: Database, text: str, note: str, params: Any) -> Result:
+    rows = [("split", note)]
+    try:
+        plan = db.con.sql(text, params=params) if params is not None else db.con.sql(text)
+        rows += [(str(k), str(v)) for k, v in plan.fetchall()]
+    except duckdb.Error as e:
+        raise translate(e, ErrorBox()) from None
+    return _result(pa.table({"explain_key": [k for k, _ in rows],
+                             "explain_value": [v for _, v in rows]}), text)
+
+
+# -- the workers ---------------------------------------------------------------------------
+
+_OPENED: dict[tuple[str, str], Database] = {}
+
+
+def run_partial(sql: str, *, path: str, device: str, params: Any, need: dict[str, int],
+                storage_options: dict[str, Any] | None = None) -> pa.Table:
+    """On a worker: one partition's query, through the sandbox like any other.
+
+    The worker keeps its database open between tasks while its snapshot holds every row the
+    coordinator counted (`need`: committed rows per model); partitions stop at those counts,
+    and committed rows never change, so a newer snapshot gives the same rows."""
+    from .database import Database
+
+    key = (path, device)
+    db = _OPENED.get(key)
+    if db is not None:
+        have = {m.model: m.n_rows for m in db.source.models.values()}
+        if any(have.get(m, -1) < n for m, n in need.items()):
+            db.close()
+            db = None
+    if db is None:
+        _one_thread_per_task()
+        db = Database(path, device=device, storage_options=storage_options)
+        _OPENED[key] = db
+    return db.sql(sql, params=params).to_arrow_table()
+
+
+def _one_thread_per_task() -> None:
+    """torch gets the worker's own thread count: worker processes share the machine."""
+    import torch
+
+    try:
+        from distributed import get_worker
+
+        threads = int(get_worker().state.nthreads)
+    except (ImportError, ValueError, AttributeError):
+        threads = os.cpu_count() or 1
+    torch.set_num_threads(max(1, threads))
+
+
+__all__ = ["Cluster", "Partition", "partitions", "run", "run_partial"]
