@@ -14,14 +14,17 @@ from duckdb.func import FunctionNullHandling, PythonUDFType
 
 from ..errors import ActdbError
 from . import handles as H
-from .functions import ANCHORS, FUNCTIONS, TOKEN, VEC, TensorFunction
+from .functions import ANCHORS, DIRECTION, FUNCTIONS, TOKEN, VEC, VECS, TensorFunction
 from .kernels import Arg
 from .vectors import VectorSource
 
 _ARROW_TYPES = {
     "DOUBLE": pa.float64(),
+    "BIGINT": pa.int64(),
     "FLOAT[]": pa.list_(pa.float32()),
+    "DOUBLE[]": pa.list_(pa.float64()),
 }
+_SCALARS = ("DOUBLE", "BIGINT")  # kernels fill a float64 array, NaN for NULL
 
 
 _SESSIONS = itertools.count()
@@ -59,7 +62,7 @@ def _with_arity(f: Callable[..., pa.Array], n: int) -> Callable[..., pa.Array]:
 
 def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox) -> Callable[..., pa.Array]:
     kinds = _expanded_kinds(fn)
-    scalar = fn.returns == "DOUBLE"
+    scalar = fn.returns in _SCALARS
     out_type = _arrow_type(fn.returns)
     assert fn.kernel is not None
     kernel = fn.kernel
@@ -75,11 +78,15 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox) -> Callable[
             arrays = tuple(a.take(pa.array(keep)) for a in arrays)
         else:
             keep = np.arange(n)
-        vecs: list[np.ndarray] = []
-        rest: list[Arg] = []
+        vecs: list[np.ndarray | pa.Array] = []
+        rest: list[Arg | pa.Array] = []
         for a, kind in zip(arrays, kinds, strict=True):
             if kind == VEC:
                 vecs.append(a.to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
+            elif kind == VECS:
+                vecs.append(a)  # lists of handles: aggregates.HandleLists reads them
+            elif kind == DIRECTION:
+                rest.append(a)  # FLOAT[] per row: aggregates.Directions reads it
             else:
                 rest.append(Arg.of(a))
         try:
@@ -88,7 +95,10 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox) -> Callable[
                 kernel(src, *vecs, sub, *rest)
                 full = np.full(n, np.nan)
                 full[keep] = sub
-                return pa.array(full, type=pa.float64(), mask=np.isnan(full))
+                null = np.isnan(full)
+                if fn.returns == "BIGINT":
+                    return pa.array(np.where(null, 0, full).astype(np.int64), mask=null)
+                return pa.array(full, type=pa.float64(), mask=null)
             sub_list: list[Any] = [None] * len(keep)
             kernel(src, *vecs, sub_list, *rest)
             full_list: list[Any] = [None] * n
@@ -152,11 +162,13 @@ def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox) ->
         CREATE OR REPLACE TEMP VIEW acts AS
         SELECT model, prompt_id, position, token_id, token, site, layer, role, head,
                _actdb_stored_norm_{session}(vec) AS norm,
-               _actdb_stored_mean_{session}(vec) AS mean, vec
+               _actdb_stored_mean_{session}(vec) AS mean, vec, n_tokens,
+               n_tokens - 1 - position AS position_from_end
         FROM (
             SELECT t.model, t.prompt_id, t.position, t.token_id, t.token,
-                   s.site, s.layer, s.role, h.head, {handle} AS vec
+                   s.site, s.layer, s.role, h.head, {handle} AS vec, r.n_tokens
             FROM tokens t
+            JOIN prompt_runs r ON r.model = t.model AND r.prompt_id = t.prompt_id
             JOIN sites s ON s.model = t.model
             JOIN _actdb_streams h ON h.model = s.model AND h.site = s.site
         )
