@@ -79,18 +79,6 @@ def db(gpt2: Path) -> Iterator[actdb.Database]:
         yield database
 
 
-@pytest.fixture(scope="module")
-def two_models(tmp_path_factory: pytest.TempPathFactory,
-               model_dir: Callable[[str], Path]) -> Path:
-    """A store with two models (gpt2 and llama) over the same two prompts."""
-    path = tmp_path_factory.mktemp("plot-two") / "two.actdb"
-    for family in ("gpt2", "llama"):
-        actdb.ingest(path, model=str(model_dir(family)), prompts=["The capital of France.",
-                                                                   "the the the the"],
-                     device="cpu", name=family, chunk_tokens=8)
-    return path
-
-
 def mean_lines(fig: Figure) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """label -> (x, y) of every mean line in every panel."""
     out = {}
