@@ -352,6 +352,36 @@ def verify(ctx: click.Context, store: Path, full: bool) -> None:
 
 
 @cli.command()
+@click.argument("store", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("report.html"), show_default=True, help="The HTML file to write.")
+@click.option("--model", "models", multiple=True,
+              help="Model to report on; repeatable (default: every model in the store).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:i.")
+@click.pass_context
+def report(ctx: click.Context, store: Path, output: Path, models: tuple[str, ...],
+           device: str) -> None:
+    """Run the papers' measurements on a store and write them as one HTML page.
+
+    Angle to the all-ones vector, norms and outlier positions, rotation by the norm, the
+    covariance spectrum of normalized vectors, where the answer appears on the logit lens
+    and which dims push toward it: each a figure (inline), the SQL that made it, the
+    published claim and what this model shows.
+
+    \b
+    Example:
+      actdb report runs.actdb -o report.html
+    """
+    from .plot.report import report as write_report
+
+    if output.suffix.lower() not in (".html", ".htm"):
+        raise click.BadParameter(f"{str(output)!r} must end in .html", param_hint="-o")
+    with _errors(ctx):
+        path = write_report(store, output, models=list(models) or None, device=device)
+    click.echo(f"wrote {path}")
+
+
+@cli.command()
 @click.option("--format", "fmt", default="table", type=click.Choice(["table", "json"]),
               show_default=True)
 def functions(fmt: str) -> None:
