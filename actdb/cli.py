@@ -82,6 +82,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--progress/--no-progress", default=None,
               help="Progress on stderr: a bar on a terminal, a plain line every few seconds "
                    "otherwise (default: on unless -q).")
+@click.option("--chat-template", is_flag=True,
+              help="Wrap each prompt as a user turn with the tokenizer's chat template "
+                   "(instruct models); the templated text is the stored prompt.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 @click.pass_context
 def ingest(ctx: click.Context, store: Path, progress: bool | None, quiet: bool,
@@ -95,6 +98,8 @@ def ingest(ctx: click.Context, store: Path, progress: bool | None, quiet: bool,
     \b
     Example:
       actdb ingest runs.actdb --model gpt2 --prompts examples/prompts.txt --batch-size 16
+      actdb ingest runs.actdb --model HuggingFaceTB/SmolLM2-135M-Instruct \\
+          --prompts examples/prompts.txt --chat-template
     """
     from .ingest import IngestPlan
     from .ingest import ingest as run_ingest
