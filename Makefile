@@ -29,7 +29,7 @@ lint: setup
 	$(BIN)/mypy actdb
 
 test: lint
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=15
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/run.py --output BENCHMARKS.md

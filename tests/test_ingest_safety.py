@@ -83,3 +83,29 @@ def test_resume_refuses_another_checkpoint_under_the_same_name(
                  prompts=["another prompt"], name="x", device="cpu")
     with actdb.connect(store) as db:
         assert db.sql("SELECT count(*) FROM prompts").fetchall() == [(2,)]
+
+
+def test_second_ctrl_c_waits_for_the_commit_being_written() -> None:
+    """Ctrl-C twice while a commit is being written: the ingest waits for that commit before
+    it lets go of the store (its lock is released right after), whatever the user presses."""
+    import os
+    import signal
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from actdb.ingest.pipeline import _drained
+
+    finished = threading.Event()
+
+    def commit() -> None:
+        time.sleep(0.6)
+        finished.set()
+
+    for delay in (0.1, 0.3):  # two Ctrl-Cs, both while the commit runs
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        with _drained(ThreadPoolExecutor(max_workers=1)) as committer:
+            committer.submit(commit)
+            time.sleep(5)  # the first Ctrl-C ends this wait
+    assert finished.is_set(), "the ingest let go of the store while a commit was written"

@@ -192,6 +192,18 @@ def test_second_ingest_into_a_store_being_ingested_is_one_sentence(tmp_path: Pat
         pass
 
 
+def test_reader_next_to_a_writer_in_one_process_is_told_to_close_it(tmp_path: Path) -> None:
+    """DuckDB refuses a second handle on a file this process holds for writing: that is a
+    busy store to close, never "the store is damaged"."""
+    store = tmp_path / "s.actdb"
+    Store.open_or_create(store).close()
+    with actdb.connect(store, read_only=False):
+        with pytest.raises(actdb.StoreBusyError, match="by this same process"):
+            actdb.connect(store)
+    with actdb.connect(store) as db:  # and fine once closed
+        assert db.sql("SELECT count(*) FROM prompts").fetchall() == [(0,)]
+
+
 @pytest.mark.slow
 def test_two_ingests_racing_to_create_one_store(
     tmp_path: Path, model_dir: Callable[[str], Path]

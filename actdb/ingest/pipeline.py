@@ -5,8 +5,9 @@ from __future__ import annotations
 import inspect
 import os
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -348,6 +349,27 @@ def _forward_kwargs(model: nn.Module) -> dict[str, Any]:
     return {"use_cache": False} if "use_cache" in params else {}
 
 
+@contextmanager
+def _drained(committer: ThreadPoolExecutor) -> Iterator[ThreadPoolExecutor]:
+    """The commit thread, waited for on the way out however the ingest ends: a second Ctrl-C
+    while a commit is being written is ignored until it has finished, since the store's lock
+    is released once this returns and nothing may write after that."""
+    try:
+        yield committer
+    finally:
+        # Commits run one at a time in order, so a no-op queued last is done when they are.
+        # Waiting on its future, not on the thread: a join interrupted by Ctrl-C marks the
+        # thread as ended while it still runs (CPython bpo-45274), and a second join returns.
+        last = committer.submit(lambda: None)
+        while True:
+            try:
+                wait([last])
+                break
+            except KeyboardInterrupt:
+                continue
+        committer.shutdown(wait=False)
+
+
 def _run(
     st: Store, loaded: LoadedModel, reg: _Registration, found: list[FoundSite],
     work: list[Work], batch_size: int, progress: bool, check: LogitCheck | None,
@@ -406,7 +428,7 @@ def _run(
         st.reserve_rows(record, records, start + sum(len(w.ids) for w in work))
 
     in_flight.append(committer.submit(prepare))
-    with committer, bar, on_norm_io({p: m for f in found for p, m in f.hooks}, sink):
+    with _drained(committer), bar, on_norm_io({p: m for f in found for p, m in f.hooks}, sink):
         buffered = 0
         for i in range(0, len(work), batch_size):
             batch = work[i : i + batch_size]

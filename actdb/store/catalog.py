@@ -191,6 +191,12 @@ class Catalog:
                 "commits; a session opened with read_only=False holds it until closed); "
                 "try again when it has closed it"
             )
+        if "Unique file handle conflict" in text or "different configuration" in text:
+            return StoreBusyError(
+                f"the catalog of store {store!r} is held open for writing by this same process "
+                "(a connection opened with read_only=False, or a running ingest); close it "
+                "first"
+            )
         if "Permission denied" in text or "Read-only" in text:
             return StoreNotWritableError(f"cannot open catalog {str(self.path)!r} for writing")
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
