@@ -182,38 +182,42 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
     TensorFunction(
         name="logprob", params=(V, _p("token", TOKEN)), returns="DOUBLE", kernel=lens.logprob,
         doc="logit lens: log softmax of logit(v, .) over the vocabulary (the model's logit "
-            "transforms applied) at the token, in nats; error <= 2 eps; NULL on inner, "
-            "q_norm and k_norm sites",
+            "transforms applied) at the token, in nats; NULL on inner, q_norm and k_norm "
+            "sites; error <= 2 eps, where eps = max over tokens t of eps_t = 2^-11 sqrt(d) "
+            "||gain * W_U[t]|| * logit scale (gain: the final norm's; divided by "
+            "sin(uniform_angle(v)) at a LayerNorm), the float16 error of logit(v, t)",
     ),
     TensorFunction(
         name="prob", params=(V, _p("token", TOKEN)), returns="DOUBLE", kernel=lens.prob,
         doc="logit lens: exp(logprob(v, token)), the token's probability; relative error "
-            "<= exp(2 eps) - 1",
+            "<= exp(2 eps) - 1 (eps as in logprob)",
     ),
     TensorFunction(
         name="token_rank", params=(V, _p("token", TOKEN)), returns="BIGINT",
         kernel=lens.token_rank,
         doc="logit lens: 1 + the number of tokens with a larger logit (1: the top token); "
-            "exact unless another token's logit is within 2 eps of the token's",
+            "exact unless another token's logit is within 2 eps of the token's (eps as in "
+            "logprob)",
     ),
     TensorFunction(
         name="entropy", params=(V,), returns="DOUBLE", kernel=lens.entropy,
         doc="logit lens: entropy of the next-token distribution in nats; error <= eps * "
-            "(the logits' standard deviation under that distribution), to first order",
+            "(the logits' standard deviation under that distribution), to first order (eps "
+            "as in logprob)",
     ),
     TensorFunction(
         name="kl_to", params=(_p("v", VEC), _p("target", VEC)), returns="DOUBLE",
         kernel=lens.kl_to,
         doc="logit lens: KL(p_target || p_v) in nats, e.g. v a layer and target the final "
-            "site of the same token; both of one model; error <= 2 eps + 2 eps * (1 + max "
-            "|log p_target - log p_v|)",
+            "site of the same token; both of one model; error <= 2 eps_v + 2 eps_target * "
+            "(1 + max |log p_target - log p_v|) (eps as in logprob)",
     ),
     TensorFunction(
         name="logit_diff",
         params=(V, _p("token1", TOKEN), _p("token2", TOKEN)), returns="DOUBLE",
         kernel=lens.logit_diff,
         doc="logit(v, token1) - logit(v, token2) (the model's logit transforms applied); "
-            "error <= eps_token1 + eps_token2",
+            "error <= eps_token1 + eps_token2 (eps_t as in logprob)",
     ),
     TensorFunction(
         name="delta", params=(V,), returns="FLOAT[]", kernel=lens.delta,
