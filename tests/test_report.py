@@ -124,8 +124,8 @@ def test_every_number_equals_an_independent_answer(page, reference) -> None:
         big = one("WITH x AS (SELECT layer, role, position, norm / 8 AS x FROM acts "
                   f"WHERE {res}) SELECT DISTINCT position FROM x JOIN (SELECT layer, role, "
                   "median(x) AS m FROM x GROUP BY ALL) USING (layer, role) WHERE x > 10 * m")
-        sites = one(f"SELECT site, list(to_list(normalized(vec))) FROM acts WHERE {res} "
-                    "GROUP BY site")
+        sites = one("SELECT site, list(to_list(normalized(vec))) FROM acts "
+                    "WHERE role IN ('pre_attn', 'final') GROUP BY site")
         last = one("SELECT a.layer, a.site, a.prompt_id, top_logits(a.vec, 1)[1].token_id, "
                    "top_logits(f.vec, 1)[1].token_id FROM acts a JOIN acts f "
                    "USING (model, prompt_id, position) WHERE f.site = 'final' AND "

@@ -10,6 +10,7 @@ otherwise spend it (the first layer's colours are clipped, marked on the colour 
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 import numpy as np
@@ -189,8 +190,11 @@ def lens_figure(spec: Spec, df: pd.DataFrame) -> Figure:
         head = f"Logit lens for {tok}"
         what = f"Each cell: the rank of {tok} (1 = top), coloured by its probability"
     clipped = " (colours fitted above the first layer)" if extend != "neither" else ""
+    # The title wraps to the figure's width: a narrow picture (few tokens) cut it off.
+    width = max(40, int(fig.get_figwidth() * 11))
     ax.set_title(f"{head}: model {m['model']}, prompt {m['prompt_id']}, {roles} sites\n"
-                 f"{what}{clipped}\n\u201c{_short(m['text'])}\u201d", fontsize=11)
+                 + textwrap.fill(what + clipped, width)
+                 + f"\n\u201c{_short(m['text'], width)}\u201d", fontsize=11)
     return fig
 
 

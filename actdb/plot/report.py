@@ -86,7 +86,9 @@ def _norms(db: Any, model: str) -> Section:
     roles = _residual_roles(db, model)
     spec = profile_spec(db, "norms", models=[model], roles=roles)
     df = spec.run(db).df
-    first = df[df["role"] == roles[0]].sort_values("layer")
+    # The role seen at the most layers (pre_attn in a pre-norm model) shows growth with depth.
+    main = str(df.groupby("role")["layer"].nunique().idxmax())
+    first = df[df["role"] == main].sort_values("layer")
     positions = sorted({int(p) for ps in df["outlier_positions"] if ps is not None
                         for p in ps})
     return Section(
@@ -94,7 +96,7 @@ def _norms(db: Any, model: str) -> Section:
         params=spec.params, df=df, figure=profile_figure(spec, df),
         claim="Residual-stream norms grow with depth, and a few positions (attention sinks, "
               "often the first token) carry norms orders of magnitude above the rest.",
-        finding=f"Here the median at {roles[0]} sites goes from {{norm_first}} at layer "
+        finding=f"Here the median at {main} sites goes from {{norm_first}} at layer "
                 f"{{layer_first}} to {{norm_last}} at layer {{layer_last}}; positions above "
                 f"{OUTLIER_FACTOR:g} times their layer's median: {{outliers}}.",
         numbers={"norm_first": float(first["center"].iloc[0]),
@@ -142,7 +144,8 @@ def vanishing(eigenvalues: Any, n: int) -> int:
 def _spectrum(db: Any, model: str) -> Section:
     from .report_figures import spectrum_figure
 
-    params = {"model": model, "roles": _residual_roles(db, model)}
+    # One site per layer (as the lens shows them): a d x d eigendecomposition per site.
+    params = {"model": model, "roles": _lens_roles(db, model)}
     df = db.sql(SPECTRUM_SQL, params=params).df()
     counts = [vanishing(e, int(n)) for e, n in zip(df["eigenvalues"], df["n"], strict=True)]
     d = int(model_row(db, model)["d_model"])
