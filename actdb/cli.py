@@ -57,7 +57,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 @cli.command()
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("store", type=click.Path(path_type=str))
 @click.option("--model", "model", required=True,
               help="Hugging Face hub name, model folder, or .gguf file (or a folder holding one).")
 @click.option("--prompts", "prompts", required=True,
@@ -87,7 +87,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
                    "(instruct models); the templated text is the stored prompt.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 @click.pass_context
-def ingest(ctx: click.Context, store: Path, progress: bool | None, quiet: bool,
+def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
            **kw: Any) -> None:
     """Run a model over prompts; store every norm site's input in STORE.
 
@@ -134,7 +134,7 @@ def ingest(ctx: click.Context, store: Path, progress: bool | None, quiet: bool,
     )
 
 
-def _interrupted(store: Path, plan: Any) -> None:
+def _interrupted(store: str, plan: Any) -> None:
     """Ctrl-C during an ingest: say what is saved and how to go on, exit 130 like a shell."""
     if plan is None:
         click.echo(f"\ninterrupted before any prompt was ingested into {store}; run the same "
@@ -171,7 +171,7 @@ def _read_sql(sql: str | None, file: str | None) -> str:
 
 
 @cli.command()
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("store", type=click.Path(path_type=str))
 @click.argument("sql", required=False)
 @click.option("-f", "--file", "sql_file", default=None, metavar="FILE.sql",
               help="Read the SQL from this file (- for standard input).")
@@ -187,7 +187,7 @@ def _read_sql(sql: str | None, file: str | None) -> str:
               help="Make FILE (.csv, .parquet, .jsonl/.json) a read-only table NAME for the "
                    "query (repeatable); queries cannot read files otherwise.")
 @click.pass_context
-def query(ctx: click.Context, store: Path, sql: str | None, sql_file: str | None, fmt: str,
+def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None, fmt: str,
           output: Path | None, device: str, params: tuple[str, ...],
           tables: tuple[str, ...]) -> None:
     """Run a read-only SQL query (DuckDB dialect) with the tensor functions.
@@ -242,7 +242,7 @@ def _parse_param(text: str) -> tuple[str, Any]:
 
 
 @cli.command()
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("store", type=click.Path(path_type=str))
 @click.argument("sql", required=False)
 @click.option("-f", "--file", "sql_file", default=None, metavar="FILE.sql",
               help="Read the SQL from this file (- for standard input).")
@@ -252,7 +252,7 @@ def _parse_param(text: str) -> tuple[str, Any]:
 @click.option("-p", "--param", "params", multiple=True, metavar="NAME=VALUE",
               help="Bind $NAME in the query (repeatable); numbers bind as numbers.")
 @click.pass_context
-def export(ctx: click.Context, store: Path, sql: str | None, sql_file: str | None,
+def export(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
            output: Path, device: str, params: tuple[str, ...]) -> None:
     """Write the vectors a query selects (views applied), with its other columns.
 
@@ -275,9 +275,9 @@ def export(ctx: click.Context, store: Path, sql: str | None, sql_file: str | Non
 
 
 @cli.command()
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("store", type=click.Path(path_type=str))
 @click.pass_context
-def info(ctx: click.Context, store: Path) -> None:
+def info(ctx: click.Context, store: str) -> None:
     """Models, prompts, sites (role, kind, faithfulness) and bytes on disk.
 
     \b
@@ -328,11 +328,11 @@ def _logit_text(m: dict[str, object]) -> str:
 
 
 @cli.command()
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("store", type=click.Path(path_type=str))
 @click.option("--full", is_flag=True,
               help="Also read every stored chunk and weight and check its checksum.")
 @click.pass_context
-def verify(ctx: click.Context, store: Path, full: bool) -> None:
+def verify(ctx: click.Context, store: str, full: bool) -> None:
     """Check that the catalog and the tensors agree; exit 1 listing the problems.
 
     \b
@@ -357,14 +357,14 @@ def verify(ctx: click.Context, store: Path, full: bool) -> None:
 
 
 @cli.command()
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("store", type=click.Path(path_type=str))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("report.html"), show_default=True, help="The HTML file to write.")
 @click.option("--model", "models", multiple=True,
               help="Model to report on; repeatable (default: every model in the store).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:i.")
 @click.pass_context
-def report(ctx: click.Context, store: Path, output: Path, models: tuple[str, ...],
+def report(ctx: click.Context, store: str, output: Path, models: tuple[str, ...],
            device: str) -> None:
     """Run the papers' measurements on a store and write them as one HTML page.
 

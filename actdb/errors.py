@@ -82,3 +82,7 @@ class StoreFullError(ActdbError, OSError):
 
 class MissingDependencyError(ActdbError, ImportError):
     """An optional package a feature needs is not installed."""
+
+
+class StoreStorageError(ActdbError, OSError):
+    """Object storage could not be reached or refused a request (credentials, bucket, network)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))
 
+import s3server  # noqa: E402
+from s3server import S3Server  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
 
 # Prompts of different lengths so batches are padded; one repeats a word to vary anchors.
@@ -94,3 +96,20 @@ def two_models(tmp_path_factory: pytest.TempPathFactory,
                                                                    "the the the the"],
                      device="cpu", name=family, chunk_tokens=8)
     return path
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """A local S3 server (moto) with a bucket, for the whole session."""
+    with s3server.running() as server:
+        yield server
+
+
+@pytest.fixture()
+def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The local S3 server, with the AWS variables pointing at it for this test only."""
+    for key in s3server.ENV_KEYS + ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    return s3_server

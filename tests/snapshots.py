@@ -3,6 +3,9 @@ creation times) and every stored field of every site, byte for byte."""
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from pathlib import Path
 
 import duckdb
@@ -10,10 +13,37 @@ import numpy as np
 import zarr
 
 
-def snapshot(store: Path, model: str) -> dict[str, object]:
+def open_plain(store: Path | str, scratch: Path) -> tuple[Path, zarr.Group]:
+    """The catalog file and the tensors group of a store, found without actdb: a local
+    directory, or on S3 the pointer `catalog.json`, the catalog object it names (downloaded
+    into `scratch` with boto3), and zarr's own ObjectStore over the tensors prefix."""
+    if not str(store).startswith("s3://"):
+        path = Path(store)
+        return path / "catalog.duckdb", zarr.open_group(str(path / "tensors.zarr"), mode="r")
+    import boto3
+    from obstore.store import S3Store
+
+    bucket, _, prefix = str(store)[len("s3://"):].partition("/")
+    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    pointer = json.loads(client.get_object(Bucket=bucket, Key=f"{prefix}/catalog.json")
+                         ["Body"].read())
+    local = scratch / "catalog.duckdb"
+    client.download_file(bucket, f"{prefix}/{pointer['catalog']}", str(local))
+    objects = S3Store(bucket, prefix=f"{prefix}/tensors.zarr", client_options={
+        "allow_http": True})
+    return local, zarr.open_group(zarr.storage.ObjectStore(objects, read_only=True), mode="r")
+
+
+def snapshot(store: Path | str, model: str) -> dict[str, object]:
     """Catalog rows and every stored field of every site, in row order (plain duckdb and
     zarr: the reference reads the store without actdb)."""
-    con = duckdb.connect(str(store / "catalog.duckdb"), read_only=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        catalog, group = open_plain(store, Path(scratch))
+        return _snapshot(catalog, group, model)
+
+
+def _snapshot(catalog: Path, group: zarr.Group, model: str) -> dict[str, object]:
+    con = duckdb.connect(str(catalog), read_only=True)
     try:
         tokens = con.execute(
             "SELECT p.text, t.position, t.token_id, t.token, t.row FROM tokens t JOIN prompts p "
@@ -31,7 +61,6 @@ def snapshot(store: Path, model: str) -> dict[str, object]:
         vocab = con.execute("SELECT count(*), sum(hash(token)) FROM vocab").fetchall()
     finally:
         con.close()
-    group = zarr.open_group(str(store / "tensors.zarr"), mode="r")
     fields = {
         (s, f): np.asarray(group[f"models/{mid}/acts/{s}/{f}"][:n_rows])
         for s in sites for f in ("direction", "norm", "mean")

@@ -96,16 +96,24 @@ def test_second_ctrl_c_waits_for_the_commit_being_written() -> None:
 
     from actdb.ingest.pipeline import _drained
 
-    finished = threading.Event()
+    started, second_sent, finished = threading.Event(), threading.Event(), threading.Event()
 
     def commit() -> None:
-        time.sleep(0.6)
+        started.set()
+        second_sent.wait(30)  # the commit lasts until the second Ctrl-C has come
+        time.sleep(0.2)
         finished.set()
 
-    for delay in (0.1, 0.3):  # two Ctrl-Cs, both while the commit runs
-        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
+    def second_ctrl_c() -> None:
+        started.wait(30)
+        time.sleep(0.3)  # by now the first Ctrl-C has the ingest waiting for its commit
+        os.kill(os.getpid(), signal.SIGINT)
+        second_sent.set()
+
+    threading.Thread(target=second_ctrl_c, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         with _drained(ThreadPoolExecutor(max_workers=1)) as committer:
             committer.submit(commit)
-            time.sleep(5)  # the first Ctrl-C ends this wait
+            started.wait(30)
+            raise KeyboardInterrupt  # the first Ctrl-C, during the forward passes
     assert finished.is_set(), "the ingest let go of the store while a commit was written"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -86,15 +86,17 @@ def ingest(
     chunk_tokens: int | None = None,
     progress: bool = False,
     on_plan: Callable[[IngestPlan], None] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     chat_template: bool = False,
 ) -> IngestSummary:
     """Run `model` once over `prompts` and store every norm site's input in `store`.
 
     Safe to re-run: prompts the model already has in the store are skipped, so an
-    interrupted ingest resumes where it stopped. With `chat_template`, each prompt is
-    wrapped as a user turn by the tokenizer's chat template (assistant turn opened); the
-    templated text is the stored prompt's text, tokenized as is (the template places any
-    special tokens itself).
+    interrupted ingest resumes where it stopped. `store` may be `s3://bucket/prefix`, with
+    `storage_options` overriding the AWS environment variables (see `actdb.connect`). With
+    `chat_template`, each prompt is wrapped as a user turn by the tokenizer's chat template
+    (assistant turn opened); the templated text is the stored prompt's text, tokenized as is
+    (the template places any special tokens itself).
     """
     if batch_size < 1:
         raise IngestError(f"batch_size must be at least 1, got {batch_size}")
@@ -119,7 +121,7 @@ def ingest(
                                    _forward_kwargs(loaded.model), model_name)
 
     started = time.perf_counter()
-    with Store.open_or_create(store) as st:
+    with Store.open_or_create(store, storage_options=storage_options) as st:
         reg = _register(st, loaded, found, n_layers, model_name, sites, limit, chunk_tokens,
                         transform)
         record = reg.record

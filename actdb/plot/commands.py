@@ -57,7 +57,7 @@ def _common(func: F) -> F:
     return func
 
 
-def _draw(ctx: click.Context, kind: str, store: Path, device: str, output: Path | None,
+def _draw(ctx: click.Context, kind: str, store: str, device: str, output: Path | None,
           show_sql: bool, make_spec: Callable[[Database], Any]) -> None:
     """Resolve the request, then print its SQL or draw and save the figure."""
     from . import figures
@@ -90,7 +90,7 @@ def plot() -> None:
 
 
 @plot.command()
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("store", type=click.Path(path_type=str))
 @click.option("--prompt-id", type=int, required=True, help="The prompt to follow.")
 @click.option("--model", default=None, help="Model in the store (default: the only one).")
 @click.option("--by", type=click.Choice(("logit", "anchor")), default=None,
@@ -107,7 +107,7 @@ def plot() -> None:
                    "else post_mlp); the final norm is added when there is one.")
 @_common
 @click.pass_context
-def lens(ctx: click.Context, store: Path, prompt_id: int, model: str | None, by: str | None,
+def lens(ctx: click.Context, store: str, prompt_id: int, model: str | None, by: str | None,
          token: str | None, anchors: str | None, role: str | None, output: Path | None,
          show_sql: bool, device: str) -> None:
     """The lens: layers (rows) by token positions (columns) for one prompt.
@@ -138,7 +138,7 @@ def _profile_command(kind: str, doc: str, several_models: bool) -> None:
                   "Model in the store (default: the only one).")
 
     @plot.command(name=kind, help=doc)
-    @click.argument("store", type=click.Path(path_type=Path))
+    @click.argument("store", type=click.Path(path_type=str))
     @click.option("--model", "models", multiple=several_models, default=None, help=model_help)
     @click.option("--role", "roles", multiple=True,
                   help="Role to show; repeatable (default: every role at the model width).")
@@ -147,7 +147,7 @@ def _profile_command(kind: str, doc: str, several_models: bool) -> None:
                        "(default when the models differ in depth), or the layer number.")
     @_common
     @click.pass_context
-    def command(ctx: click.Context, store: Path, models: Any, roles: tuple[str, ...],
+    def command(ctx: click.Context, store: str, models: Any, roles: tuple[str, ...],
                 relative_depth: bool | None, output: Path | None, show_sql: bool,
                 device: str) -> None:
         from .data import profile_spec
@@ -192,7 +192,7 @@ _profile_command("rotation", """The rotation angle between each norm's input and
 
 
 @plot.command()
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("store", type=click.Path(path_type=str))
 @click.option("--prompt-id", type=int, required=True, help="The prompt.")
 @click.option("--position", type=int, required=True,
               help="Token position in the prompt; negative counts from the end (-1: last).")
@@ -204,7 +204,7 @@ _profile_command("rotation", """The rotation angle between each norm's input and
               help="How many dims to show, by |contribution|.")
 @_common
 @click.pass_context
-def dims(ctx: click.Context, store: Path, prompt_id: int, position: int, token: str,
+def dims(ctx: click.Context, store: str, prompt_id: int, position: int, token: str,
          model: str | None, site: str | None, k: int, output: Path | None, show_sql: bool,
          device: str) -> None:
     """The dims that push toward and pull away from a token most (logit_contribution).

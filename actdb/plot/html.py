@@ -88,7 +88,7 @@ def render(db: Any, parts: list[tuple[str, list[Section]]]) -> str:
         body.append(f'<h2 id="{html.escape(model)}">Model {html.escape(model)} '
                     f"({html.escape(str(info[0]))}, {info[1]} layers, d = {info[2]})</h2>")
         body += [_section(model, s) for s in sections]
-    title = f"actdb report: {db.store.path.name}"
+    title = f"actdb report: {str(db.store.location).rstrip('/').rsplit('/', 1)[-1]}"
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <title>{html.escape(title)}</title>

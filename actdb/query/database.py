@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import duckdb
@@ -50,13 +50,14 @@ class Database:
     def __init__(
         self, path: str | os.PathLike[str], *, read_only: bool = True, device: str = "auto",
         cache_bytes: int = 256 << 20, threads: int = 1,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.device = resolve_device(device)
         # Statements are parsed and their trees serialized on a connection of their own, which
         # holds no data: checking a query never runs anything next to the store.
         self._parser = duckdb.connect(":memory:")
         sandbox.lock(self._parser)
-        self.store = Store(path, read_only=read_only)
+        self.store = Store(path, read_only=read_only, storage_options=storage_options)
         self.con = self.store.catalog.con
         # One DuckDB thread by default: the UDFs hold the GIL anyway, and idle DuckDB workers
         # compete with torch for the cores (see BENCHMARKS.md).
@@ -176,7 +177,7 @@ class Database:
                 "SELECT model FROM models ORDER BY model_id").fetchall()]
         except duckdb.Error:
             models = []
-        return f"<actdb.Database {str(self.store.path)!r}: models {models}, device {self.device}>"
+        return f"<actdb.Database {self.store.location!r}: models {models}, device {self.device}>"
 
     # -- the store -------------------------------------------------------------------------
 
@@ -242,10 +243,25 @@ def _quiet_progress_bar(con: duckdb.DuckDBPyConnection) -> None:
 
 def connect(
     path: str | os.PathLike[str], *, read_only: bool = True, device: str = "auto",
-    cache_bytes: int = 256 << 20,
+    cache_bytes: int = 256 << 20, storage_options: Mapping[str, Any] | None = None,
 ) -> Database:
-    """Open a store for queries (read-only unless `read_only=False`)."""
-    return Database(path, read_only=read_only, device=device, cache_bytes=cache_bytes)
+    """Open a store for queries (read-only unless `read_only=False`).
+
+    Args:
+        path: a local store directory, or `s3://bucket/prefix/name.actdb` on object storage
+            (credentials and endpoint from the AWS environment variables).
+        read_only: False takes the catalog's write lock of a local store (DuckDB allows one
+            writer); it changes nothing on object storage, where queries never write.
+        device: `auto`, `cpu`, `cuda` or `cuda:i`: where tensor functions compute.
+        cache_bytes: memory for chunks kept between queries.
+        storage_options: object-storage settings that override the environment, e.g.
+            `{"endpoint": "http://127.0.0.1:9000", "access_key_id": ..., "region": ...}`.
+
+    Returns:
+        A Database; `.sql(query)` runs queries on it.
+    """
+    return Database(path, read_only=read_only, device=device, cache_bytes=cache_bytes,
+                    storage_options=storage_options)
 
 
 __all__ = ["ActdbError", "Database", "connect"]

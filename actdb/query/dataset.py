@@ -63,7 +63,8 @@ class VectorDataset(IterableDataset[Batch]):
         if info is not None:  # a DataLoader worker: a connection of its own (not fork-safe)
             from .database import connect
 
-            db = owned = connect(self.db.store.path, device="cpu")
+            db = owned = connect(self.db.store.location, device="cpu",
+                                 storage_options=self.db.store.storage_options)
         rng = np.random.default_rng(None if self.seed is None else
                                     [self.seed, self._epoch, info.id if info else 0])
         self._epoch += 1

@@ -33,14 +33,17 @@ class ChunkCache:
     and computing overlap on two cores.
     """
 
-    def __init__(self, max_bytes: int, *, readahead: int = 8) -> None:
+    def __init__(self, max_bytes: int, *, readahead: int = 8, readers: int = 1) -> None:
         self.max_bytes = max_bytes
         self.readahead = readahead
         self._items: OrderedDict[tuple[object, ...], np.ndarray] = OrderedDict()
         self._pending: dict[tuple[object, ...], Future[np.ndarray]] = {}
         self._bytes = 0
         self._lock = threading.Lock()
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actdb-readahead")
+        # One reader overlaps a local disk with compute; object storage answers each range
+        # request after a round trip, so several are kept in flight (Store.readers).
+        self._reader = ThreadPoolExecutor(max_workers=readers,
+                                          thread_name_prefix="actdb-readahead")
         self.chunks_read = 0
         self.bytes_read = 0
 
@@ -133,7 +136,8 @@ class VectorSource:
     def __init__(self, store: Store, device: torch.device, *, cache_bytes: int = 256 << 20):
         self.store = store
         self.device = device
-        self.cache = ChunkCache(cache_bytes)
+        self.cache = ChunkCache(cache_bytes, readahead=8 * store.readers,
+                                readers=store.readers)
         self.models = {m.model_id: m for m in store.catalog.models()}
         self.sites: dict[tuple[int, int], SiteRecord] = {}
         for m in self.models.values():

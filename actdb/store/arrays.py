@@ -9,13 +9,17 @@ Layout (see docs/FORMAT.md):
     models/{model_id}/acts/{site}/norm, mean  float32 [rows] or [rows, heads]
 
 Every chunk ends with its CRC-32C (Zarr's `crc32c` codec, format 2): checked on every read,
-here and by a plain `zarr.open_group`.
+here and by a plain `zarr.open_group`. On object storage (format 3) the vectors are sharded:
+each object holds SHARD_CHUNKS inner chunks, each still with its own CRC-32C (shards.py).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from concurrent.futures import Executor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +30,13 @@ from zarr.codecs import Crc32cCodec
 
 from ..errors import StoreCorruptError
 from . import durable
-from .catalog import FORMAT_VERSION
+from .catalog import LOCAL_FORMAT_VERSION
 from .chunks import RawLayout, crc32c, raw_layout
+from .objects import Objects
+from .shards import ObjectChunks, ShardedChunks, object_layout
+
+# How a chunk is read straight from storage: a local file, an object, or a range of a shard.
+Layout = RawLayout | ObjectChunks | ShardedChunks
 
 ACT_FIELDS = ("direction", "norm", "mean")
 # Small direction chunks keep selective queries from reading much they do not need (a
@@ -35,6 +44,10 @@ ACT_FIELDS = ("direction", "norm", "mean")
 # chunks cost a full scan little. norm and mean are 4 bytes a row: their chunks hold more rows.
 _TARGET_CHUNK_BYTES = 256 << 10
 SCALAR_CHUNK_FACTOR = 32
+# Inner chunks per shard on object storage: a direction shard of 16 chunks of about 256 KiB
+# (3 MiB at d = 768; one PUT per shard an ingest batch touches), read back by range one inner
+# chunk at a time.
+SHARD_CHUNKS = 16
 
 
 def default_chunk_tokens(width: int) -> int:
@@ -46,8 +59,13 @@ def default_chunk_tokens(width: int) -> int:
 class Arrays:
     """The Zarr side of a store."""
 
-    def __init__(self, path: Path, *, read_only: bool, store: Any = None) -> None:
+    def __init__(self, path: Path | None, *, read_only: bool, store: Any = None,
+                 objects: Objects | None = None) -> None:
+        """`path`: the local `tensors.zarr` folder; or None with `objects`, the group's prefix
+        on object storage (then `store` is zarr's ObjectStore over it)."""
         self.path = path
+        self.objects = objects
+        self.label = str(path) if path is not None else objects.where("") if objects else "?"
         self.read_only = read_only
         # Off only to measure what checking costs (benchmarks/); never off for users.
         self.check_checksums = True
@@ -58,25 +76,31 @@ class Arrays:
             self.group = zarr.open_group(self.zstore, mode="r" if read_only else "r+")
         except Exception as e:
             raise StoreCorruptError(
-                f"the root metadata of {str(path)!r} cannot be read ({_first_line(e)}): "
+                f"the root metadata of {self.label!r} cannot be read ({_first_line(e)}): "
                 "the store is damaged"
             ) from None
         # Opening an array reads its metadata file: keep the handles (and raw chunk paths).
         self._handles: dict[tuple[int, str, str], zarr.Array] = {}
-        self._raw: dict[tuple[int, str, str], RawLayout | None] = {}
+        self._raw: dict[tuple[int, str, str], Layout | None] = {}
         self._made: set[str] = set()  # chunk folders known to exist
         self._dirty: set[str] = set()  # folders with renames not yet fsynced
         self._dirty_lock = threading.Lock()
 
     @classmethod
-    def create(cls, path: Path) -> Arrays:
+    def create(cls, path: Path | None, *, version: int = LOCAL_FORMAT_VERSION,
+               store: Any = None, objects: Objects | None = None) -> Arrays:
         zarr.open_group(
-            zarr.storage.LocalStore(str(path)),
+            store if store is not None else zarr.storage.LocalStore(str(path)),
             mode="w",
             zarr_format=3,
-            attributes={"actdb_format_version": FORMAT_VERSION},
+            attributes={"actdb_format_version": version},
         )
-        return cls(path, read_only=False)
+        return cls(path, read_only=False, store=store, objects=objects)
+
+    @property
+    def sharded(self) -> bool:
+        """Vectors go in shards of inner chunks (object storage: fewer, larger objects)."""
+        return self.objects is not None
 
     def format_version(self) -> int:
         v = self.group.attrs.get("actdb_format_version", -1)
@@ -91,22 +115,24 @@ class Arrays:
         except KeyError:
             if required:
                 raise StoreCorruptError(
-                    f"array {label!r} is missing from {str(self.path)!r}: the store is damaged"
+                    f"array {label!r} is missing from {self.label!r}: the store is damaged"
                 ) from None
             return None
         except Exception as e:
             raise StoreCorruptError(
-                f"the metadata of array {label!r} in {str(self.path)!r} cannot be read "
+                f"the metadata of array {label!r} in {self.label!r} cannot be read "
                 f"({_first_line(e)}): the store is damaged"
             ) from None
         if not isinstance(found, zarr.Array):
-            raise StoreCorruptError(f"{label!r} in {str(self.path)!r} is not an array")
+            raise StoreCorruptError(f"{label!r} in {self.label!r} is not an array")
         return found
 
-    def raw_layout(self, arr: zarr.Array) -> RawLayout | None:
+    def raw_layout(self, arr: zarr.Array) -> Layout | None:
+        if self.objects is not None:
+            return object_layout(arr, self.objects)
         return raw_layout(arr, self.zstore)
 
-    def read_raw(self, raw: RawLayout, chunk: int) -> np.ndarray:
+    def read_raw(self, raw: Layout, chunk: int) -> np.ndarray:
         """One chunk file, its size and checksum checked."""
         return raw.read(chunk, check=self.check_checksums)
 
@@ -123,21 +149,40 @@ class Arrays:
         lm_head: np.ndarray | None,
         lm_head_bias: np.ndarray | None,
         site_params: dict[str, tuple[np.ndarray | None, np.ndarray | None]],
+        pool: Executor | None = None,
     ) -> None:
         """Write a model's weights, replacing any left by an interrupted earlier ingest,
         and make them durable before the catalog row that makes them visible."""
-        g = self._model_group(model_id)
-        named = {"embed": embed, "lm_head": lm_head, "lm_head_bias": lm_head_bias}
-        for name, value in named.items():
-            if value is not None:
-                self._write_whole(g, name, value)
-        for site, (gain, bias) in site_params.items():
-            sg = g.require_group(f"sites/{site}")
-            for name, value in (("gain", gain), ("bias", bias)):
+        self._model_group(model_id)  # its parents exist, on object storage too
+        with self._staged(f"models/{model_id}", pool) as g:
+            named = {"embed": embed, "lm_head": lm_head, "lm_head_bias": lm_head_bias}
+            for name, value in named.items():
                 if value is not None:
-                    self._write_whole(sg, name, value)
-        durable.sync_tree(self.path / "models" / str(model_id), skip="acts")
-        durable.fsync_dir(self.path / "models")
+                    self._write_whole(g, name, value)
+            for site, (gain, bias) in site_params.items():
+                sg = g.require_group(f"sites/{site}")
+                for name, value in (("gain", gain), ("bias", bias)):
+                    if value is not None:
+                        self._write_whole(sg, name, value)
+        if self.path is not None:  # an object PUT is durable when it returns
+            durable.sync_tree(self.path / "models" / str(model_id), skip="acts")
+            durable.fsync_dir(self.path / "models")
+
+    @contextmanager
+    def _staged(self, label: str, pool: Executor | None) -> Iterator[zarr.Group]:
+        """The group `label` to create arrays in. On object storage it is built in memory
+        and its objects PUT when the block ends (concurrently with `pool`): zarr creating an
+        array there re-checks and re-creates every parent group, tens of round trips each."""
+        if self.objects is None:
+            yield self.group.require_group(label)
+            return
+        staged: dict[str, Any] = {}
+        root = zarr.open_group(zarr.storage.MemoryStore(staged), mode="w", zarr_format=3)
+        yield root.require_group(label)
+        objects = self.objects
+        items = [(k, v) for k, v in staged.items() if k.startswith(label + "/")]
+        list((pool.map if pool else map)(lambda kv: objects.put(kv[0], kv[1].to_bytes()),
+                                         items))
 
     # Zarr v3 dimension names, so xarray.open_zarr and other tools label the axes. Names are
     # unique within a group where sizes can differ (an LM head may have more rows than W_E).
@@ -203,13 +248,29 @@ class Arrays:
 
     # -- vectors ---------------------------------------------------------------------------
 
+    def ensure_act_groups(self, model_id: int) -> None:
+        """The model's `acts` group, made before sites' arrays are made concurrently."""
+        self._model_group(model_id).require_group("acts")
+
     def ensure_act_arrays(
         self, model_id: int, site: str, *, inner: tuple[int, ...], rows: int, chunk_tokens: int
     ) -> None:
         """Create the site's arrays or grow them to at least `rows` token rows."""
-        g = self._model_group(model_id).require_group(f"acts/{site}")
         for name in ACT_FIELDS:
             self._handles.pop((model_id, site, name), None)
+        label = f"models/{model_id}/acts/{site}"
+        if self.objects is not None and label not in self.group:
+            with self._staged(label, None) as g:
+                self._create_act_arrays(g, inner=inner, rows=rows, chunk_tokens=chunk_tokens)
+            return
+        g = self._model_group(model_id).require_group(f"acts/{site}")
+        self._create_act_arrays(g, inner=inner, rows=rows, chunk_tokens=chunk_tokens)
+        if self.path is not None:
+            durable.sync_tree(self.path / "models" / str(model_id) / "acts" / site, skip="c")
+
+    def _create_act_arrays(self, g: zarr.Group, *, inner: tuple[int, ...], rows: int,
+                           chunk_tokens: int) -> None:
+        """In the site's group `g`: each field's array, created, or grown to `rows`."""
         specs = {
             "direction": ((*inner,), "float16"),
             "norm": (inner[:-1], "float32"),
@@ -223,14 +284,14 @@ class Arrays:
                     arr.resize((rows, *tail))
             else:
                 step = chunk_tokens * (1 if name == "direction" else SCALAR_CHUNK_FACTOR)
+                shards = (step * SHARD_CHUNKS, *tail) if self.sharded else None
                 g.create_array(
-                    name, shape=(rows, *tail), dtype=dtype, chunks=(step, *tail),
+                    name, shape=(rows, *tail), dtype=dtype, chunks=(step, *tail), shards=shards,
                     compressors=[Crc32cCodec()], fill_value=0,
                     config={"write_empty_chunks": True},  # missing is damage, never zeros
                     dimension_names=(("row", "head", "dim") if len(tail) == 2 else ("row", "dim"))
                     if name == "direction" else ("row", "head")[: 1 + len(tail)],
                 )
-        durable.sync_tree(self.path / "models" / str(model_id) / "acts" / site, skip="c")
 
     def act_array(self, model_id: int, site: str, field: str) -> zarr.Array:
         key = (model_id, site, field)
@@ -241,7 +302,7 @@ class Arrays:
             arr = self._handles[key] = found
         return arr
 
-    def act_layout(self, model_id: int, site: str, field: str) -> RawLayout | None:
+    def act_layout(self, model_id: int, site: str, field: str) -> Layout | None:
         key = (model_id, site, field)
         if key not in self._raw:
             self._raw[key] = self.raw_layout(self.act_array(*key))
@@ -275,7 +336,9 @@ class Arrays:
         for name in ACT_FIELDS:
             value = values[name]
             raw = self.act_layout(model_id, site, name)
-            if raw is not None:
+            if isinstance(raw, ShardedChunks):
+                raw.write_rows(start, value)
+            elif isinstance(raw, RawLayout):
                 self._write_raw(raw, start, value)
             else:
                 self.act_array(model_id, site, name)[start : start + value.shape[0]] = value

@@ -28,7 +28,10 @@ from .durable import full_disk_as_error
 from .faults import fault
 from .records import ModelRecord, SiteRecord
 
-FORMAT_VERSION = 2
+# The newest format this actdb reads and writes. Local stores are still created as version 2
+# (their layout did not change); stores on object storage are version 3 (docs/FORMAT.md).
+FORMAT_VERSION = 3
+LOCAL_FORMAT_VERSION = 2
 T = TypeVar("T")
 # How long a reader waits for a commit, or the writer for a reader's snapshot, to let go of
 # DuckDB's file lock before saying who holds it (ACTDB_LOCK_WAIT_S overrides it).
@@ -99,10 +102,17 @@ class Catalog:
     Both sides retry for a while when the other holds DuckDB's file lock.
     """
 
-    def __init__(self, path: Path, *, read_only: bool, hold: bool = True) -> None:
+    def __init__(self, path: Path, *, read_only: bool, hold: bool = True,
+                 store: str | None = None, publish: Callable[[], None] | None = None) -> None:
         self.path = path
         self.read_only = read_only
         self._hold = hold
+        # The store named in messages (the file may be a working copy of a remote catalog).
+        self.store_label = store or str(path.parent)
+        # Called once the file holds a committed change and is closed (checkpointed): how a
+        # working copy of a catalog on object storage is published.
+        self._publish = publish
+        self._changed = False
         self._lock = threading.RLock()
         self._con: duckdb.DuckDBPyConnection | None = None
         if read_only:
@@ -122,13 +132,13 @@ class Catalog:
         return self._con
 
     @classmethod
-    def create(cls, path: Path) -> Catalog:
+    def create(cls, path: Path, *, version: int = LOCAL_FORMAT_VERSION) -> Catalog:
         cat = cls(path, read_only=False)
         with cat.transaction():
             cat.con.execute(SCHEMA)
             cat.con.execute(
                 "INSERT INTO meta VALUES ('format_version', ?), ('created_by', 'actdb')",
-                [str(FORMAT_VERSION)],
+                [str(version)],
             )
         return cat
 
@@ -181,7 +191,7 @@ class Catalog:
 
     def _open_error(self, e: duckdb.Error) -> Exception:
         text = str(e)
-        store = str(self.path.parent)
+        store = self.store_label
         if _is_lock_conflict(e):
             pid = re.search(r"\(PID (\d+)\)", text)
             who = f" (PID {pid.group(1)})" if pid else ""
@@ -217,6 +227,9 @@ class Catalog:
             finally:
                 con, self._con = self._con, None
                 con.close()  # checkpoints: the log is folded into the file
+            if self._changed and self._publish is not None:
+                self._changed = False
+                self._publish()
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
@@ -230,6 +243,7 @@ class Catalog:
                     con.execute("ROLLBACK")
                 raise
             con.execute("COMMIT")
+            self._changed = True
             fault("committed")
 
     # -- reading ---------------------------------------------------------------------------
@@ -266,6 +280,7 @@ class Catalog:
                 if name not in have:
                     with self._session() as con:
                         con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {sqltype}")
+                        self._changed = True
                     self.__dict__.pop("_column_cache", None)
 
     def models(self) -> list[ModelRecord]:
@@ -370,6 +385,7 @@ class Catalog:
                 if column_type not in _FIELD_TYPES:  # never pasted: only our own type names
                     raise ValueError(f"unexpected prompt column type {sqltype!r}")
                 con.execute(f"ALTER TABLE prompts ADD COLUMN {quote(name)} {column_type}")
+                self._changed = True
 
     def insert_model(
         self, model: ModelRecord, sites: Sequence[SiteRecord], vocab: pa.Table

@@ -4,7 +4,8 @@
 `point`: `kill` (default) sends itself SIGKILL, `enospc` raises OSError(ENOSPC) as a full disk
 would. Unset, `fault()` is one comparison. Points (docs/FORMAT.md lists them):
 create_before_catalog, create_after_catalog, weights_written, chunk_write, tensors_written,
-catalog_commit, committed.
+catalog_commit, committed, catalog_uploaded (object storage: a catalog uploaded, its
+pointer not yet swapped).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import signal
 import threading
 
 POINTS = ("create_before_catalog", "create_after_catalog", "weights_written", "chunk_write",
-          "tensors_written", "catalog_commit", "committed")
+          "tensors_written", "catalog_commit", "committed", "catalog_uploaded")
 
 
 def _parse(spec: str | None) -> tuple[str, int, str] | None:

@@ -39,6 +39,6 @@ def describe(store: Store) -> StoreInfo:
     ).fetchdf().to_dict("records")
     n_prompts = (store.catalog.one("SELECT count(*) FROM prompts") or (0,))[0]
     return StoreInfo(
-        path=str(store.path), format_version=store.catalog.format_version(), models=models,
+        path=store.location, format_version=store.catalog.format_version(), models=models,
         sites=sites, n_prompts=int(n_prompts), bytes_on_disk=store.disk_bytes(),
     )

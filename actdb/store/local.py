@@ -1,0 +1,187 @@
+"""A store in a local directory: created aside and renamed into place, one ingest at a time
+by an flock, the catalog file opened directly, chunks as files."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager, suppress
+from pathlib import Path
+from typing import Any
+
+from ..errors import (
+    StoreBusyError,
+    StoreFormatError,
+    StoreNotFoundError,
+    StoreNotWritableError,
+)
+from . import durable
+from .arrays import Arrays
+from .backend import CATALOG_NAME, TENSORS_NAME, TOKENIZERS_NAME
+from .catalog import LOCAL_FORMAT_VERSION, Catalog
+from .faults import fault
+
+LOCK_NAME = "ingest.lock"  # held (flock) by the one ingest writing the store
+_BUILDING = ".creating-"  # a store being created: `.{name}.creating-{pid}-{random}`
+
+
+class LocalBackend:
+    remote = False
+    readers = 1
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.location = str(path)
+        self.storage_options: dict[str, Any] = {}
+        self._lock_fd: int | None = None
+
+    def needs_create(self) -> bool:
+        p = self.path
+        if p.exists() and not p.is_dir():
+            raise StoreFormatError(f"store path {str(p)!r} is a regular file, not a directory")
+        return not p.exists() or (p.is_dir() and not any(p.iterdir()))
+
+    def create(self) -> None:
+        """Build the store in a sibling folder and rename it into place: a kill at any
+        moment leaves either no store or a whole one. Of two processes creating the same
+        store at once, the first rename wins and the other opens what it made."""
+        p = self.path
+        parent = p.absolute().parent
+        if not parent.is_dir():
+            raise StoreNotFoundError(
+                f"cannot create store {str(p)!r}: its parent folder {str(parent)!r} "
+                "does not exist"
+            )
+        _check_writable(parent)
+        _remove_dead_builds(p)
+        tmp = parent / f".{p.name}{_BUILDING}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            with durable.full_disk_as_error(p, "a new store"):
+                tmp.mkdir()
+                Arrays.create(tmp / TENSORS_NAME, version=LOCAL_FORMAT_VERSION)
+                fault("create_before_catalog")
+                Catalog.create(tmp / CATALOG_NAME, version=LOCAL_FORMAT_VERSION).close()
+                fault("create_after_catalog")
+                durable.sync_tree(tmp)
+                try:
+                    os.rename(tmp, p)  # onto nothing, or onto an empty folder
+                except OSError as e:
+                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                        raise
+                    return  # another process created it first: use theirs
+                durable.fsync_dir(parent)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def check_is_store(self) -> None:
+        p = self.path
+        if not p.exists():
+            raise StoreNotFoundError(f"no store at {str(p)!r}")
+        if not p.is_dir():
+            raise StoreFormatError(f"store path {str(p)!r} is a regular file, not a directory")
+        if not (p / CATALOG_NAME).is_file() or not (p / TENSORS_NAME).is_dir():
+            raise StoreFormatError(
+                f"{str(p)!r} is not an actdb store (no {CATALOG_NAME} and {TENSORS_NAME} in it)"
+            )
+
+    def check_writable(self) -> None:
+        _check_writable(self.path)
+
+    def lock(self) -> None:
+        """One ingest at a time: an flock on `ingest.lock`, released by the kernel however
+        the process ends, so a killed ingest never leaves the store locked."""
+        with durable.full_disk_as_error(self.path, "the store's lock file"):
+            fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip()
+                os.close(fd)
+                who = f" (PID {holder})" if holder.isdigit() else ""
+                raise StoreBusyError(
+                    f"store {self.location!r} is being written by another ingest{who}; "
+                    "run this one again when it has finished (it will skip what is stored)"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
+    def open_catalog(self, *, read_only: bool, ingest: bool) -> Catalog:
+        return Catalog(self.path / CATALOG_NAME, read_only=read_only, hold=not ingest)
+
+    def open_arrays(self, *, read_only: bool) -> Arrays:
+        return Arrays(self.path / TENSORS_NAME, read_only=read_only)
+
+    def clean_partials(self) -> None:
+        durable.remove_partials(self.path / TENSORS_NAME)
+
+    def tokenizer_dir(self, model_id: int) -> Path:
+        return self.path / TOKENIZERS_NAME / str(model_id)
+
+    def save_tokenizer(self, model_id: int, save: Callable[[str], object]) -> None:
+        save(str(self.tokenizer_dir(model_id)))
+
+    def writing(self, what: str) -> AbstractContextManager[None]:
+        return durable.full_disk_as_error(self.path, what)
+
+    def disk_bytes(self) -> dict[str, int]:
+        def size(p: Path) -> int:
+            # A running ingest renames and removes files (chunk temporaries, the catalog's
+            # log) while this walks: one that vanished between listing and stat counts 0.
+            if not p.is_dir():
+                with suppress(FileNotFoundError):
+                    return p.stat().st_size
+                return 0
+            total = 0
+            for folder, _, files in os.walk(p):  # os.walk skips folders it cannot list
+                for name in files:
+                    with suppress(FileNotFoundError):
+                        total += os.stat(os.path.join(folder, name)).st_size
+            return total
+
+        cat = sum(size(f) for f in self.path.glob(CATALOG_NAME + "*"))
+        ten = size(self.path / TENSORS_NAME)
+        tok = size(self.path / TOKENIZERS_NAME) if (self.path / TOKENIZERS_NAME).exists() else 0
+        return {"catalog": cat, "tensors": ten, "tokenizers": tok, "total": cat + ten + tok}
+
+    def close(self) -> None:
+        self.unlock()
+
+
+def _check_writable(path: Path) -> None:
+    """The one place that decides whether we may write into a store directory."""
+    targets = [path]
+    if (path / TENSORS_NAME).exists():
+        targets.append(path / TENSORS_NAME)
+    for t in targets:
+        # The mode bits count too: root passes os.access on a directory made read-only.
+        if not os.access(t, os.W_OK | os.X_OK) or not t.stat().st_mode & 0o222:
+            raise StoreNotWritableError(f"store directory {str(t)!r} is not writable")
+
+
+def _remove_dead_builds(p: Path) -> None:
+    """Remove the half-built copies of this store left by creators that were killed."""
+    for build in p.absolute().parent.glob(f".{p.name}{_BUILDING}*"):
+        pid = build.name.rsplit(_BUILDING, 1)[-1].split("-")[0]
+        if pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(build, ignore_errors=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

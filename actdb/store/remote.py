@@ -1,0 +1,157 @@
+"""A store under an S3 prefix (format 3): tensors through Zarr's ObjectStore over obstore,
+vectors in shards read by range, the catalog published per commit (published.py), one
+ingest at a time by a lease object (lease.py). Layout and protocol: docs/FORMAT.md."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import zarr.storage
+
+from . import published
+from .arrays import Arrays
+from .backend import CATALOG_NAME, TENSORS_NAME, TOKENIZERS_NAME
+from .catalog import FORMAT_VERSION, Catalog
+from .durable import full_disk_as_error
+from .faults import fault
+from .lease import Lease
+from .objects import Objects, parse_url
+
+REMOTE_FORMAT_VERSION = 3
+
+
+class S3Backend:
+    remote = True
+    readers = 8
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
+        self.url = parse_url(url)
+        self.location = str(self.url)
+        self.storage_options = dict(storage_options or {})
+        self.objects = Objects(self.url, storage_options)
+        self._lease: Lease | None = None
+        self._work: Path | None = None  # local working copies and downloads, removed at close
+        self._publisher: published.Publisher | None = None
+
+    def _workdir(self) -> Path:
+        if self._work is None:
+            self._work = Path(tempfile.mkdtemp(prefix="actdb-s3-"))
+        return self._work
+
+    def needs_create(self) -> bool:
+        return not self.objects.exists(published.POINTER_KEY)
+
+    def create(self) -> None:
+        """Tensors' root group first, then the first catalog object, then the pointer with
+        a create-if-absent write: the pointer makes the store exist, so a kill before it
+        leaves no store, and of two creators the second finds the pointer and opens theirs."""
+        work = Path(tempfile.mkdtemp(prefix="actdb-s3-create-"))
+        try:
+            Arrays.create(None, version=REMOTE_FORMAT_VERSION, store=self._zarr_store(False),
+                          objects=self._tensor_objects())
+            fault("create_before_catalog")
+            local = work / CATALOG_NAME
+            Catalog.create(local, version=REMOTE_FORMAT_VERSION).close()
+            fault("create_after_catalog")
+            published.create(self.objects, local, REMOTE_FORMAT_VERSION)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def check_is_store(self) -> None:
+        pointer, _ = published.read_pointer(self.objects)
+        published.check_version(pointer, self.location, FORMAT_VERSION)
+
+    def check_writable(self) -> None:
+        """Object storage says whether a write is allowed only by refusing it: the first
+        write (the lease) reports it as one sentence."""
+
+    def lock(self) -> None:
+        self._lease = Lease(self.objects, self.location)
+        self._lease.acquire()
+
+    def unlock(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def open_catalog(self, *, read_only: bool, ingest: bool) -> Catalog:
+        if ingest:
+            local = self._workdir() / CATALOG_NAME
+            self._publisher = published.Publisher(self.objects, local, self.location)
+            return Catalog(local, read_only=False, hold=False, store=self.location,
+                           publish=self._publish)
+        # Readers (read_only=False changes nothing here: queries never write a store, and
+        # no process holds a catalog on object storage open) take a snapshot of a download.
+        download = self._workdir() / f"read-{CATALOG_NAME}"
+        try:
+            published.download(self.objects, download)
+            return Catalog(download, read_only=True, store=self.location)
+        finally:
+            download.unlink(missing_ok=True)
+
+    def _publish(self) -> None:
+        assert self._publisher is not None
+        if self._lease is not None:
+            self._lease.check()
+        self._publisher.publish()
+
+    def _tensor_objects(self) -> Objects:
+        return self.objects.child(TENSORS_NAME)
+
+    def _zarr_store(self, read_only: bool) -> zarr.storage.ObjectStore:
+        return zarr.storage.ObjectStore(self._tensor_objects().store, read_only=read_only)
+
+    def open_arrays(self, *, read_only: bool) -> Arrays:
+        return Arrays(None, read_only=read_only, store=self._zarr_store(read_only),
+                      objects=self._tensor_objects())
+
+    def clean_partials(self) -> None:
+        """Nothing: an object PUT is whole or absent, never partial."""
+
+    def tokenizer_dir(self, model_id: int) -> Path:
+        folder = self._workdir() / TOKENIZERS_NAME / str(model_id)
+        if not folder.is_dir():
+            sub = f"{TOKENIZERS_NAME}/{model_id}"
+            listed = self.objects.list(sub)
+            for key, _ in listed:
+                data, _ = self.objects.get(key)
+                target = self._workdir() / key
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+        return folder
+
+    def save_tokenizer(self, model_id: int, save: Callable[[str], object]) -> None:
+        folder = self._workdir() / "saving" / str(model_id)
+        save(str(folder))
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            key = f"{TOKENIZERS_NAME}/{model_id}/{path.relative_to(folder).as_posix()}"
+            self.objects.put(key, path.read_bytes())
+        shutil.rmtree(folder, ignore_errors=True)
+
+    @contextmanager
+    def writing(self, what: str) -> Iterator[None]:
+        # The working copy of the catalog is a local file: a full local disk says so.
+        with full_disk_as_error(self._workdir(), what):
+            yield
+
+    def disk_bytes(self) -> dict[str, int]:
+        listed = self.objects.list()
+        pointer, _ = published.read_pointer(self.objects)
+        cat = sum(size for key, size in listed if key == pointer["catalog"])
+        ten = sum(size for key, size in listed if key.startswith(TENSORS_NAME + "/"))
+        tok = sum(size for key, size in listed if key.startswith(TOKENIZERS_NAME + "/"))
+        return {"catalog": cat, "tensors": ten, "tokenizers": tok, "total": cat + ten + tok}
+
+    def close(self) -> None:
+        self.unlock()
+        if self._work is not None:
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None
+
+
+__all__ = ["REMOTE_FORMAT_VERSION", "S3Backend"]

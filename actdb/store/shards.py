@@ -1,0 +1,271 @@
+"""Chunks of arrays on object storage, read and written straight as objects, checked.
+
+Two layouts, both exactly Zarr v3's own encodings (a plain `zarr.open_group` reads them):
+
+- `ObjectChunks`: an unsharded raw array (`bytes` then `crc32c`): chunk `i` is the object
+  `{array}/c/{i}{tail}`, its values then their CRC-32C. Weights on object storage.
+- `ShardedChunks`: the `sharding_indexed` codec, index at the end, inner codecs and index
+  codecs both `bytes` then `crc32c`: the vectors on object storage. A shard holds
+  `per_shard` inner chunks of `chunk_rows` rows; actdb writes every inner chunk of a shard,
+  full size, in order, so inner chunk `j` always lies at byte `j * (chunk bytes + 4)` and the
+  index never changes between versions of a shard. So a cached index stays right however
+  often an ingest rewrites the shard, a reader fetches one range per inner chunk, and the
+  index is read once per shard (and checked: its own CRC-32C, and that it is that layout).
+
+An object is replaced whole by one PUT (atomic on S3): a reader sees the old or the new
+shard, and both carry every committed row with its checksum.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zarr
+
+from ..errors import StoreCorruptError
+from .chunks import CRC_BYTES, crc32c
+from .faults import fault
+from .objects import Objects
+
+_EMPTY = 2**64 - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObjectChunks:
+    """Where the chunk objects of one raw unsharded array lie, and what each holds."""
+
+    label: str
+    objects: Objects  # the tensors group's prefix
+    tail: str
+    shape: tuple[int, ...]  # of one chunk
+    dtype: np.dtype[Any]
+    crc: bool
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+    @property
+    def file_bytes(self) -> int:
+        return self.nbytes + (CRC_BYTES if self.crc else 0)
+
+    def key(self, chunk: int) -> str:
+        return f"{self.label}/c/{chunk}{self.tail}"
+
+    def read(self, chunk: int, *, check: bool = True) -> np.ndarray:
+        try:
+            data, _ = self.objects.get(self.key(chunk))
+        except FileNotFoundError:
+            raise self._damaged(chunk, "is missing") from None
+        if len(data) != self.file_bytes:
+            raise self._damaged(chunk, f"has {len(data)} bytes, not {self.file_bytes}")
+        return _decode(memoryview(data), self, chunk, check=check,
+                       damaged=self._damaged)
+
+    def stat(self, chunk: int) -> None:
+        size = self.objects.size(self.key(chunk))
+        if size is None:
+            raise self._damaged(chunk, "is missing")
+        if size != self.file_bytes:
+            raise self._damaged(chunk, f"has {size} bytes, not {self.file_bytes}")
+
+    def _damaged(self, chunk: int, what: str) -> StoreCorruptError:
+        return StoreCorruptError(
+            f"chunk {chunk} of array {self.label!r} {what} "
+            f"({self.objects.where(self.key(chunk))!r}): the store is damaged"
+        )
+
+
+@dataclass(kw_only=True)
+class ShardedChunks:
+    """One sharded array on object storage: inner chunks read by range, shards written whole."""
+
+    label: str
+    objects: Objects
+    tail: str
+    shape: tuple[int, ...]  # of one inner chunk
+    dtype: np.dtype[Any]
+    per_shard: int  # inner chunks per shard
+    crc: bool = True
+    _index_ok: set[int] = field(default_factory=set)  # shards whose index was checked
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+    @property
+    def file_bytes(self) -> int:
+        return self.nbytes + CRC_BYTES
+
+    @property
+    def index_bytes(self) -> int:
+        return 16 * self.per_shard + CRC_BYTES
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.per_shard * self.file_bytes + self.index_bytes
+
+    def key(self, shard: int) -> str:
+        return f"{self.label}/c/{shard}{self.tail}"
+
+    def expected_index(self) -> bytes:
+        """The index of every shard actdb writes: inner chunk j at j * file_bytes."""
+        index = np.empty((self.per_shard, 2), dtype="<u8")
+        index[:, 0] = np.arange(self.per_shard, dtype=np.uint64) * self.file_bytes
+        index[:, 1] = self.file_bytes
+        raw = index.tobytes()
+        return raw + crc32c(np.frombuffer(raw, np.uint8)).to_bytes(CRC_BYTES, "little")
+
+    def _check_index(self, shard: int, chunk: int) -> None:
+        """Fetch and check a shard's index once; later reads trust the cached layout."""
+        if shard in self._index_ok:
+            return
+        start = self.per_shard * self.file_bytes
+        try:
+            got = self.objects.get_range(self.key(shard), start, start + self.index_bytes + 1)
+        except FileNotFoundError:
+            raise self._damaged(chunk, "is missing (its shard is absent)") from None
+        if len(got) != self.index_bytes:
+            raise self._damaged(chunk, f"lies in a shard of the wrong size (its index has "
+                                       f"{len(got)} bytes, not {self.index_bytes})")
+        raw = bytes(got)
+        body, stored = raw[:-CRC_BYTES], int.from_bytes(raw[-CRC_BYTES:], "little")
+        if crc32c(np.frombuffer(body, np.uint8)) != stored:
+            raise self._damaged(chunk, "lies in a shard whose index fails its checksum")
+        if raw != self.expected_index():
+            index = np.frombuffer(body, "<u8").reshape(self.per_shard, 2)
+            j = chunk % self.per_shard
+            if index[j, 0] == _EMPTY:
+                raise self._damaged(chunk, "is missing from its shard")
+            raise self._damaged(chunk, "lies in a shard not laid out as actdb writes it")
+        with self._lock:
+            self._index_ok.add(shard)
+
+    def read(self, chunk: int, *, check: bool = True) -> np.ndarray:
+        shard, j = divmod(chunk, self.per_shard)
+        self._check_index(shard, chunk)
+        lo = j * self.file_bytes
+        try:
+            got = self.objects.get_range(self.key(shard), lo, lo + self.file_bytes)
+        except FileNotFoundError:
+            raise self._damaged(chunk, "is missing (its shard is absent)") from None
+        if len(got) != self.file_bytes:
+            raise self._damaged(chunk, f"has {len(got)} bytes, not {self.file_bytes}")
+        return _decode(got, self, chunk, check=check, damaged=self._damaged)
+
+    def stat(self, chunk: int) -> None:
+        shard = chunk // self.per_shard
+        with self._lock:
+            self._index_ok.discard(shard)  # verify looks afresh
+        self._check_index(shard, chunk)
+
+    def write_rows(self, start: int, value: np.ndarray) -> None:
+        """Rows [start, start + n): every shard they touch is rebuilt and PUT whole. Inner
+        chunks below `start` hold committed rows: copied as stored (a chunk partly below
+        is read, checked, and patched); chunks past the rows written are zeros."""
+        c, stop = self.shape[0], start + value.shape[0]
+        rows_per_shard = c * self.per_shard
+        value = np.ascontiguousarray(value, dtype=self.dtype)
+        for shard in range(start // rows_per_shard, (stop - 1) // rows_per_shard + 1):
+            lo = shard * rows_per_shard
+            buf = np.zeros(self.shard_bytes, dtype=np.uint8)
+            first = max(start - lo, 0) // c  # first inner chunk this write changes
+            partial = (start - lo) % c if start > lo else 0
+            if first > 0 or partial:
+                old = self._old_shard(shard, lo // c)
+                keep = first * self.file_bytes
+                buf[:keep] = old[:keep]
+            for j in range(first, self.per_shard):
+                a = max(start, lo + j * c)
+                b = min(stop, lo + (j + 1) * c)
+                if a >= b:  # past the rows written: not committed, zeros
+                    data = np.zeros(self.shape, self.dtype)
+                elif j == first and partial:
+                    data = self.read(lo // c + j).copy()
+                    data[a - lo - j * c : b - lo - j * c] = value[a - start : b - start]
+                else:
+                    data = np.zeros(self.shape, self.dtype)
+                    data[a - lo - j * c : b - lo - j * c] = value[a - start : b - start]
+                self._encode_into(buf, j, data)
+            buf[self.per_shard * self.file_bytes:] = np.frombuffer(self.expected_index(),
+                                                                   np.uint8)
+            fault("chunk_write")  # a kill here: the shard object is untouched
+            self.objects.put(self.key(shard), buf.data)
+
+    def _old_shard(self, shard: int, first_chunk: int) -> np.ndarray:
+        try:
+            data, _ = self.objects.get(self.key(shard))
+        except FileNotFoundError:
+            raise self._damaged(first_chunk, "is missing (its shard is absent)") from None
+        if len(data) != self.shard_bytes:
+            raise self._damaged(first_chunk, f"lies in a shard of {len(data)} bytes, not "
+                                             f"{self.shard_bytes}")
+        return np.frombuffer(data, np.uint8)
+
+    def _encode_into(self, buf: np.ndarray, j: int, data: np.ndarray) -> None:
+        lo = j * self.file_bytes
+        raw = np.ascontiguousarray(data, dtype=self.dtype).reshape(-1).view(np.uint8)
+        buf[lo : lo + self.nbytes] = raw
+        buf[lo + self.nbytes : lo + self.file_bytes] = np.frombuffer(
+            crc32c(raw).to_bytes(CRC_BYTES, "little"), np.uint8)
+
+    def _damaged(self, chunk: int, what: str) -> StoreCorruptError:
+        shard = chunk // self.per_shard
+        return StoreCorruptError(
+            f"chunk {chunk} of array {self.label!r} {what} "
+            f"({self.objects.where(self.key(shard))!r}): the store is damaged"
+        )
+
+
+def _decode(buf: memoryview, layout: ObjectChunks | ShardedChunks, chunk: int, *,
+            check: bool, damaged: Any) -> np.ndarray:
+    """Values and trailing CRC-32C of one chunk -> a fresh array, the checksum checked."""
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    data = raw[: layout.nbytes]
+    if layout.crc and check:
+        stored = int.from_bytes(raw[layout.nbytes : layout.file_bytes].tobytes(), "little")
+        if crc32c(data) != stored:
+            raise damaged(chunk, "fails its checksum")
+    return data.copy().view(layout.dtype).reshape(layout.shape)
+
+
+def object_layout(arr: zarr.Array, objects: Objects) -> ObjectChunks | ShardedChunks | None:
+    """How to read `arr` straight from object storage; None when only zarr can."""
+    meta: Any = arr.metadata
+    codecs: tuple[Any, ...] = tuple(getattr(meta, "codecs", ()))
+    encoding: Any = getattr(meta, "chunk_key_encoding", None)
+    if not (type(encoding).__name__ == "DefaultChunkKeyEncoding"
+            and getattr(encoding, "separator", None) == "/" and np.little_endian):
+        return None
+    tail = "/0" * (arr.ndim - 1)
+    if len(codecs) == 1 and type(codecs[0]).__name__ == "ShardingCodec":
+        sh = codecs[0]
+        inner = [type(c).__name__ for c in sh.codecs]
+        index = [type(c).__name__ for c in sh.index_codecs]
+        outer = tuple(meta.chunk_grid.chunk_shape)
+        ok = (inner == index == ["BytesCodec", "Crc32cCodec"]
+              and str(sh.index_location.value) == "end"
+              and _little(sh.codecs[0]) and _little(sh.index_codecs[0])
+              and tuple(sh.chunk_shape[1:]) == tuple(arr.shape[1:]) == outer[1:]
+              and outer[0] % sh.chunk_shape[0] == 0)
+        if not ok:
+            return None
+        return ShardedChunks(label=arr.path, objects=objects, tail=tail,
+                             shape=(sh.chunk_shape[0], *arr.shape[1:]),
+                             dtype=np.dtype(arr.dtype),
+                             per_shard=outer[0] // sh.chunk_shape[0])
+    names = [type(c).__name__ for c in codecs]
+    if (names not in (["BytesCodec"], ["BytesCodec", "Crc32cCodec"]) or not _little(codecs[0])
+            or any(s != c for s, c in zip(arr.shape[1:], arr.chunks[1:], strict=True))):
+        return None
+    return ObjectChunks(label=arr.path, objects=objects, tail=tail,
+                        shape=(arr.chunks[0], *arr.shape[1:]), dtype=np.dtype(arr.dtype),
+                        crc=len(codecs) == 2)
+
+
+def _little(codec: Any) -> bool:
+    return str(getattr(codec, "endian", "little")).endswith("little")
