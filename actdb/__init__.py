@@ -4,9 +4,13 @@ Every normalization site's input is stored as a point on the unit sphere plus it
 SQL with geometric tensor functions queries it lazily.
 """
 
+from __future__ import annotations
+
 import importlib
+import os
 import sys
 import types
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -66,6 +70,25 @@ def __getattr__(name: str) -> Any:
 
 __version__ = "0.1.0"
 
+
+def report(db: Database | str | os.PathLike[str], output: str | os.PathLike[str] | None = None,
+           *, models: list[str] | None = None, device: str = "auto") -> Path:
+    """Run the papers' measurements on a store and write one self-contained HTML page.
+
+    Args:
+        db: an open Database or a store path.
+        output: the .html file (default: report.html in the current folder).
+        models: the models to report on (default: every model in the store).
+        device: where the tensor functions run when `db` is a path.
+
+    Returns:
+        The path written.
+    """
+    from .plot.report import report as write_report
+
+    return write_report(db, output, models=models, device=device)
+
+
 __all__ = [
     "ActdbError",
     "Database",
@@ -85,4 +108,5 @@ __all__ = [
     "StoreNotWritableError",
     "TokenError",
     "ingest",
+    "report",
 ]

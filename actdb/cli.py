@@ -82,6 +82,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--progress/--no-progress", default=None,
               help="Progress on stderr: a bar on a terminal, a plain line every few seconds "
                    "otherwise (default: on unless -q).")
+@click.option("--chat-template", is_flag=True,
+              help="Wrap each prompt as a user turn with the tokenizer's chat template "
+                   "(instruct models); the templated text is the stored prompt.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 @click.pass_context
 def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
@@ -95,6 +98,8 @@ def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
     \b
     Example:
       actdb ingest runs.actdb --model gpt2 --prompts examples/prompts.txt --batch-size 16
+      actdb ingest runs.actdb --model HuggingFaceTB/SmolLM2-135M-Instruct \\
+          --prompts examples/prompts.txt --chat-template
     """
     from .ingest import IngestPlan
     from .ingest import ingest as run_ingest
@@ -356,6 +361,36 @@ def verify(ctx: click.Context, store: str, full: bool) -> None:
         note = ("; format 1 store: chunks written by format 1 carry no checksums, so only "
                 "their sizes were checked (ingest into a new store to get them)")
     click.echo(f"ok: {store} is consistent ({n_models} models{note})")
+
+
+@cli.command()
+@click.argument("store", type=click.Path(path_type=str))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("report.html"), show_default=True, help="The HTML file to write.")
+@click.option("--model", "models", multiple=True,
+              help="Model to report on; repeatable (default: every model in the store).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:i.")
+@click.pass_context
+def report(ctx: click.Context, store: str, output: Path, models: tuple[str, ...],
+           device: str) -> None:
+    """Run the papers' measurements on a store and write them as one HTML page.
+
+    Angle to the all-ones vector, norms and outlier positions, rotation by the norm, the
+    covariance spectrum of normalized vectors, where the answer appears on the logit lens
+    and which dims push toward it: each a figure (inline), the SQL that made it, the
+    published claim and what this model shows.
+
+    \b
+    Example:
+      actdb report runs.actdb -o report.html
+    """
+    from .plot.report import report as write_report
+
+    if output.suffix.lower() not in (".html", ".htm"):
+        raise click.BadParameter(f"{str(output)!r} must end in .html", param_hint="-o")
+    with _errors(ctx):
+        path = write_report(store, output, models=list(models) or None, device=device)
+    click.echo(f"wrote {path}")
 
 
 @cli.command()

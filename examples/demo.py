@@ -30,12 +30,13 @@ PROMPT, POSITION, ANSWER = 0, 4, " Paris"
 
 LENS = f"""
 -- The logit lens at "is" in "The capital of France is Paris.": per layer, the tokens the
--- residual stream would predict if the model stopped there, and where {ANSWER!r} ranks.
+-- residual stream would predict if the model stopped there, the probability and rank of
+-- {ANSWER!r} in that distribution, and its entropy (nats).
 SELECT layer, site,
        list_transform(top_logits(vec, 3), lambda t: t.token) AS top_3,
-       round(logit(vec, '{ANSWER}'), 1) AS logit_paris,
-       list_position(list_transform(top_logits(vec, 10), lambda t: t.token), '{ANSWER}')
-           AS paris_rank_in_top_10
+       round(prob(vec, '{ANSWER}'), 4) AS p_paris,
+       token_rank(vec, '{ANSWER}') AS paris_rank,
+       round(entropy(vec), 2) AS entropy
 FROM acts
 WHERE model = '{SMOL}' AND prompt_id = {PROMPT} AND position = {POSITION}
   AND role IN ('pre_attn', 'final')
@@ -43,18 +44,13 @@ ORDER BY layer
 """
 
 APPEARS = f"""
--- The first layer from which {ANSWER!r} is among the top 10 tokens, and where it becomes the top.
-WITH lens AS (
-  SELECT layer, list_transform(top_logits(vec, 10), lambda t: t.token) AS top
-  FROM acts
-  WHERE model = '{SMOL}' AND prompt_id = {PROMPT} AND position = {POSITION}
-    AND role IN ('pre_attn', 'final'))
-SELECT min(layer) FILTER (WHERE list_position(top, '{ANSWER}') IS NOT NULL
-                          AND NOT EXISTS (SELECT 1 FROM lens l2 WHERE l2.layer > lens.layer
-                                          AND list_position(l2.top, '{ANSWER}') IS NULL))
-           AS in_top_10_from_layer,
-       min(layer) FILTER (WHERE top[1] = '{ANSWER}') AS top_1_at_layer
-FROM lens
+-- The first layer from which {ANSWER!r} stays among the top 10 tokens, and where it is the top.
+SELECT coalesce(max(layer) FILTER (WHERE rank > 10) + 1, min(layer)) AS in_top_10_from_layer,
+       min(layer) FILTER (WHERE rank = 1) AS top_1_at_layer
+FROM (SELECT layer, token_rank(vec, '{ANSWER}') AS rank
+      FROM acts
+      WHERE model = '{SMOL}' AND prompt_id = {PROMPT} AND position = {POSITION}
+        AND role IN ('pre_attn', 'final'))
 """
 
 DIMS = f"""
@@ -145,9 +141,10 @@ def main() -> None:
         "--position", str(POSITION), "--token", ANSWER, "-o", shown(pictures / "dims.png"))
     run("plot", "angles", store, "--model", SMOL, "--model", MINILM,
         "-o", shown(pictures / "angles.png"))
+    run("report", store, "-o", shown(pictures / "report.html"))
     print(f"\nPictures: {shown(pictures)}/lens.png (the logit lens of prompt {PROMPT}), "
           f"dims.png (the dims pushing toward {ANSWER!r}), angles.png (angle to the all-ones "
-          f"vector per layer, both models).")
+          f"vector per layer, both models), report.html (the papers' measurements).")
     print(f"In Python: import actdb; db = actdb.connect({store!r}); "
           "db.sql('SELECT * FROM models')")
     print(f"(demo took {time.perf_counter() - started:.0f} s)", file=sys.stderr)

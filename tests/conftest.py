@@ -47,6 +47,21 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
 
 
 @pytest.fixture(scope="session")
+def reference(model_dir: Callable[[str], Path]) -> Callable[[str], object]:
+    """family -> its float64 reference run (tests/query_reference.py), built once."""
+    from query_reference import build_reference
+
+    cache: dict[str, object] = {}
+
+    def get(family: str) -> object:
+        if family not in cache:
+            cache[family] = build_reference(family, model_dir(family), PROMPTS)
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def family_store(
     tmp_path_factory: pytest.TempPathFactory, model_dir: Callable[[str], Path]
 ) -> Callable[[str], Path]:
@@ -67,6 +82,20 @@ def family_store(
         return stores[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def two_models(tmp_path_factory: pytest.TempPathFactory,
+               model_dir: Callable[[str], Path]) -> Path:
+    """A store with two models (gpt2 and llama, different tokenizers) over two prompts."""
+    import actdb
+
+    path = tmp_path_factory.mktemp("two-models") / "two.actdb"
+    for family in ("gpt2", "llama"):
+        actdb.ingest(path, model=str(model_dir(family)), prompts=["The capital of France.",
+                                                                   "the the the the"],
+                     device="cpu", name=family, chunk_tokens=8)
+    return path
 
 
 @pytest.fixture(scope="session")

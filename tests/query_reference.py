@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tiny_models import load_tiny_model, norm_modules
 
-LM_FAMILIES = ("gpt2", "llama", "gemma")
+LM_FAMILIES = ("gpt2", "llama", "gemma", "gemma2")
 
 
 @dataclass
@@ -66,6 +66,7 @@ class FamilyRef:
     b_U: np.ndarray | None = None
     logits: np.ndarray | None = None  # model(**enc).logits, float64 [N, V]
     final_module: str | None = None
+    softcap: float | None = None  # the model's final logit soft-cap (Gemma 2), from its config
     _anchors: dict[str, np.ndarray] = field(default_factory=dict)
 
     # -- rows -----------------------------------------------------------------------------
@@ -119,6 +120,16 @@ class FamilyRef:
             n = np.linalg.norm(w, axis=-1, keepdims=True)
             self._anchors[name] = w / np.where(n > 0, n, 1.0)
         return self._anchors[name]
+
+    def transform(self, pre: np.ndarray) -> np.ndarray:
+        """The model's own logits from W_U . h + b_U (its soft-cap, as transformers applies it)."""
+        return self.softcap * np.tanh(pre / self.softcap) if self.softcap else pre
+
+    def lens_logits(self, x: np.ndarray) -> np.ndarray:
+        """float64 [n, V]: the logit lens of residual inputs x [n, d] through the final norm."""
+        assert self.W_U is not None
+        pre = self.final.normed(x) @ self.W_U.T
+        return self.transform(pre + (self.b_U if self.b_U is not None else 0.0))
 
     def logit(self, h: np.ndarray, token_ids) -> np.ndarray:
         """W_U[t] . h + b_U[t] for final-normed rows h [n, d] and a token id per row."""
@@ -233,11 +244,13 @@ def build_reference(family: str, model_dir: Path, prompts: list[str]) -> FamilyR
         ref.logits = np.concatenate(logits)
         # The final norm: the last norm module to run, outside the blocks.
         ref.final_module = {"gpt2": "transformer.ln_f"}.get(family, "model.norm")
+        ref.softcap = getattr(model.config, "final_logit_softcapping", None)
         assert ref.final_module in sites
         f = sites[ref.final_module]
         b = ref.b_U if ref.b_U is not None else 0.0
-        assert np.allclose(f.y @ ref.W_U.T + b, ref.logits, rtol=1e-6, atol=1e-8), (
-            f"{family}: the model's logits are not W_U . y_final + b_U"
+        assert np.allclose(ref.transform(f.y @ ref.W_U.T + b), ref.logits, rtol=1e-6,
+                           atol=1e-8), (
+            f"{family}: the model's logits are not transform(W_U . y_final + b_U)"
         )
     # Self-check of the reference: the formulas reproduce each module's real output.
     for s in sites.values():

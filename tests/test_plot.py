@@ -79,18 +79,6 @@ def db(gpt2: Path) -> Iterator[actdb.Database]:
         yield database
 
 
-@pytest.fixture(scope="module")
-def two_models(tmp_path_factory: pytest.TempPathFactory,
-               model_dir: Callable[[str], Path]) -> Path:
-    """A store with two models (gpt2 and llama) over the same two prompts."""
-    path = tmp_path_factory.mktemp("plot-two") / "two.actdb"
-    for family in ("gpt2", "llama"):
-        actdb.ingest(path, model=str(model_dir(family)), prompts=["The capital of France.",
-                                                                   "the the the the"],
-                     device="cpu", name=family, chunk_tokens=8)
-    return path
-
-
 def mean_lines(fig: Figure) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """label -> (x, y) of every mean line in every panel."""
     out = {}
@@ -155,7 +143,7 @@ def test_sql_flag_prints_runnable_sql_that_gives_the_plotted_data(
 
 
 def test_lens_heatmap_equals_query_layer(db: actdb.Database) -> None:
-    sql, params, df = actdb.plot.lens_data(db, prompt_id=0)
+    sql, params, df = actdb.plot.lens_data(db, prompt_id=0, by="anchor")
     assert params["roles"] == ["pre_attn", "final"]
     # The same request written by hand.
     ref = db.sql("""
@@ -168,7 +156,7 @@ def test_lens_heatmap_equals_query_layer(db: actdb.Database) -> None:
     close(df["cosine"], ref["cosine"])
     assert list(df["anchor"]) == list(ref["anchor"])
 
-    fig = actdb.plot.lens(db, prompt_id=0)
+    fig = actdb.plot.lens(db, prompt_id=0, by="anchor")
     ax = fig.axes[0]
     grid = np.ma.filled(ax.images[0].get_array().astype(float), np.nan)
     want = df.pivot(index="layer", columns="position", values="cosine").to_numpy()
@@ -185,6 +173,49 @@ def test_lens_heatmap_equals_query_layer(db: actdb.Database) -> None:
     assert "gpt2" in title and "prompt 0" in title and "pre_attn" in title
     assert ax.get_xlabel() and ax.get_ylabel()
     assert "cosine" in fig.axes[1].get_ylabel()  # the colour bar
+
+
+def test_logit_lens_final_row_is_the_models_argmax(db: actdb.Database, reference) -> None:
+    ref = reference("gpt2")
+    sql, params, df = actdb.plot.lens_data(db, prompt_id=3)
+    assert "top_logits" in sql and "prob(" in sql
+    fig = actdb.plot.lens(db, prompt_id=3)
+    ax = fig.axes[0]
+    sites = [t.get_text() for t in ax.get_yticklabels()]
+    assert sites[-1] == "final" and "probability" in fig.axes[1].get_ylabel()
+    n = len(ref.input_ids[3])
+    labels = {t.get_gid(): t.get_text() for t in ax.texts}
+    final_row = [labels[f"cell {len(sites) - 1} {j}"] for j in range(n)]
+    # The model's own argmax at every position, from its float64 logits.
+    argmax = ref.logits[ref.rows([3] * n, range(n))].argmax(-1)
+    vocab = dict(db.sql("SELECT token_id, token FROM vocab").fetchall())
+    assert final_row == [actdb.plot.figures.show_token(vocab[int(t)], 8) for t in argmax]
+    # Colours: the probability of that token, as prob() says; the scale skips the first row.
+    grid = np.ma.filled(ax.images[0].get_array().astype(float), np.nan)
+    probs = np.exp(ref.logits[ref.rows([3] * n, range(n))])
+    probs = probs / probs.sum(-1, keepdims=True)
+    close(grid[-1], probs[np.arange(n), argmax], 1e-3)
+    norm = ax.images[0].norm
+    assert norm.vmin == np.nanmin(grid[1:]) and norm.vmax == np.nanmax(grid[1:])
+
+
+def test_logit_lens_of_a_chosen_token(db: actdb.Database, tmp_path: Path) -> None:
+    sql, params, df = actdb.plot.lens_data(db, prompt_id=0, token=" the")
+    ref = db.sql("SELECT token_rank(vec, ' the') AS r, prob(vec, ' the') AS p FROM acts "
+                 "WHERE prompt_id = 0 AND role IN ('pre_attn', 'final') "
+                 "ORDER BY layer, site, position").df()
+    assert list(df["rank"]) == list(ref["r"])
+    close(df["prob"], ref["p"])
+    fig = actdb.plot.lens(db, prompt_id=0, token=" the")
+    assert [t.get_text() for t in fig.axes[0].texts] == [str(r) for r in df["rank"]]
+    assert "' the'" in fig.axes[0].get_title()
+    out = tmp_path / "t.png"
+    result = run("plot", "lens", db.store.path, "--prompt-id", "0", "--token", " the",
+                 "-o", out)
+    assert result.exit_code == 0, result.stderr
+    assert_image(out, "png")
+    error_line(run("plot", "lens", db.store.path, "--prompt-id", "0", "--token", " the",
+                   "--by", "anchor"), "--token")
 
 
 def test_lens_anchor_set_and_role(db: actdb.Database) -> None:
@@ -249,23 +280,65 @@ def test_angles_compares_models_a_line_each(two_models: Path, tmp_path: Path) ->
     assert set(lines) == {"gpt2 · pre_attn", "llama · pre_attn"}
     for model in ("gpt2", "llama"):
         close(lines[f"{model} · pre_attn"][1], df[df["model"] == model]["mean"])
+    with actdb.connect(two_models, device="cpu") as db:
+        fig = actdb.plot.angles(db, model=["gpt2", "llama"], relative_depth=True)
+        depth = dict(db.sql("SELECT model, n_layers FROM models").fetchall())
+    lines = mean_lines(fig)
+    for model in ("gpt2", "llama"):
+        part = df[df["model"] == model]
+        close(lines[f"{model} · pre_attn"][0], part["layer"] / depth[model])
+    assert "relative depth" in fig.axes[0].get_xlabel()
     out = tmp_path / "a.svg"
     result = run("plot", "angles", two_models, "--model", "gpt2", "--model", "llama",
-                 "--role", "pre_attn", "-o", out)
+                 "--role", "pre_attn", "--relative-depth", "-o", out)
     assert result.exit_code == 0, result.stderr
     assert_image(out, "svg")
 
 
 def test_norms_lines_equal_query_layer(db: actdb.Database) -> None:
     sql, params, df = actdb.plot.norms_data(db)
-    ref = db.sql("SELECT layer, role, avg(vec_norm(vec) / sqrt(64)) AS mean FROM acts "
+    ref = db.sql("SELECT layer, role, median(vec_norm(vec) / sqrt(64)) AS med FROM acts "
                  "GROUP BY ALL").df()
     merged = df.merge(ref, on=["layer", "role"], suffixes=("", "_ref"))
     assert len(merged) == len(df) == 5
-    close(merged["mean"], merged["mean_ref"], 1e-5)
-    lines = mean_lines(actdb.plot.norms(db))
+    close(merged["center"], merged["med"], 1e-5)
+    fig = actdb.plot.norms(db)
+    lines = mean_lines(fig)
     for role, part in df.groupby("role"):
-        close(lines[f"gpt2 · {role}"][1], part.sort_values("layer")["mean"])
+        close(lines[f"gpt2 · {role}"][1], part.sort_values("layer")["center"])
+    assert all(ax.get_yscale() == "log" for ax in fig.axes)
+
+
+def test_norms_mark_outlier_positions(model_dir, tmp_path: Path) -> None:
+    """gpt2 with position 0's embedding made huge: an attention-sink-like token whose norm is
+    far above the rest at every layer."""
+    import torch
+    from tiny_models import load_tiny_model
+
+    model, tok = load_tiny_model("gpt2", model_dir("gpt2"))
+    with torch.no_grad():
+        model.transformer.wpe.weight[0].mul_(300)
+    store = tmp_path / "sink.actdb"
+    actdb.ingest(store, model=model, tokenizer=tok, prompts=["a b c d e f", "one two three"],
+                 device="cpu", name="sink")
+    with actdb.connect(store, device="cpu") as db:
+        sql, params, df = actdb.plot.norms_data(db, roles=["pre_attn", "final"])
+        ref = db.sql("""
+            WITH x AS (SELECT layer, role, position, norm / 8 AS x FROM acts
+                       WHERE role IN ('pre_attn', 'final'))
+            SELECT layer, role, list(DISTINCT position ORDER BY position) AS outliers
+            FROM x JOIN (SELECT layer, role, median(x) AS med FROM x GROUP BY ALL)
+                 USING (layer, role)
+            WHERE x > 10 * med GROUP BY ALL ORDER BY role, layer""").df()
+        fig = actdb.plot.norms(db, roles=["pre_attn", "final"])
+    assert len(ref) == 3 and all(list(o) == [0] for o in ref["outliers"])
+    got = df.sort_values(["role", "layer"])
+    assert [list(o) for o in got["outlier_positions"]] == [[0]] * 3
+    marks = [ln for ax in fig.axes for ln in ax.lines if ln.get_gid() == "outlier"]
+    assert len(marks) == 3
+    close(sorted(float(m.get_ydata()[0]) for m in marks), sorted(df["top"]))
+    notes = [t.get_text() for ax in fig.axes for t in ax.texts if t.get_gid() == "outlier-label"]
+    assert notes == ["pos 0"] * 3
 
 
 def test_rotation_lines_equal_query_layer(db: actdb.Database) -> None:

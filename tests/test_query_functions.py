@@ -17,7 +17,6 @@ from conftest import PROMPTS
 from query_reference import (
     LM_FAMILIES,
     FamilyRef,
-    build_reference,
     cos_rows,
     degrees,
     uniform_angle,
@@ -38,18 +37,6 @@ LOGIT_RTOL, LOGIT_ATOL = 2e-3, 2e-3
 
 
 # -- fixtures ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def reference(model_dir):
-    cache: dict[str, FamilyRef] = {}
-
-    def get(family: str) -> FamilyRef:
-        if family not in cache:
-            cache[family] = build_reference(family, model_dir(family), PROMPTS)
-        return cache[family]
-
-    return get
 
 
 class _Connections:

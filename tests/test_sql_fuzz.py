@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import actdb
-from actdb.query.functions import ANCHORS, FUNCTIONS, INT, TOKEN, VEC
+from actdb.query.functions import ANCHORS, DIRECTION, FUNCTIONS, INT, TOKEN, VEC, VECS
 
 # (usual arguments, odd ones): a call draws an odd argument about one time in four.
-VECS = (["a.vec", "normed(a.vec)", "normalized(a.vec)", "final_norm(a.vec)", "a2.vec"],
+HANDLES = (["a.vec", "normed(a.vec)", "normalized(a.vec)", "final_norm(a.vec)", "a2.vec"],
         ["normed(normed(a.vec))", "a.position", "a.prompt_id", "a.token_id", "NULL", "0", "-1",
          "9223372036854775807", "'x'", "1.5", "a.vec + 1", "a.vec + 100000", "NULL::BIGINT",
          "(SELECT max(vec) FROM acts)", "-a.vec"])
@@ -35,7 +35,17 @@ WHERES = ["", "WHERE a.prompt_id = 1", "WHERE a.position < 3", "WHERE a.site = '
 WRAPS = ["{}", "{}", "{}", "avg({})", "max({})", "count({})", "list({})[1]",
          "coalesce({}, NULL)", "CASE WHEN a.position > 1 THEN {} END"]
 
-_ARGS = {VEC: VECS, TOKEN: TOKENS, INT: INTS, ANCHORS: ANCHOR_ARGS}
+LISTS = (["[a.vec]", "[a.vec, a2.vec]", "(SELECT list(vec) FROM acts WHERE site = 'final')",
+          "[normalized(a.vec), a.vec]"],
+         ["[a.position]", "NULL", "[]", "[NULL]", "[a.vec, NULL]", "'x'", "[0]",
+          "(SELECT list(vec) FROM acts)", "[-a.vec]"])
+DIRECTIONS = (["to_list(a.vec)", "delta(a.vec)", "to_list(a2.vec)",
+               "(SELECT mean_vector(list(vec)) FROM acts WHERE site = 'final')"],
+              ["[1, 2, 3]", "NULL", "[]", "[NULL]", "'x'", "[1e39]", "to_list(normed(a.vec))",
+               "list_transform(range(64), lambda i: 0.0)", "[a.position]"])
+
+_ARGS = {VEC: HANDLES, VECS: LISTS, TOKEN: TOKENS, INT: INTS, ANCHORS: ANCHOR_ARGS,
+         DIRECTION: DIRECTIONS}
 
 
 @st.composite

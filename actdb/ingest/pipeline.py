@@ -25,7 +25,7 @@ from .fields import SiteSink
 from .load import LoadedModel, load
 from .logits import LOGIT_LIMIT, LogitCheck, LogitTransform, measure_logits, model_logits
 from .progress import progress_bar
-from .prompts import Prompt, PromptsLike, extra_columns, read_prompts
+from .prompts import Prompt, PromptsLike, apply_chat_template, extra_columns, read_prompts
 from .rows import Work, batch_tables
 from .sites import FoundSite, find_sites
 
@@ -87,12 +87,16 @@ def ingest(
     progress: bool = False,
     on_plan: Callable[[IngestPlan], None] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    chat_template: bool = False,
 ) -> IngestSummary:
     """Run `model` once over `prompts` and store every norm site's input in `store`.
 
     Safe to re-run: prompts the model already has in the store are skipped, so an
     interrupted ingest resumes where it stopped. `store` may be `s3://bucket/prefix`, with
-    `storage_options` overriding the AWS environment variables (see `actdb.connect`).
+    `storage_options` overriding the AWS environment variables (see `actdb.connect`). With
+    `chat_template`, each prompt is wrapped as a user turn by the tokenizer's chat template
+    (assistant turn opened); the templated text is the stored prompt's text, tokenized as is
+    (the template places any special tokens itself).
     """
     if batch_size < 1:
         raise IngestError(f"batch_size must be at least 1, got {batch_size}")
@@ -102,8 +106,11 @@ def ingest(
     loaded = load(model, tokenizer, device=device, dtype=dtype, revision=revision,
                   device_map=device_map)
     model_name = name or loaded.default_name
+    if chat_template:
+        prompt_list = apply_chat_template(prompt_list, loaded.tokenizer, model_name)
     limit = _length_limit(loaded, max_length)
-    ids, truncated = _tokenize(loaded.tokenizer, [p.text for p in prompt_list], limit)
+    ids, truncated = _tokenize(loaded.tokenizer, [p.text for p in prompt_list], limit,
+                               special=not chat_template)
     sample, sample_alt = _probe_batch(loaded, ids, 11), _probe_batch(loaded, ids, 7)
     found, n_layers = find_sites(loaded.model, sample, sample_alt, sites_glob=sites)
     head = _lm_head(loaded.model)
@@ -154,11 +161,13 @@ def _length_limit(loaded: LoadedModel, max_length: int | None) -> int | None:
     return min(sane) if sane else None
 
 
-def _tokenize(tok: Any, texts: list[str], limit: int | None) -> tuple[list[list[int]], list[bool]]:
-    full = tok(texts, add_special_tokens=True, verbose=False)["input_ids"]
+def _tokenize(tok: Any, texts: list[str], limit: int | None, *, special: bool = True
+              ) -> tuple[list[list[int]], list[bool]]:
+    full = tok(texts, add_special_tokens=special, verbose=False)["input_ids"]
     truncated = [limit is not None and len(f) > limit for f in full]
     if any(truncated):
-        cut = tok(texts, add_special_tokens=True, truncation=True, max_length=limit)["input_ids"]
+        cut = tok(texts, add_special_tokens=special, truncation=True,
+                  max_length=limit)["input_ids"]
         full = [c if t else f for f, c, t in zip(full, cut, truncated, strict=True)]
     return [list(map(int, f)) for f in full], truncated
 

@@ -6,11 +6,11 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import PromptsError
+from ..errors import IngestError, PromptsError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,3 +199,21 @@ def _sql_type(v: Any) -> str:
     if isinstance(v, float):
         return "DOUBLE"
     return "VARCHAR"
+
+
+def apply_chat_template(prompts: list[Prompt], tokenizer: Any, model: str) -> list[Prompt]:
+    """Each prompt as the user turn of a chat, rendered by the tokenizer's own template with
+    the assistant's turn opened (what an instruct model sees before it answers)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise IngestError(f"the tokenizer of model {model!r} has no chat template; ingest "
+                          "without --chat-template (chat_template=False)")
+    out = []
+    for p in prompts:
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": p.text}],
+                                                 tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template's own error (Jinja), named with the prompt
+            raise IngestError(f"the chat template of model {model!r} failed on prompt "
+                              f"{p.text[:60]!r}: {e}") from None
+        out.append(replace(p, text=str(text)))
+    return out

@@ -93,31 +93,43 @@ def plot() -> None:
 @click.argument("store", type=click.Path(path_type=str))
 @click.option("--prompt-id", type=int, required=True, help="The prompt to follow.")
 @click.option("--model", default=None, help="Model in the store (default: the only one).")
+@click.option("--by", type=click.Choice(("logit", "anchor")), default=None,
+              help="logit: the model's next-token distribution read at each layer (default "
+                   "with an LM head); anchor: the nearest anchor on the sphere.")
+@click.option("--token", default=None,
+              help="With --by logit: show this token's rank and probability instead of the "
+                   "top token, e.g. ' Paris' (a string that is one token, or a token id).")
 @click.option("--anchors", type=click.Choice(ANCHOR_SETS), default=None,
-              help="Anchor set for nearest_anchors (default: unembed with an LM head, "
-                   "else embed).")
+              help="Anchor set for --by anchor (default: unembed with an LM head, else "
+                   "embed); giving it implies --by anchor.")
 @click.option("--role", default=None,
               help="Role of the sites to show, one per layer (default: pre_attn if present, "
                    "else post_mlp); the final norm is added when there is one.")
 @_common
 @click.pass_context
-def lens(ctx: click.Context, store: str, prompt_id: int, model: str | None,
-         anchors: str | None, role: str | None, output: Path | None, show_sql: bool,
-         device: str) -> None:
-    """The logit lens on the sphere: layers (rows) by token positions (columns).
+def lens(ctx: click.Context, store: str, prompt_id: int, model: str | None, by: str | None,
+         token: str | None, anchors: str | None, role: str | None, output: Path | None,
+         show_sql: bool, device: str) -> None:
+    """The lens: layers (rows) by token positions (columns) for one prompt.
 
-    Each cell is labelled with the token of the anchor nearest to that layer's input at
-    that position, and coloured by the cosine to it.
+    By logit (the default with an LM head), each cell is the token the model's next-token
+    distribution puts first when read at that layer, coloured by its probability; with
+    --token, that token's rank, coloured by its probability. By anchor, the token of the
+    nearest anchor, coloured by the cosine to it. The colour scale is fitted to the layers
+    above the first.
 
     \b
     Example:
       actdb plot lens runs.actdb --prompt-id 3 -o lens.png
-      actdb plot lens runs.actdb --prompt-id 3 --anchors embed --role pre_mlp --sql
+      actdb plot lens runs.actdb --prompt-id 3 --token ' Paris' -o paris.png
+      actdb plot lens runs.actdb --prompt-id 3 --by anchor --anchors embed --sql
     """
-    from .data import lens_spec
+    from .lensmap import lens_spec
 
+    tok: str | int | None = int(token) if token is not None and token.isdigit() else token
     _draw(ctx, "lens", store, device, output, show_sql,
-          lambda db: lens_spec(db, prompt_id, model=model, anchors=anchors, role=role))
+          lambda db: lens_spec(db, prompt_id, model=model, by=by, anchors=anchors, role=role,
+                               token=tok))
 
 
 def _profile_command(kind: str, doc: str, several_models: bool) -> None:
@@ -130,20 +142,26 @@ def _profile_command(kind: str, doc: str, several_models: bool) -> None:
     @click.option("--model", "models", multiple=several_models, default=None, help=model_help)
     @click.option("--role", "roles", multiple=True,
                   help="Role to show; repeatable (default: every role at the model width).")
+    @click.option("--relative-depth/--layers", "relative_depth", default=None,
+                  help="x axis: layer / n_layers, so that models of different depth line up "
+                       "(default when the models differ in depth), or the layer number.")
     @_common
     @click.pass_context
     def command(ctx: click.Context, store: str, models: Any, roles: tuple[str, ...],
-                output: Path | None, show_sql: bool, device: str) -> None:
+                relative_depth: bool | None, output: Path | None, show_sql: bool,
+                device: str) -> None:
         from .data import profile_spec
 
         _draw(ctx, kind, store, device, output, show_sql,
-              lambda db: profile_spec(db, kind, models=models or None, roles=roles or None))
+              lambda db: profile_spec(db, kind, models=models or None, roles=roles or None,
+                                      relative_depth=relative_depth))
 
 
 _profile_command("angles", """The angle to the all-ones vector per layer, 90 degrees marked.
 
-    A panel per role, a line per model (give --model several times to compare): the mean of
-    uniform_angle(vec) over all tokens, with a band from the 10th to the 90th percentile.
+    A panel per role, a line per model (give --model several times to compare; models of
+    different depth line up by relative depth): the mean of uniform_angle(vec) over all
+    tokens, with a band from the 10th to the 90th percentile.
 
     \b
     Example:
@@ -153,8 +171,9 @@ _profile_command("angles", """The angle to the all-ones vector per layer, 90 deg
 
 _profile_command("norms", """The norm of each norm site's input divided by sqrt(d), per layer.
 
-    ||x|| / sqrt(d) is the RMS of x. A panel per role: the mean over all tokens, with a band
-    from the 10th to the 90th percentile.
+    ||x|| / sqrt(d) is the RMS of x. A panel per role, on a log axis: the median over all
+    tokens, with a band from the 10th to the 90th percentile; a cross marks the largest token
+    of each layer where some exceed 10 times the median, labelled with their positions.
 
     \b
     Example:

@@ -228,52 +228,30 @@ def resolve_site(db: Database, model: str, site: str | None) -> str:
 # -- the pictures' SQL ------------------------------------------------------------------------
 
 
-LENS_SQL = """\
-SELECT layer, site, role, position, token,
-       near[1].token_id AS anchor_id, near[1].token AS anchor, near[1].cosine AS cosine
-FROM (
-    SELECT layer, site, role, position, token, nearest_anchors(vec, 1{anchors}) AS near
-    FROM acts
-    WHERE model = $model AND prompt_id = $prompt_id AND list_contains($roles, role)
-)
-ORDER BY layer, site, position"""
-
-
-def lens_spec(db: Database, prompt_id: int, *, model: str | None = None,
-              anchors: str | None = None, role: str | None = None) -> Spec:
-    name = resolve_model(db, model)
-    n = prompt_length(db, name, prompt_id)
-    roles_present = model_roles(db, name)
-    if role is None:
-        base = "pre_attn" if "pre_attn" in roles_present else "post_mlp"
-        if base not in roles_present:
-            raise PlotError(f"model {name!r} has neither pre_attn nor post_mlp sites; "
-                            f"choose a role with --role (its roles are "
-                            f"{', '.join(roles_present)})")
-    else:
-        base = resolve_roles(db, [name], role)[0]
-    roles = [base] + (["final"] if base != "final" and "final" in roles_present else [])
-    info = model_row(db, name)
-    params: dict[str, Any] = {"model": name, "prompt_id": int(prompt_id), "roles": roles}
-    if anchors is not None:
-        params["anchors"] = anchors
-    sql = LENS_SQL.format(anchors=", $anchors" if anchors is not None else "")
-    shown = anchors or ("unembed" if bool(info["has_lm_head"]) else "embed")
-    return Spec("lens", sql, params, {"model": name, "prompt_id": int(prompt_id),
-                                      "n_tokens": n, "roles": roles, "anchors": shown,
-                                      "text": prompt_text(db, prompt_id)})
-
-
 PROFILE_SQL = """\
-SELECT model, layer, role, count(x) AS n, avg(x) AS mean, stddev_pop(x) AS std,
-       quantile_cont(x, {lo}) AS lo, quantile_cont(x, {hi}) AS hi
-FROM (
-    SELECT a.model, a.layer, a.role, {expr} AS x
-    FROM acts a{join}
-    WHERE list_contains($models, a.model) AND list_contains($roles, a.role)
-)
-GROUP BY model, layer, role
+SELECT model, layer, role, depth, count(x) AS n, {center} AS center, avg(x) AS mean,
+       stddev_pop(x) AS std, quantile_cont(x, {lo}) AS lo, quantile_cont(x, {hi}) AS hi{extra}
+FROM ({inner})
+GROUP BY model, layer, role, depth
 ORDER BY model, layer, role"""
+_INNER = """
+    SELECT a.model, a.layer, a.role, a.position,
+           a.layer / greatest(m.n_layers, 1) AS depth, {expr} AS x
+    FROM acts a JOIN models m ON m.model = a.model{join}
+    WHERE list_contains($models, a.model) AND list_contains($roles, a.role)
+"""
+_WITH_MEDIAN = """
+  SELECT *, median(x) OVER (PARTITION BY model, layer, role) AS med
+  FROM ({inner})
+"""
+
+# A token is an outlier of its layer when its norm is this many times the layer's median
+# (an attention sink's norm is tens to thousands of times the rest).
+OUTLIER_FACTOR = 10.0
+_NORM_OUTLIERS = """,
+       max(x) AS top, arg_max(position, x) AS top_position,
+       list(DISTINCT position ORDER BY position) FILTER (WHERE x > $outlier * med)
+           AS outlier_positions"""
 
 _PROFILES = {
     "angles": ("uniform_angle(a.vec)", ""),
@@ -283,18 +261,33 @@ _PROFILES = {
 
 
 def profile_spec(db: Database, kind: str, *, models: str | Sequence[str] | None = None,
-                 roles: str | Sequence[str] | None = None) -> Spec:
-    """Per (model, layer, role): mean, spread and quantile band of one per-token quantity."""
+                 roles: str | Sequence[str] | None = None,
+                 relative_depth: bool | None = None) -> Spec:
+    """Per (model, layer, role): centre (median for norms, else mean), spread and quantile
+    band of one per-token quantity; norms also name the outlier positions of each layer.
+    `relative_depth` puts layer / n_layers on the x axis (default: when the models given
+    differ in depth)."""
     names = resolve_models(db, models)
     chosen = resolve_roles(db, names, roles)
     if not chosen:
         raise PlotError(f"model {names[0]!r} has no sites to plot")
     expr, join = _PROFILES[kind]
-    sql = PROFILE_SQL.format(expr=expr, join=join, lo=BAND[0], hi=BAND[1])
+    params: dict[str, Any] = {"models": names, "roles": chosen}
+    inner = _INNER.format(expr=expr, join=join)
+    if kind == "norms":
+        center, extra = "median(x)", _NORM_OUTLIERS
+        inner = _WITH_MEDIAN.format(inner=inner)
+        params["outlier"] = OUTLIER_FACTOR
+    else:
+        center, extra = "avg(x)", ""
+    sql = PROFILE_SQL.format(inner=inner, lo=BAND[0], hi=BAND[1], center=center, extra=extra)
     n_tokens = {m: int(db.sql("SELECT count(*) FROM tokens WHERE model = $m",
                               params={"m": m}).fetchall()[0][0]) for m in names}
-    return Spec(kind, sql, {"models": names, "roles": chosen},
-                {"models": names, "roles": chosen, "n_tokens": n_tokens})
+    depths = {int(db.sql("SELECT n_layers FROM models WHERE model = $m",
+                         params={"m": m}).fetchall()[0][0]) for m in names}
+    relative = len(depths) > 1 if relative_depth is None else bool(relative_depth)
+    return Spec(kind, sql, params, {"models": names, "roles": chosen, "n_tokens": n_tokens,
+                                    "relative_depth": relative})
 
 
 # Which dims push toward a token: the split of its logit, or, for a model without an LM head

@@ -25,22 +25,28 @@ from matplotlib.ticker import MaxNLocator
 from ..query.display import visible_token
 from .data import (
     BAND,
+    OUTLIER_FACTOR,
     DbOrPath,
     PlotData,
     PlotError,
     Spec,
     dims_spec,
     is_missing,
-    lens_spec,
     opened,
     profile_spec,
 )
+from .lensmap import lens, lens_data, lens_figure
+
+__all__ = ["angles", "angles_data", "dims", "dims_data", "dims_figure", "lens", "lens_data",
+           "lens_figure", "norms", "norms_data", "profile_figure", "rotation", "rotation_data",
+           "save"]
 
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 DPI = 150
 CMAP = "viridis"  # lightness rises monotonically: reads in greyscale
 # Diverging bars: a dark and a light colour (viridis ends), told apart in greyscale too.
 PUSH, PULL = "#3b528b", "#b5de2b"
+OUTLIER = "#c0392b"  # outlier tokens of the norms picture
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 DASHES: tuple[Any, ...] = ("-", "--", ":", "-.")
 _BAND_TEXT = f"band: {BAND[0] * 100:.0f}th to {BAND[1] * 100:.0f}th percentile over tokens"
@@ -107,65 +113,6 @@ def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
     return p
 
 
-# -- lens: layers x positions, nearest anchor per cell ----------------------------------------
-
-
-def lens_figure(spec: Spec, df: pd.DataFrame) -> Figure:
-    m = spec.meta
-    rows = df[["layer", "site"]].drop_duplicates().reset_index(drop=True)
-    positions = sorted(int(p) for p in df["position"].unique())
-    col = {p: j for j, p in enumerate(positions)}
-    row = {s: i for i, s in enumerate(rows["site"])}
-    grid = np.full((len(rows), len(positions)), np.nan)
-    labels = [[""] * len(positions) for _ in range(len(rows))]
-    tokens = {int(p): t for p, t in zip(df["position"], df["token"], strict=True)}
-    for site, pos, anchor, cos in zip(df["site"], df["position"], df["anchor"], df["cosine"],
-                                      strict=True):
-        i, j = row[site], col[int(pos)]
-        grid[i, j] = np.nan if is_missing(cos) else float(cos)
-        labels[i][j] = show_token(anchor, 8)
-
-    n_cols, n_rows = len(positions), len(rows)
-    dense = n_cols > 60  # too many columns to label each cell readably
-    cell_w = 0.22 if dense else 0.62
-    fig = _figure(max(6.5, 3.6 + cell_w * n_cols), max(3.5, 2.6 + 0.45 * n_rows))
-    ax = fig.add_subplot()
-    cmap = colormaps[CMAP].with_extremes(bad="#d9d9d9")  # NULL cells (zero vectors): grey
-    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, aspect="auto", origin="lower",
-                   interpolation="nearest")
-    if not dense:
-        for i in range(n_rows):
-            for j in range(n_cols):
-                v = grid[i, j]
-                light = bool(np.isnan(v) or np.asarray(im.norm(v)) > 0.55)
-                ax.text(j, i, labels[i][j], ha="center", va="center", fontsize=8,
-                        color="black" if light else "white")
-    if dense:  # every few positions, by number
-        step = -(-n_cols // 40)
-        ticks = list(range(0, n_cols, step))
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([str(positions[j]) for j in ticks])
-        ax.set_xlabel(f"token position (0 to {n_cols - 1}; too many tokens to name each)")
-    else:
-        ax.set_xticks(range(n_cols))
-        ax.set_xticklabels([show_token(tokens[p]) for p in positions], rotation=60,
-                           ha="right", rotation_mode="anchor")
-        ax.set_xlabel(f"input token (positions 0 to {n_cols - 1}, ␣ marks a space)")
-    ax.set_yticks(range(n_rows))
-    ax.set_yticklabels(list(rows["site"]))
-    ax.set_ylabel("layer (norm site, input side)")
-    cbar = fig.colorbar(im, ax=ax, pad=0.01)
-    cbar.set_label(f"cosine to the nearest {m['anchors']} anchor (unitless)")
-    roles = " + ".join(m["roles"])
-    ax.set_title(
-        f"Logit lens on the sphere: model {m['model']}, prompt {m['prompt_id']}, "
-        f"{roles} sites\nEach cell: the token of the nearest {m['anchors']} anchor, "
-        f"coloured by its cosine\n\u201c{_short(m['text'])}\u201d",
-        fontsize=11,
-    )
-    return fig
-
-
 # -- per-layer profiles: angles, norms, rotation ----------------------------------------------
 
 _PROFILE_TEXT = {
@@ -192,26 +139,37 @@ def profile_figure(spec: Spec, df: pd.DataFrame) -> Figure:
     axes = fig.subplots(1, len(roles), sharey=True, squeeze=False,
                         gridspec_kw={"width_ratios": ratios})[0]
     title, ylabel = _PROFILE_TEXT[spec.kind]
+    relative = bool(m.get("relative_depth"))
+    norms = spec.kind == "norms"
     for ax, role in zip(axes, roles, strict=True):
         for mi, model in enumerate(models):
             part = df[(df["model"] == model) & (df["role"] == role)].sort_values("layer")
             if part.empty:
                 continue
             c = colour[model]
-            x = part["layer"].to_numpy(dtype=float)
+            x = part["depth" if relative else "layer"].to_numpy(dtype=float)
             lo, hi = part["lo"].to_numpy(dtype=float), part["hi"].to_numpy(dtype=float)
             if len(part) > 1:
                 ax.fill_between(x, lo, hi, color=c, alpha=0.2, linewidth=0)
             else:  # one layer: the band as a bar, side by side when several models
                 dx = (mi - (len(models) - 1) / 2) * 0.12
                 ax.vlines(x + dx, lo, hi, color=c, alpha=0.35, linewidth=6)
-            ax.plot(x, part["mean"].to_numpy(dtype=float), color=c,
+            ax.plot(x, part["center"].to_numpy(dtype=float), color=c,
                     linestyle=DASHES[mi % len(DASHES)], marker=MARKERS[mi % len(MARKERS)],
                     markersize=6, linewidth=1.8, label=f"{model} \u00b7 {role}", gid="mean")
+            if norms:
+                _mark_outliers(ax, x, part)
         if spec.kind == "angles":
             ax.axhline(90.0, color="black", linewidth=1.0, linestyle=(0, (4, 3)),
                        gid="reference")
         ax.set_title(role, fontsize=10)
+        if norms:
+            ax.set_yscale("log")
+        if relative:
+            ax.set_xlim(-0.05, 1.05)
+            ax.set_xlabel("relative depth (layer / n_layers)")
+            ax.grid(True, alpha=0.3)
+            continue
         if len(layers[role]) <= 8:
             ax.set_xticks([int(v) for v in layers[role]])
         else:
@@ -223,7 +181,8 @@ def profile_figure(spec: Spec, df: pd.DataFrame) -> Figure:
     axes[0].set_ylabel(ylabel)
     tokens = ", ".join(f"{m['n_tokens'][x]} tokens" for x in models)
     who = ("models " + ", ".join(models)) if several else f"model {models[0]}"
-    fig.suptitle(f"{title}\n{who}: mean per layer over {tokens}, a panel per role",
+    centre = "median" if norms else "mean"
+    fig.suptitle(f"{title}\n{who}: {centre} per layer over {tokens}, a panel per role",
                  fontsize=11)
     handles: list[Any] = [Line2D([], [], color=colour[x], linestyle=DASHES[i % len(DASHES)],
                                  marker=MARKERS[i % len(MARKERS)], label=x)
@@ -233,9 +192,32 @@ def profile_figure(spec: Spec, df: pd.DataFrame) -> Figure:
     if spec.kind == "angles":
         handles.append(Line2D([], [], color="black", linewidth=1.0, linestyle=(0, (4, 3)),
                               label="90\u00b0: orthogonal to the all-ones vector"))
+    if norms and df["outlier_positions"].map(_positions).map(len).any():
+        handles.append(Line2D([], [], color=OUTLIER, marker="x", linestyle="none",
+                              label=f"largest token where some exceed {OUTLIER_FACTOR:g}x "
+                                    "the median (outlier positions named)"))
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 3),
                fontsize=9, frameon=False)
     return fig
+
+
+def _positions(value: Any) -> list[int]:
+    return [] if value is None or (isinstance(value, float) and np.isnan(value)) \
+        else [int(p) for p in value]
+
+
+def _mark_outliers(ax: Any, x: np.ndarray, part: pd.DataFrame) -> None:
+    """A cross at the largest norm of each layer holding outliers, labelled with the
+    positions of its outlier tokens (the attention sink shows as one position, every layer)."""
+    for xi, top, where in zip(x, part["top"], part["outlier_positions"], strict=True):
+        pos = _positions(where)
+        if not pos:
+            continue
+        ax.plot([xi], [float(top)], marker="x", color=OUTLIER, markersize=8,
+                linestyle="none", gid="outlier")
+        shown = ", ".join(str(p) for p in pos[:4]) + (", …" if len(pos) > 4 else "")
+        ax.annotate(f"pos {shown}", (xi, float(top)), textcoords="offset points",
+                    xytext=(4, 4), fontsize=7, color=OUTLIER, gid="outlier-label")
 
 
 # -- dims: which dimensions push toward a token ------------------------------------------------
@@ -285,56 +267,61 @@ def dims_figure(spec: Spec, df: pd.DataFrame) -> Figure:
 # -- the public functions ---------------------------------------------------------------------
 
 
-def lens_data(db_or_path: DbOrPath, prompt_id: int, *, model: str | None = None,
-              anchors: str | None = None, role: str | None = None,
-              device: str = "auto") -> PlotData:
-    """The lens picture's (sql, params, DataFrame): nearest anchor per site and position."""
-    with opened(db_or_path, device) as db:
-        return lens_spec(db, prompt_id, model=model, anchors=anchors, role=role).run(db)
-
-
-def lens(db_or_path: DbOrPath, prompt_id: int, *, model: str | None = None,
-         anchors: str | None = None, role: str | None = None, device: str = "auto") -> Figure:
-    """Heatmap of layers by positions for one prompt: nearest anchor token and its cosine."""
-    with opened(db_or_path, device) as db:
-        spec = lens_spec(db, prompt_id, model=model, anchors=anchors, role=role)
-        return lens_figure(spec, spec.run(db).df)
-
-
 def _profile_data(kind: str, db_or_path: DbOrPath, models: str | Sequence[str] | None,
-                  roles: str | Sequence[str] | None, device: str) -> PlotData:
+                  roles: str | Sequence[str] | None, device: str,
+                  relative_depth: bool | None = None) -> PlotData:
     with opened(db_or_path, device) as db:
-        return profile_spec(db, kind, models=models, roles=roles).run(db)
+        return profile_spec(db, kind, models=models, roles=roles,
+                            relative_depth=relative_depth).run(db)
 
 
 def _profile(kind: str, db_or_path: DbOrPath, models: str | Sequence[str] | None,
-             roles: str | Sequence[str] | None, device: str) -> Figure:
+             roles: str | Sequence[str] | None, device: str,
+             relative_depth: bool | None = None) -> Figure:
     with opened(db_or_path, device) as db:
-        spec = profile_spec(db, kind, models=models, roles=roles)
+        spec = profile_spec(db, kind, models=models, roles=roles,
+                            relative_depth=relative_depth)
         return profile_figure(spec, spec.run(db).df)
 
 
 def angles_data(db_or_path: DbOrPath, *, model: str | Sequence[str] | None = None,
-                roles: str | Sequence[str] | None = None, device: str = "auto") -> PlotData:
-    """Per model, layer and role: uniform_angle (degrees) mean, std and percentile band."""
-    return _profile_data("angles", db_or_path, model, roles, device)
+                roles: str | Sequence[str] | None = None, relative_depth: bool | None = None,
+                device: str = "auto") -> PlotData:
+    """Per model, layer and role: uniform_angle (degrees) mean, std and percentile band,
+    with each layer's relative depth (layer / n_layers)."""
+    return _profile_data("angles", db_or_path, model, roles, device, relative_depth)
 
 
 def angles(db_or_path: DbOrPath, *, model: str | Sequence[str] | None = None,
-           roles: str | Sequence[str] | None = None, device: str = "auto") -> Figure:
-    """Angle to the all-ones vector per layer and role (a line per model), 90 degrees marked."""
-    return _profile("angles", db_or_path, model, roles, device)
+           roles: str | Sequence[str] | None = None, relative_depth: bool | None = None,
+           device: str = "auto") -> Figure:
+    """Angle to the all-ones vector per layer and role (a line per model), 90 degrees marked.
+
+    Args:
+        db_or_path: an open Database or a store path.
+        model: one model or several to overlay (default: the store's only one).
+        roles: roles to show (default: every role at the model width).
+        relative_depth: x axis layer / n_layers, so models of different depth line up
+            (default: when the models differ in depth).
+        device: where the tensor functions run.
+
+    Returns:
+        A matplotlib Figure.
+    """
+    return _profile("angles", db_or_path, model, roles, device, relative_depth)
 
 
 def norms_data(db_or_path: DbOrPath, *, model: str | None = None,
                roles: str | Sequence[str] | None = None, device: str = "auto") -> PlotData:
-    """Per layer and role: norm / sqrt(d) mean, std and percentile band."""
+    """Per layer and role: norm / sqrt(d) median, mean, std and percentile band, the
+    largest value and the positions of outliers (over 10x the layer's median)."""
     return _profile_data("norms", db_or_path, model, roles, device)
 
 
 def norms(db_or_path: DbOrPath, *, model: str | None = None,
           roles: str | Sequence[str] | None = None, device: str = "auto") -> Figure:
-    """The input's norm divided by sqrt(d) per layer and role, mean and spread."""
+    """The input's norm divided by sqrt(d) per layer and role: median and spread on a log
+    axis, outlier positions marked."""
     return _profile("norms", db_or_path, model, roles, device)
 
 

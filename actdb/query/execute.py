@@ -15,15 +15,18 @@ from duckdb.func import FunctionNullHandling, PythonUDFType
 from ..errors import ActdbError
 from . import handles as H
 from .bulk import BulkEvaluator
-from .functions import ANCHORS, FUNCTIONS, TOKEN, VEC, TensorFunction
+from .functions import ANCHORS, DIRECTION, FUNCTIONS, TOKEN, VEC, VECS, TensorFunction
 from .kernels import Arg
 from .threads import torch_threads
 from .vectors import VectorSource
 
 _ARROW_TYPES = {
     "DOUBLE": pa.float64(),
+    "BIGINT": pa.int64(),
     "FLOAT[]": pa.list_(pa.float32()),
+    "DOUBLE[]": pa.list_(pa.float64()),
 }
+_SCALARS = ("DOUBLE", "BIGINT")  # kernels fill a float64 array, NaN for NULL
 
 
 _SESSIONS = itertools.count()
@@ -82,12 +85,13 @@ def _drop_nulls(arrays: tuple[pa.Array, ...]) -> tuple[tuple[pa.Array, ...], np.
 def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
               bulk: list[BulkEvaluator]) -> Callable[..., pa.Array]:
     kinds = _expanded_kinds(fn)
-    scalar = fn.returns == "DOUBLE"
+    scalar = fn.returns in _SCALARS
     out_type = _arrow_type(fn.returns)
     assert fn.kernel is not None
     kernel = fn.kernel
     evaluator: BulkEvaluator | None = None
-    if kinds.count(VEC) == 1:  # a function of one vector: bulk-evaluated (bulk.py)
+    if kinds.count(VEC) == 1 and not {VECS, DIRECTION} & set(kinds):
+        # A function of one vector and constant-able arguments: bulk-evaluated (bulk.py).
         evaluator = BulkEvaluator(
             src, kernel, scalar=scalar, vec_at=kinds.index(VEC), convert=Arg.of,
             broadcast=Arg.repeat, max_rows=BULK_ROWS if scalar else BULK_LIST_ROWS,
@@ -96,11 +100,15 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
         bulk.append(evaluator)
 
     def exact(arrays: tuple[pa.Array, ...]) -> Any:
-        vecs: list[np.ndarray] = []
-        rest: list[Arg] = []
+        vecs: list[np.ndarray | pa.Array] = []
+        rest: list[Arg | pa.Array] = []
         for a, kind in zip(arrays, kinds, strict=True):
             if kind == VEC:
                 vecs.append(a.to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
+            elif kind == VECS:
+                vecs.append(a)  # lists of handles: aggregates.HandleLists reads them
+            elif kind == DIRECTION:
+                rest.append(a)  # FLOAT[] per row: aggregates.Directions reads it
             else:
                 rest.append(Arg.of(a))
         n = len(arrays[0])
@@ -122,7 +130,10 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
                 full = np.full(n, np.nan)
                 full[keep] = sub
                 sub = full
-            return pa.array(sub, type=pa.float64(), mask=np.isnan(sub))
+            null = np.isnan(sub)
+            if fn.returns == "BIGINT":
+                return pa.array(np.where(null, 0, sub).astype(np.int64), mask=null)
+            return pa.array(sub, type=pa.float64(), mask=null)
         if keep is not None:
             full_list: list[Any] = [None] * n
             for j, i in enumerate(keep):
@@ -189,11 +200,13 @@ def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox
         CREATE OR REPLACE TEMP VIEW acts AS
         SELECT model, prompt_id, position, token_id, token, site, layer, role, head,
                _actdb_stored_norm_{session}(vec) AS norm,
-               _actdb_stored_mean_{session}(vec) AS mean, vec
+               _actdb_stored_mean_{session}(vec) AS mean, vec, n_tokens,
+               n_tokens - 1 - position AS position_from_end
         FROM (
             SELECT t.model, t.prompt_id, t.position, t.token_id, t.token,
-                   s.site, s.layer, s.role, h.head, {handle} AS vec
+                   s.site, s.layer, s.role, h.head, {handle} AS vec, r.n_tokens
             FROM tokens t
+            JOIN prompt_runs r ON r.model = t.model AND r.prompt_id = t.prompt_id
             JOIN sites s ON s.model = t.model
             JOIN _actdb_streams h ON h.model = s.model AND h.site = s.site
         )

@@ -11,10 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import aggregates, kernels, lens
 from . import handles as H
-from . import kernels
 
-VEC, TOKEN, INT, ANCHORS = "vec", "token", "int", "anchors"
+# Argument kinds: a vec handle, a list of handles (`list(vec)`), a token (string or id), an
+# integer, an anchor-set name, and a FLOAT[] direction (a literal, parameter or subquery).
+VEC, VECS, TOKEN, INT, ANCHORS, DIRECTION = "vec", "vecs", "token", "int", "anchors", "direction"
 
 NEAREST = "STRUCT(token_id BIGINT, token VARCHAR, cosine DOUBLE)[]"
 TOP_LOGITS = "STRUCT(token_id BIGINT, token VARCHAR, logit DOUBLE)[]"
@@ -24,7 +26,7 @@ TOP_DIMS = "STRUCT(dim BIGINT, contribution DOUBLE)[]"
 @dataclass(frozen=True, kw_only=True)
 class Param:
     name: str
-    kind: str  # vec, token, int, anchors
+    kind: str  # vec, vecs, token, int, anchors, direction
     optional: bool = False
 
 
@@ -57,8 +59,8 @@ class TensorFunction:
         """SQL types of the internal UDF's parameters (a token is its text and its type)."""
         types: list[str] = []
         for p in self.params:
-            types += {VEC: ["BIGINT"], TOKEN: ["VARCHAR", "VARCHAR"], INT: ["BIGINT"],
-                      ANCHORS: ["VARCHAR"]}[p.kind]
+            types += {VEC: ["BIGINT"], VECS: ["BIGINT[]"], TOKEN: ["VARCHAR", "VARCHAR"],
+                      INT: ["BIGINT"], ANCHORS: ["VARCHAR"], DIRECTION: ["FLOAT[]"]}[p.kind]
         return types
 
     def macro_sql(self, session: str) -> str:
@@ -77,6 +79,10 @@ class TensorFunction:
                         args += [f"CAST({p.name} AS VARCHAR)", f"typeof({p.name})"]
                     elif p.kind == ANCHORS:
                         args.append(f"CAST({p.name} AS VARCHAR)" if given else "''")
+                    elif p.kind == DIRECTION:
+                        args.append(f"CAST({p.name} AS FLOAT[])")
+                    elif p.kind == INT and not given:
+                        args.append("0::BIGINT")  # 0: the kernel's default
                     else:
                         args.append(p.name)
                 body = f"{self.udf_name(session)}({', '.join(args)})"
@@ -169,6 +175,80 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
     TensorFunction(
         name="to_list", params=(V,), returns="FLOAT[]", kernel=kernels.to_list,
         doc="the vector (with its view applied) as FLOAT[] for export",
+    ),
+    # The logit lens as a distribution. eps_t below is the float16 error of logit(v, t):
+    # at most 2^-11 * sqrt(d) * ||gain * W_U[t]|| * scale (gain of the final norm; divided by
+    # sin(uniform_angle(v)) for a LayerNorm), eps its largest value over the vocabulary.
+    TensorFunction(
+        name="logprob", params=(V, _p("token", TOKEN)), returns="DOUBLE", kernel=lens.logprob,
+        doc="logit lens: log softmax of logit(v, .) over the vocabulary (the model's logit "
+            "transforms applied) at the token, in nats; NULL on inner, q_norm and k_norm "
+            "sites; error <= 2 eps, where eps = max over tokens t of eps_t = 2^-11 sqrt(d) "
+            "||gain * W_U[t]|| * logit scale (gain: the final norm's; divided by "
+            "sin(uniform_angle(v)) at a LayerNorm), the float16 error of logit(v, t)",
+    ),
+    TensorFunction(
+        name="prob", params=(V, _p("token", TOKEN)), returns="DOUBLE", kernel=lens.prob,
+        doc="logit lens: exp(logprob(v, token)), the token's probability; relative error "
+            "<= exp(2 eps) - 1 (eps as in logprob)",
+    ),
+    TensorFunction(
+        name="token_rank", params=(V, _p("token", TOKEN)), returns="BIGINT",
+        kernel=lens.token_rank,
+        doc="logit lens: 1 + the number of tokens with a larger logit (1: the top token); "
+            "exact unless another token's logit is within 2 eps of the token's (eps as in "
+            "logprob)",
+    ),
+    TensorFunction(
+        name="entropy", params=(V,), returns="DOUBLE", kernel=lens.entropy,
+        doc="logit lens: entropy of the next-token distribution in nats; error <= eps * "
+            "(the logits' standard deviation under that distribution), to first order (eps "
+            "as in logprob)",
+    ),
+    TensorFunction(
+        name="kl_to", params=(_p("v", VEC), _p("target", VEC)), returns="DOUBLE",
+        kernel=lens.kl_to,
+        doc="logit lens: KL(p_target || p_v) in nats, e.g. v a layer and target the final "
+            "site of the same token; both of one model; error <= 2 eps_v + 2 eps_target * "
+            "(1 + max |log p_target - log p_v|) (eps as in logprob)",
+    ),
+    TensorFunction(
+        name="logit_diff",
+        params=(V, _p("token1", TOKEN), _p("token2", TOKEN)), returns="DOUBLE",
+        kernel=lens.logit_diff,
+        doc="logit(v, token1) - logit(v, token2) (the model's logit transforms applied); "
+            "error <= eps_token1 + eps_token2 (eps_t as in logprob)",
+    ),
+    TensorFunction(
+        name="delta", params=(V,), returns="FLOAT[]", kernel=lens.delta,
+        doc="what the sublayer between this residual site (pre_attn or pre_mlp input) and the "
+            "next stored one (pre_mlp, next pre_attn or final) wrote: x_next - x as FLOAT[]; "
+            "NULL elsewhere; float16 error: ||error|| <= (2^-11 + sqrt(d) 2^-25 + 2^-23) * "
+            "(||x|| + ||x_next||)",
+    ),
+    # Aggregates through lists of handles, and a FLOAT[] direction.
+    TensorFunction(
+        name="mean_vector", params=(_p("vecs", VECS),), returns="FLOAT[]",
+        kernel=aggregates.mean_vector,
+        doc="the mean of a list of vectors, e.g. mean_vector(list(vec)) GROUP BY layer, as "
+            "FLOAT[] (summed in float64); NULL entries are skipped; one width per list",
+    ),
+    TensorFunction(
+        name="spectrum", params=(_p("vecs", VECS), _p("k", INT, True)), returns="DOUBLE[]",
+        kernel=aggregates.spectrum,
+        doc="eigenvalues of the covariance (divided by n - 1, float64) of a list of vectors, "
+            "largest first; the first k (default all); NULL below 2 vectors",
+    ),
+    TensorFunction(
+        name="cosine_to", params=(V, _p("direction", DIRECTION)), returns="DOUBLE",
+        kernel=aggregates.cosine_to,
+        doc="cosine of v with a FLOAT[] direction (literal, parameter or subquery, e.g. the "
+            "difference of two mean_vector()s); NULL if either is zero",
+    ),
+    TensorFunction(
+        name="project", params=(V, _p("direction", DIRECTION)), returns="DOUBLE",
+        kernel=aggregates.project,
+        doc="v . direction / ||direction||: the length of v along a FLOAT[] direction",
     ),
 )
 

@@ -1,0 +1,178 @@
+"""The logit lens as a distribution: softmax of the model's own logits read at any residual site.
+
+Every kernel here passes the handles through the model's final norm and LM head, applies the
+model's logit transforms (bias, scale, soft-cap: kernels._to_logits), and reduces each block
+of rows against the whole vocabulary ([block, V] at a time, never one Python call per row).
+Rows of sites that never meet the LM head (inner, q_norm, k_norm) stay NULL, as for `logit`.
+`delta` (what a block wrote into the residual stream) lives here too: it reads the next
+residual site's input for each row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import QueryError
+from ..lazy import lazy_module
+from .kernels import Arg, _final_normed, _lm_groups, _per_value, _require_width, _to_logits
+from .vectors import VectorSource
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
+
+_BLOCK = 512  # rows per [block, V] logit matrix
+
+
+class LensRows:
+    """Final-normed vectors of a batch of handles, one row per handle, with their model:
+    `model_id[i]` is -1 where the row has no lens (an off-stream site)."""
+
+    def __init__(self, src: VectorSource, h: np.ndarray, name: str) -> None:
+        self.src, self.name = src, name
+        self.model_id = np.full(len(h), -1, dtype=np.int64)
+        self.hn: dict[int, torch.Tensor] = {}  # model_id -> [n, d], rows of other models 0
+        for g in _lm_groups(src, h):
+            w, _ = src.unembed(g.model)
+            _require_width(name, g, w.shape[1], "the LM head's width")
+            mid = g.model.model_id
+            if mid not in self.hn:
+                self.hn[mid] = torch.zeros((len(h), w.shape[1]), device=src.device)
+            self.hn[mid][torch.from_numpy(g.index).to(src.device)] = _final_normed(src, g)
+            self.model_id[g.index] = mid
+
+    def by_model(self) -> Iterator[tuple[Any, np.ndarray, torch.Tensor]]:
+        """(model record, row indices, final-normed rows [m, d]) per model in the batch."""
+        for mid, hn in self.hn.items():
+            rows = np.nonzero(self.model_id == mid)[0]
+            yield self.src.model(mid), rows, hn[torch.from_numpy(rows).to(hn.device)]
+
+    def logits(self, model: Any, hn: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(lo, hi, logits [hi - lo, V]) over blocks of rows, with the model's transforms."""
+        w, b = self.src.unembed(model)
+        for lo in range(0, hn.shape[0], _BLOCK):
+            scores = hn[lo : lo + _BLOCK] @ w.T  # [block, V]
+            if b is not None:
+                scores = scores + b
+            yield lo, min(lo + _BLOCK, hn.shape[0]), _to_logits(model, scores)
+
+
+def _token_ids(src: VectorSource, model: Any, rows: np.ndarray, token: Arg, ttype: Arg
+               ) -> torch.Tensor:
+    """The token id of each row (a token argument may differ from row to row)."""
+    ids = np.empty(len(rows), dtype=np.int64)
+    for (t, ty), pos in _per_value([token, ttype], rows).items():
+        ids[pos] = src.resolve_token(model, t, ty)
+    return torch.from_numpy(ids).to(src.device)
+
+
+def _token_logit(logits: torch.Tensor, tid: torch.Tensor) -> torch.Tensor:
+    return logits.gather(1, tid.unsqueeze(1))[:, 0]  # [block]
+
+
+def logprob(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: Arg) -> None:
+    lens = LensRows(src, h, "logprob")
+    for model, rows, hn in lens.by_model():
+        tid = _token_ids(src, model, rows, token, ttype)
+        for lo, hi, lg in lens.logits(model, hn):
+            lp = _token_logit(lg, tid[lo:hi]) - torch.logsumexp(lg, dim=-1)
+            out[rows[lo:hi]] = lp.double().cpu().numpy()
+
+
+def prob(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: Arg) -> None:
+    logprob(src, h, out, token, ttype)
+    np.exp(out, out=out)
+
+
+def token_rank(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: Arg
+               ) -> None:
+    lens = LensRows(src, h, "token_rank")
+    for model, rows, hn in lens.by_model():
+        tid = _token_ids(src, model, rows, token, ttype)
+        for lo, hi, lg in lens.logits(model, hn):
+            mine = _token_logit(lg, tid[lo:hi]).unsqueeze(1)
+            # 1 + the tokens with a strictly larger logit: ties share the better rank.
+            out[rows[lo:hi]] = (1 + (lg > mine).sum(-1)).double().cpu().numpy()
+
+
+def entropy(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:
+    lens = LensRows(src, h, "entropy")
+    for model, rows, hn in lens.by_model():
+        for lo, hi, lg in lens.logits(model, hn):
+            lp = torch.log_softmax(lg, dim=-1)
+            out[rows[lo:hi]] = (-(lp.exp() * lp).sum(-1)).double().cpu().numpy()
+
+
+def kl_to(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) -> None:
+    """KL(p_target || p_v) with v = h1 and target = h2, row by row, in nats."""
+    v, target = LensRows(src, h1, "kl_to"), LensRows(src, h2, "kl_to")
+    both = (v.model_id >= 0) & (target.model_id >= 0)
+    if np.any(both & (v.model_id != target.model_id)):
+        i = int(np.nonzero(both & (v.model_id != target.model_id))[0][0])
+        a, b = src.model(v.model_id[i]).model, src.model(target.model_id[i]).model
+        raise QueryError(f"kl_to compares the lens of one model; got models {a!r} and {b!r} "
+                         "in one row")
+    for mid, hv_all in v.hn.items():
+        model = src.model(mid)
+        rows = np.nonzero((v.model_id == mid) & both)[0]
+        at = torch.from_numpy(rows).to(src.device)
+        hv, ht = hv_all[at], target.hn[mid][at]
+        for (lo, hi, lv), (_, _, lt) in zip(v.logits(model, hv), target.logits(model, ht),
+                                            strict=True):
+            lpv, lpt = torch.log_softmax(lv, dim=-1), torch.log_softmax(lt, dim=-1)
+            kl = (lpt.exp() * (lpt - lpv)).sum(-1).clamp_min(0.0)
+            out[rows[lo:hi]] = kl.double().cpu().numpy()
+
+
+def logit_diff(src: VectorSource, h: np.ndarray, out: np.ndarray, t1: Arg, ty1: Arg, t2: Arg,
+               ty2: Arg) -> None:
+    lens = LensRows(src, h, "logit_diff")
+    for model, rows, hn in lens.by_model():
+        w, b = src.unembed(model)
+        a, c = _token_ids(src, model, rows, t1, ty1), _token_ids(src, model, rows, t2, ty2)
+        pre = torch.stack([(hn * w[a]).sum(-1), (hn * w[c]).sum(-1)])  # [2, m]
+        if b is not None:
+            pre = pre + torch.stack([b[a], b[c]])
+        lg = _to_logits(model, pre)
+        out[rows] = (lg[0] - lg[1]).double().cpu().numpy()
+
+
+# -- what a block wrote ---------------------------------------------------------------------
+
+# The roles whose input is the residual stream itself (pre-norm blocks and the final norm):
+# consecutive ones in forward order bracket one sublayer's write.
+RESIDUAL_ROLES = ("pre_attn", "pre_mlp", "final")
+
+
+def next_residual_site(src: VectorSource, model: Any, site: Any) -> Any:
+    """The residual site after `site` in forward order, or None (not residual, or the last)."""
+    if site.role not in RESIDUAL_ROLES[:2]:
+        return None
+    chain = sorted((s for (mid, _), s in src.sites.items()
+                    if mid == model.model_id and s.role in RESIDUAL_ROLES
+                    and s.d == site.d and s.n_heads is None),
+                   key=lambda s: (s.layer if s.layer is not None else 1 << 30, s.site_id))
+    at = next(i for i, s in enumerate(chain) if s.site_id == site.site_id)
+    return chain[at + 1] if at + 1 < len(chain) else None
+
+
+def delta(src: VectorSource, h: np.ndarray, out: list[Any]) -> None:
+    """x at the next residual site minus x here, same token; NULL where there is none."""
+    for g in src.groups(h):
+        if g.view != "raw":
+            raise QueryError("delta takes a raw vec (a residual site's input), not a view")
+        nxt = next_residual_site(src, g.model, g.site)
+        if nxt is None:
+            continue
+        here = g.direction.float() * g.norm.unsqueeze(-1)  # [n, d]
+        there = (torch.from_numpy(src.field(g.model, nxt, "direction", g.rows, g.heads))
+                 .to(src.device).float()
+                 * torch.from_numpy(src.field(g.model, nxt, "norm", g.rows, g.heads))
+                 .to(src.device).unsqueeze(-1))
+        rows = (there - here).cpu().numpy()
+        for j, i in enumerate(g.index):
+            out[i] = rows[j]
