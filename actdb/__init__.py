@@ -33,11 +33,12 @@ from .lazy import lazy_module
 lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
 if TYPE_CHECKING:
-    from .ingest import IngestSummary, ingest
+    from .ingest import IngestSummary, ingest, merge
     from .query import Database, Result, connect
 
 # The query and ingest layers load on first use, so `import actdb` (and the CLI) stays cheap.
-_LAZY = {"IngestSummary": "ingest", "Database": "query", "Result": "query", "connect": "query"}
+_LAZY = {"IngestSummary": "ingest", "merge": "ingest", "Database": "query", "Result": "query",
+         "connect": "query"}
 
 
 class _Package(types.ModuleType):
@@ -97,6 +98,7 @@ __all__ = [
     "connect",
     "IngestError",
     "IngestSummary",
+    "merge",
     "ModelLoadError",
     "OutputError",
     "PromptsError",

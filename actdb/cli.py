@@ -85,6 +85,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--chat-template", is_flag=True,
               help="Wrap each prompt as a user turn with the tokenizer's chat template "
                    "(instruct models); the templated text is the stored prompt.")
+@click.option("--shard", default=None, metavar="I/N",
+              help="Be worker I (from 0) of N ingesting shares of the prompts into STORE side "
+                   "by side; `actdb merge STORE` makes them visible when all have finished.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 @click.pass_context
 def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
@@ -100,6 +103,7 @@ def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
       actdb ingest runs.actdb --model gpt2 --prompts examples/prompts.txt --batch-size 16
       actdb ingest runs.actdb --model HuggingFaceTB/SmolLM2-135M-Instruct \\
           --prompts examples/prompts.txt --chat-template
+      actdb ingest runs.actdb --model gpt2 --prompts examples/prompts.txt --shard 0/2
     """
     from .ingest import IngestPlan
     from .ingest import ingest as run_ingest
@@ -132,6 +136,24 @@ def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
         f"in {s.seconds:.1f} s ({s.tokens_per_second:.0f} tokens/s); "
         f"{_human(s.bytes_stored)} stored; worst relative error {worst:.1e}"
     )
+
+
+@cli.command()
+@click.argument("store", type=click.Path(path_type=str))
+@click.pass_context
+def merge(ctx: click.Context, store: str) -> None:
+    """Merge the catalogs of finished shard ingests (--shard I/N) into STORE's, in one go.
+
+    \b
+    Example:
+      actdb merge runs.actdb
+    """
+    from .ingest import merge as run_merge
+
+    with _errors(ctx):
+        s = run_merge(store)
+    click.echo(f"model {s.model!r}: merged {s.shards} shards ({s.prompts} prompts, "
+               f"{s.tokens} tokens) into {store}")
 
 
 def _interrupted(store: str, plan: Any) -> None:

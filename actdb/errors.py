@@ -86,3 +86,7 @@ class MissingDependencyError(ActdbError, ImportError):
 
 class StoreStorageError(ActdbError, OSError):
     """Object storage could not be reached or refused a request (credentials, bucket, network)."""
+
+
+class ShardError(ActdbError, RuntimeError):
+    """Shard ingests that cannot be merged (missing, unfinished, or of different plans)."""

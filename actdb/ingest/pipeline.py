@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -17,8 +17,16 @@ import torch
 from torch import nn
 
 from ..errors import IngestError
-from ..store.arrays import default_chunk_tokens
+from ..store.arrays import default_chunk_tokens, write_alignment
+from ..store.backend import SHARDS_NAME
 from ..store.records import ModelRecord, SiteRecord
+from ..store.sharding import (
+    create_shard_catalog,
+    mark_finished,
+    pending_shards,
+    read_plan,
+    shard_name,
+)
 from ..store.store import ActBatch, Store
 from .capture import on_norm_io
 from .fields import SiteSink
@@ -27,6 +35,7 @@ from .logits import LOGIT_LIMIT, LogitCheck, LogitTransform, measure_logits, mod
 from .progress import progress_bar
 from .prompts import Prompt, PromptsLike, apply_chat_template, extra_columns, read_prompts
 from .rows import Work, batch_tables
+from .shards import parse_shard, plan_shard
 from .sites import FoundSite, find_sites
 
 # Batches are buffered to at least this many token rows before a write and commit: fewer
@@ -88,6 +97,7 @@ def ingest(
     on_plan: Callable[[IngestPlan], None] | None = None,
     storage_options: Mapping[str, Any] | None = None,
     chat_template: bool = False,
+    shard: str | tuple[int, int] | None = None,
 ) -> IngestSummary:
     """Run `model` once over `prompts` and store every norm site's input in `store`.
 
@@ -97,7 +107,13 @@ def ingest(
     `chat_template`, each prompt is wrapped as a user turn by the tokenizer's chat template
     (assistant turn opened); the templated text is the stored prompt's text, tokenized as is
     (the template places any special tokens itself).
+
+    With `shard=(i, N)` (or `"i/N"`), this is worker i (from 0) of N ingesting its share of
+    the prompts into the same store, side by side with the others: its catalog rows go to
+    the store's `shards/{i}-of-{N}` catalog until `actdb.merge` moves them all into the main
+    catalog. Run again with the same arguments, a killed shard resumes.
     """
+    shard_of = parse_shard(shard) if shard is not None else None
     if batch_size < 1:
         raise IngestError(f"batch_size must be at least 1, got {batch_size}")
     if max_length is not None and max_length < 1:
@@ -121,12 +137,21 @@ def ingest(
                                    _forward_kwargs(loaded.model), model_name)
 
     started = time.perf_counter()
-    with Store.open_or_create(store, storage_options=storage_options) as st:
+    shard_label = shard_name(*shard_of) if shard_of else None
+    with Store.open_or_create(store, storage_options=storage_options, shard=shard_label) as st:
+        if shard_of is None and pending_shards(st):
+            raise IngestError(
+                f"store {st.location!r} has shard ingests not merged yet "
+                f"({', '.join(pending_shards(st))}): finish them and run `actdb merge`, "
+                "then ingest"
+            )
         reg = _register(st, loaded, found, n_layers, model_name, sites, limit, chunk_tokens,
                         transform)
-        record = reg.record
-        work = _plan_work(st, record.model, prompt_list, ids, truncated)
+        work = _plan_work(st, reg.record.model, prompt_list, ids, truncated)
         records = [f.record for f in found]
+        if shard_of is not None:
+            reg, work = _enter_shard(st, reg, records, work, shard_of)
+        record = reg.record
         per_token = sum(_bytes_per_token(s) for s in records)
         tokens_todo = sum(len(w.ids) for w in work)
         plan = IngestPlan(
@@ -142,6 +167,9 @@ def ingest(
                                       softcap=reg.record.logit_softcap, error=0.0)
             check = LogitCheck(final, head, recorded, loaded.device)
         errors = _run(st, loaded, reg, found, work, batch_size, progress, check)
+        if shard_of is not None:
+            with st.backend.writing("the shard catalog"):
+                mark_finished(st.commits)
     return IngestSummary(
         model=record.model, store=os.fspath(store), prompts_total=len(prompt_list),
         prompts_new=len(work), prompts_skipped=len(prompt_list) - len(work),
@@ -149,6 +177,33 @@ def ingest(
         bytes_stored=plan.bytes_estimate,
         seconds=time.perf_counter() - started, max_rel_error=errors,
     )
+
+
+def _enter_shard(st: Store, reg: _Registration, records: list[SiteRecord], work: list[Work],
+                 shard_of: tuple[int, int]) -> tuple[_Registration, list[Work]]:
+    """Under the shards' registration lock: register a new model now, plan, size the arrays
+    to the plan's end, open (or create) this shard's catalog; then this shard's registration
+    (its own committed rows) and the prompts it has still to run."""
+    if reg.write is not None:
+        reg.write()
+    record = reg.record
+    align = write_alignment(record.chunk_tokens, sharded=st.arrays.sharded)
+    plan, mine = plan_shard(work, model=record.model, shard=shard_of[0], n_shards=shard_of[1],
+                            base=record.n_rows, align=align)
+    st.reserve_rows(record, records, plan.total_end)  # only ever grows: racing shards agree
+    cat = st.open_shard(lambda path: create_shard_catalog(path, st.catalog, record, plan))
+    stored, _ = read_plan(cat)
+    if stored.fingerprint != plan.fingerprint:
+        raise IngestError(
+            f"shard {plan.name} of store {st.location!r} was started with another plan "
+            "(another prompts file, model or store state): rerun it with its first arguments, "
+            f"or remove {SHARDS_NAME}/{plan.name} from the store to start it afresh"
+        )
+    mine_record = cat.model(record.model)
+    assert mine_record is not None
+    done = cat.ingested_prompt_ids(record.model)
+    return (replace(reg, record=mine_record, write=None),
+            [w for w in mine if w.prompt_id not in done])
 
 
 def _length_limit(loaded: LoadedModel, max_length: int | None) -> int | None:

@@ -50,6 +50,13 @@ SCALAR_CHUNK_FACTOR = 32
 SHARD_CHUNKS = 16
 
 
+def write_alignment(chunk_tokens: int, *, sharded: bool) -> int:
+    """Rows at which one writer's range may start without sharing a file with another's:
+    a whole norm/mean chunk (SCALAR_CHUNK_FACTOR direction chunks), or on object storage a
+    whole shard object of those."""
+    return chunk_tokens * SCALAR_CHUNK_FACTOR * (SHARD_CHUNKS if sharded else 1)
+
+
 def default_chunk_tokens(width: int) -> int:
     """Token rows per direction chunk: about 256 KiB, a power of two, at least 64."""
     rows = max(_TARGET_CHUNK_BYTES // (2 * max(width, 1)), 64)
@@ -386,7 +393,7 @@ class Arrays:
         return f"models/{model_id}" in self.group
 
 
-__all__ = ["ACT_FIELDS", "Arrays", "crc32c", "default_chunk_tokens"]
+__all__ = ["ACT_FIELDS", "Arrays", "crc32c", "default_chunk_tokens", "write_alignment"]
 
 
 def _n_chunks(arr: zarr.Array) -> int:

@@ -21,6 +21,7 @@ from .catalog import Catalog
 CATALOG_NAME = "catalog.duckdb"
 TENSORS_NAME = "tensors.zarr"
 TOKENIZERS_NAME = "tokenizers"
+SHARDS_NAME = "shards"  # shard ingests' own catalogs, `shards/{i}-of-{N}/`, until merged
 
 
 class Backend(Protocol):
@@ -44,8 +45,24 @@ class Backend(Protocol):
     def check_writable(self) -> None:
         """StoreNotWritableError when this process may not write the store."""
 
-    def lock(self) -> None:
-        """Become the one ingest writing the store, or StoreBusyError in one sentence."""
+    def lock(self, shard: str | None = None) -> None:
+        """Become the one ingest (or merge) writing the store, or with `shard` one of the
+        shard ingests writing it side by side; else StoreBusyError in one sentence."""
+
+    def registering(self) -> AbstractContextManager[None]:
+        """Held by one shard ingest at a time (waiting for it): registering a model, sizing
+        arrays and creating its shard catalog."""
+
+    def shard_names(self) -> list[str]:
+        """The shard catalogs in the store (`{i}-of-{N}`), sorted."""
+
+    def open_shard_catalog(self, name: str, *, create: Callable[[Path], None] | None = None,
+                           read_only: bool = False) -> Catalog:
+        """A shard's catalog for its ingest (created by `create(file)` when absent), or a
+        reader's snapshot of it."""
+
+    def remove_shards(self, names: list[str]) -> None:
+        """Remove those shard catalogs (after a merge)."""
 
     def unlock(self) -> None:
         """Let another ingest write (safe to call when not locked)."""

@@ -255,6 +255,16 @@ class Catalog:
             rows = con.execute(sql, list(params or [])).fetchall()
         return rows[0] if rows else None
 
+    def all(self, sql: str, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:
+        """Every row of a query."""
+        with self._session() as con:
+            return con.execute(sql, list(params or [])).fetchall()
+
+    def meta(self) -> dict[str, str]:
+        """The `meta` table as a dict (format version, shard plans)."""
+        with self._session() as con:
+            return dict(con.execute("SELECT key, value FROM meta").fetchall())
+
     def format_version(self) -> int:
         row = self.one("SELECT value FROM meta WHERE key = 'format_version'")
         if row is None:

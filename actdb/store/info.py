@@ -31,7 +31,9 @@ def describe(store: Store) -> StoreInfo:
     models = con.execute(
         "SELECT m.model, m.architecture, m.d_model, m.n_layers, m.vocab_size, m.n_sites, "
         "m.has_lm_head, (SELECT count(*) FROM prompt_runs r WHERE r.model = m.model) AS prompts, "
-        f"m.n_rows AS tokens, m.dtype, m.source, {logit_cols} FROM models m ORDER BY m.model_id"
+        # not n_rows: a merged sharded ingest leaves rows between shards unused
+        "(SELECT count(*) FROM tokens t WHERE t.model = m.model) AS tokens, "
+        f"m.dtype, m.source, {logit_cols} FROM models m ORDER BY m.model_id"
     ).fetchdf().to_dict("records")
     sites = con.execute(
         "SELECT model, site, layer, role, kind, d, n_heads, module, max_rel_error "

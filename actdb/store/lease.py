@@ -31,9 +31,10 @@ def lease_seconds() -> float:
 
 
 class Lease:
-    def __init__(self, objects: Objects, location: str) -> None:
+    def __init__(self, objects: Objects, location: str, key: str = LEASE_KEY) -> None:
         self.objects = objects
         self.location = location
+        self.key = key
         self.owner = uuid.uuid4().hex
         self.ttl = lease_seconds()
         self._etag: str | None = None
@@ -49,15 +50,27 @@ class Lease:
     def acquire(self) -> None:
         """Take the lease, or StoreBusyError in one sentence naming its holder."""
         try:
-            self._etag = self.objects.put(LEASE_KEY, self._body(), if_absent=True)
+            self._etag = self.objects.put(self.key, self._body(), if_absent=True)
         except AlreadyExistsError:
             self._take_over()
         self._thread = threading.Thread(target=self._renew, name="actdb-lease", daemon=True)
         self._thread.start()
 
+    def acquire_waiting(self, seconds: float) -> None:
+        """Take the lease, waiting up to `seconds` while another holder has it."""
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                self.acquire()
+                return
+            except StoreBusyError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
     def _take_over(self) -> None:
         try:
-            data, etag = self.objects.get(LEASE_KEY)
+            data, etag = self.objects.get(self.key)
         except FileNotFoundError:  # released meanwhile: try once more from the start
             self._etag = self._put_or_busy(None, {})
             return
@@ -70,8 +83,8 @@ class Lease:
     def _put_or_busy(self, etag: str | None, holder: dict[str, Any]) -> str | None:
         try:
             if etag is None:
-                return self.objects.put(LEASE_KEY, self._body(), if_absent=True)
-            return self.objects.put(LEASE_KEY, self._body(), if_match=etag)
+                return self.objects.put(self.key, self._body(), if_absent=True)
+            return self.objects.put(self.key, self._body(), if_match=etag)
         except (AlreadyExistsError, PreconditionError):
             raise self._busy(holder, "it took the lease just now") from None
 
@@ -89,7 +102,7 @@ class Lease:
                 if self._lost or self._etag is None:
                     return
                 try:
-                    self._etag = self.objects.put(LEASE_KEY, self._body(), if_match=self._etag)
+                    self._etag = self.objects.put(self.key, self._body(), if_match=self._etag)
                 except PreconditionError:
                     self._lost = True
                 except Exception:  # a network hiccup: the next renewal tries again
@@ -112,12 +125,25 @@ class Lease:
             if self._etag is None or self._lost:
                 return
             try:
-                data, etag = self.objects.get(LEASE_KEY)
+                data, etag = self.objects.get(self.key)
             except FileNotFoundError:
                 return
             if etag == self._etag and _parse(data).get("owner") == self.owner:
-                self.objects.delete(LEASE_KEY)
+                self.objects.delete(self.key)
             self._etag = None
+
+
+def live_holder(objects: Objects, key: str) -> dict[str, Any] | None:
+    """Who holds the lease `key`, or None when it is absent, ran out, or its process died
+    on this machine."""
+    try:
+        data, _ = objects.get(key)
+    except FileNotFoundError:
+        return None
+    holder = _parse(data)
+    if float(holder.get("expires", 0)) <= time.time() or _dead_here(holder):
+        return None
+    return holder
 
 
 def _parse(data: bytes) -> dict[str, Any]:

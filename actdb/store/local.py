@@ -8,8 +8,8 @@ import fcntl
 import os
 import shutil
 import uuid
-from collections.abc import Callable
-from contextlib import AbstractContextManager, suppress
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +21,12 @@ from ..errors import (
 )
 from . import durable
 from .arrays import Arrays
-from .backend import CATALOG_NAME, TENSORS_NAME, TOKENIZERS_NAME
+from .backend import CATALOG_NAME, SHARDS_NAME, TENSORS_NAME, TOKENIZERS_NAME
 from .catalog import LOCAL_FORMAT_VERSION, Catalog
 from .faults import fault
 
-LOCK_NAME = "ingest.lock"  # held (flock) by the one ingest writing the store
+LOCK_NAME = "ingest.lock"  # flock: exclusive for an ingest or merge, shared by shard ingests
+REGISTER_LOCK_NAME = "shards.lock"  # flock: shard ingests registering a model and planning
 _BUILDING = ".creating-"  # a store being created: `.{name}.creating-{pid}-{random}`
 
 
@@ -92,24 +93,84 @@ class LocalBackend:
     def check_writable(self) -> None:
         _check_writable(self.path)
 
-    def lock(self) -> None:
-        """One ingest at a time: an flock on `ingest.lock`, released by the kernel however
-        the process ends, so a killed ingest never leaves the store locked."""
+    def lock(self, shard: str | None = None) -> None:
+        """An flock on `ingest.lock`, released by the kernel however the process ends, so a
+        killed ingest never leaves the store locked: exclusive for an ingest or a merge,
+        shared by the shard ingests (`shard`: the shard's name) that may run side by side."""
         with durable.full_disk_as_error(self.path, "the store's lock file"):
             fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_SH if shard else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.read(fd, 32).decode(errors="replace").strip()
-                os.close(fd)
-                who = f" (PID {holder})" if holder.isdigit() else ""
-                raise StoreBusyError(
-                    f"store {self.location!r} is being written by another ingest{who}; "
-                    "run this one again when it has finished (it will skip what is stored)"
-                ) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                raise self._busy(fd, shard) from None
+            if not shard:  # the one holder says who it is; shards share the lock
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
+
+    def _busy(self, fd: int, shard: str | None) -> StoreBusyError:
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        # Held shared (by shards) when a shared lock can still be had.
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            by_shards = True
+        except BlockingIOError:
+            by_shards = False
+        os.close(fd)
+        if by_shards:
+            return StoreBusyError(
+                f"store {self.location!r} is being written by shard ingests (--shard); run "
+                "this one when they have finished and `actdb merge` has run"
+            )
+        who = f" (PID {holder})" if holder.isdigit() else ""
+        what = "shard ingest" if shard else "one"
+        return StoreBusyError(
+            f"store {self.location!r} is being written by another ingest or merge{who}; run "
+            f"this {what} again when it has finished (it will skip what is stored)"
+        )
+
+    @contextmanager
+    def registering(self) -> Iterator[None]:
+        """Among shard ingests, one at a time: a blocking flock on `shards.lock`."""
+        fd = os.open(self.path / REGISTER_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def shard_names(self) -> list[str]:
+        folder = self.path / SHARDS_NAME
+        if not folder.is_dir():
+            return []
+        return sorted(p.name for p in folder.iterdir() if (p / CATALOG_NAME).is_file())
+
+    def open_shard_catalog(self, name: str, *, create: Callable[[Path], None] | None = None,
+                           read_only: bool = False) -> Catalog:
+        """A shard's catalog: an ingest writer (made by `create(file)` first when absent, in
+        a temporary file renamed into place) or a reader's snapshot."""
+        path = self.path / SHARDS_NAME / name / CATALOG_NAME
+        if not path.is_file() and create is not None:
+            with durable.full_disk_as_error(self.path, "a shard catalog"):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f".{CATALOG_NAME}.{os.getpid()}")
+                tmp.unlink(missing_ok=True)
+                create(tmp)
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.rename(tmp, path)
+                durable.fsync_dir(path.parent)
+                durable.fsync_dir(path.parent.parent)
+        return Catalog(path, read_only=read_only, hold=False, store=self.location)
+
+    def remove_shards(self, names: list[str]) -> None:
+        for name in names:
+            shutil.rmtree(self.path / SHARDS_NAME / name, ignore_errors=True)
+        with suppress(OSError):
+            (self.path / SHARDS_NAME).rmdir()  # only when empty
 
     def unlock(self) -> None:
         if self._lock_fd is not None:

@@ -13,16 +13,19 @@ from typing import Any
 
 import zarr.storage
 
+from ..errors import StoreBusyError
 from . import published
 from .arrays import Arrays
-from .backend import CATALOG_NAME, TENSORS_NAME, TOKENIZERS_NAME
-from .catalog import FORMAT_VERSION, Catalog
+from .backend import CATALOG_NAME, SHARDS_NAME, TENSORS_NAME, TOKENIZERS_NAME
+from .catalog import FORMAT_VERSION, Catalog, lock_wait_seconds
 from .durable import full_disk_as_error
 from .faults import fault
-from .lease import Lease
+from .lease import LEASE_KEY, Lease, live_holder
 from .objects import Objects, parse_url
 
 REMOTE_FORMAT_VERSION = 3
+SHARD_LEASE = "shard.lease"  # each running shard ingest's own lease, beside its catalog
+REGISTER_LEASE = "register.lease"  # one shard ingest at a time registers and plans
 
 
 class S3Backend:
@@ -70,9 +73,74 @@ class S3Backend:
         """Object storage says whether a write is allowed only by refusing it: the first
         write (the lease) reports it as one sentence."""
 
-    def lock(self) -> None:
-        self._lease = Lease(self.objects, self.location)
+    def lock(self, shard: str | None = None) -> None:
+        """Exclusive: the `ingest.lease`, then no live shard lease may exist. Shared: the
+        shard's own `shards/{i}-of-{N}/shard.lease`, then no live `ingest.lease` may exist.
+        Each side writes its lease before looking for the other's, so of an ingest and a
+        shard starting together at least one sees the other and gives way."""
+        key = f"{SHARDS_NAME}/{shard}/{SHARD_LEASE}" if shard else LEASE_KEY
+        self._lease = Lease(self.objects, self.location, key)
         self._lease.acquire()
+        if shard:
+            busy = live_holder(self.objects, LEASE_KEY) is not None
+        else:
+            busy = any(key.endswith("/" + SHARD_LEASE) and live_holder(self.objects, key)
+                       for key, _ in self.objects.list(SHARDS_NAME))
+        if busy:
+            self.unlock()
+            raise StoreBusyError(
+                f"store {self.location!r} is being written by shard ingests (--shard); run "
+                "this one when they have finished and `actdb merge` has run"
+                if not shard else
+                f"store {self.location!r} is being written by another ingest or merge; run "
+                "this shard ingest again when it has finished"
+            )
+
+    @contextmanager
+    def registering(self) -> Iterator[None]:
+        lease = Lease(self.objects, self.location, f"{SHARDS_NAME}/{REGISTER_LEASE}")
+        lease.acquire_waiting(lock_wait_seconds())
+        try:
+            yield
+        finally:
+            lease.release()
+
+    def shard_names(self) -> list[str]:
+        suffix = "/" + published.POINTER_KEY
+        return sorted(key.split("/")[1] for key, _ in self.objects.list(SHARDS_NAME)
+                      if key.endswith(suffix) and key.count("/") == 2)
+
+    def open_shard_catalog(self, name: str, *, create: Callable[[Path], None] | None = None,
+                           read_only: bool = False) -> Catalog:
+        """Like the main catalog: a working copy published per commit under the shard's
+        prefix (its own pointer and catalog objects), or a reader's snapshot."""
+        objects = self.objects.child(f"{SHARDS_NAME}/{name}")
+        folder = self._workdir() / SHARDS_NAME / name
+        folder.mkdir(parents=True, exist_ok=True)
+        local = folder / CATALOG_NAME
+        if create is not None and not objects.exists(published.POINTER_KEY):
+            local.unlink(missing_ok=True)
+            create(local)
+            published.create(objects, local, REMOTE_FORMAT_VERSION)
+        if read_only:
+            try:
+                published.download(objects, local)
+                return Catalog(local, read_only=True, store=self.location)
+            finally:
+                local.unlink(missing_ok=True)
+        publisher = published.Publisher(objects, local, self.location)
+
+        def publish() -> None:
+            if self._lease is not None:
+                self._lease.check()
+            publisher.publish()
+
+        return Catalog(local, read_only=False, hold=False, store=self.location, publish=publish)
+
+    def remove_shards(self, names: list[str]) -> None:
+        for name in names:
+            for key, _ in self.objects.list(f"{SHARDS_NAME}/{name}"):
+                self.objects.delete(key)
 
     def unlock(self) -> None:
         if self._lease is not None:

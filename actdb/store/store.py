@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import pyarrow as pa
 from ..errors import StoreFormatError
 from .arrays import ACT_FIELDS
 from .backend import CATALOG_NAME, TENSORS_NAME, TOKENIZERS_NAME, Backend, open_backend
-from .catalog import FORMAT_VERSION
+from .catalog import FORMAT_VERSION, Catalog
 from .faults import fault
 from .records import ModelRecord, SiteRecord
 
@@ -46,7 +47,7 @@ class Store:
 
     def __init__(
         self, path: StoreLocation | Backend, *, read_only: bool = True, ingest: bool = False,
-        storage_options: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None, shard: str | None = None,
     ) -> None:
         if isinstance(path, str | os.PathLike):
             self.backend: Backend = open_backend(path, storage_options)
@@ -57,25 +58,36 @@ class Store:
         self.backend.check_is_store()
         if not self.read_only:
             self.backend.check_writable()
+        self.shard = shard
+        self._registering: AbstractContextManager[None] | None = None
         if ingest:
-            self.backend.lock()
+            self.backend.lock(shard)
+        if shard:
+            # A shard reads the main catalog, and may register a model in it, only while
+            # no other shard does: it lets go once its own catalog exists (open_shard).
+            self._registering = self.backend.registering()
+            self._registering.__enter__()
         self._writers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="actdb-write")
         try:
             self.catalog = self.backend.open_catalog(read_only=self.read_only, ingest=ingest)
         except BaseException:
             self._writers.shutdown()
+            self._end_registering()
             self.backend.close()
             raise
+        # Where an ingest's batches are committed: the main catalog, or the shard's own.
+        self.commits = self.catalog
         try:
             self.format_version = self.catalog.format_version()
             self._check_version(self.format_version)
             self.arrays = self.backend.open_arrays(read_only=self.read_only)
             self._check_version(self.arrays.format_version())
-            if ingest:
+            if ingest and not shard:  # shards running beside this one have writes in flight
                 self.backend.clean_partials()
         except BaseException:
             self._writers.shutdown()
             self.catalog.close()
+            self._end_registering()
             self.backend.close()
             raise
 
@@ -105,12 +117,14 @@ class Store:
 
     @classmethod
     def open_or_create(cls, path: StoreLocation, *,
-                       storage_options: Mapping[str, Any] | None = None) -> Store:
-        """Open a store for an ingest, creating it if absent (or an empty directory)."""
+                       storage_options: Mapping[str, Any] | None = None,
+                       shard: str | None = None) -> Store:
+        """Open a store for an ingest (`shard`: a shard ingest, by its name), creating it if
+        absent (or an empty directory)."""
         backend = open_backend(path, storage_options)
         if backend.needs_create():
             backend.create()
-        return cls(backend, ingest=True)
+        return cls(backend, ingest=True, shard=shard)
 
     def _check_version(self, version: int) -> None:
         if version > FORMAT_VERSION:
@@ -121,9 +135,27 @@ class Store:
         if version < 1:
             raise StoreFormatError(f"store {self.location!r} has no valid format version")
 
+    def open_shard(self, create: Callable[[Path], None]) -> Catalog:
+        """A shard ingest's own catalog (made by `create(file)` when absent), where its
+        batches are committed from now on; other shards may then register and plan."""
+        assert self.shard is not None
+        try:
+            self.commits = self.backend.open_shard_catalog(self.shard, create=create)
+        finally:
+            self._end_registering()
+        return self.commits
+
+    def _end_registering(self) -> None:
+        if self._registering is not None:
+            reg, self._registering = self._registering, None
+            reg.__exit__(None, None, None)
+
     def close(self) -> None:
         self._writers.shutdown()
+        if self.commits is not self.catalog:
+            self.commits.close()
         self.catalog.close()
+        self._end_registering()
         self.backend.close()
 
     def __enter__(self) -> Store:
@@ -204,7 +236,7 @@ class Store:
             self.arrays.sync()
         fault("tensors_written")
         with self.backend.writing("the catalog"):
-            self.catalog.commit_batch(
+            self.commits.commit_batch(
                 model=model.model, new_prompts=new_prompts, prompt_runs=prompt_runs,
                 tokens=tokens, site_errors=site_errors, n_rows=start + n,
                 logit_error=logit_error,

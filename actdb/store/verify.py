@@ -27,17 +27,24 @@ def verify(store: Store, *, full: bool = False) -> list[str]:
             'SELECT count(*), min("row"), max("row"), count(DISTINCT "row") FROM tokens '
             "WHERE model = ?", [m.model],
         ) or (0, None, None, 0)
-        if n_tokens != m.n_rows or (n_tokens and (lo != 0 or hi != m.n_rows - 1
-                                                   or distinct != n_tokens)):
+        # Rows are 0..n_rows - 1 but for the unused rows a sharded ingest leaves between its
+        # shards (each shard starts on a whole chunk): distinct, in range, as the runs say.
+        if n_tokens and (lo < 0 or hi >= m.n_rows or distinct != n_tokens):
             problems.append(
-                f"{where}: token rows are not exactly 0..{m.n_rows - 1} "
+                f"{where}: token rows are not distinct rows within 0..{m.n_rows - 1} "
                 f"({n_tokens} rows, min {lo}, max {hi}, {distinct} distinct)"
             )
         run_tokens = cat.one(
             "SELECT coalesce(sum(n_tokens), 0) FROM prompt_runs WHERE model = ?", [m.model]
         )
-        if run_tokens and int(run_tokens[0]) != m.n_rows:
-            problems.append(f"{where}: prompt runs hold {run_tokens[0]} tokens, not {m.n_rows}")
+        if run_tokens and int(run_tokens[0]) != n_tokens:
+            problems.append(f"{where}: prompt runs hold {run_tokens[0]} tokens, the tokens "
+                            f"table {n_tokens}")
+        outside = cat.one(
+            'SELECT count(*) FROM tokens t JOIN prompt_runs r USING (model, prompt_id) '
+            'WHERE t.model = ? AND t."row" <> r.row_start + t.position', [m.model])
+        if outside and outside[0]:
+            problems.append(f"{where}: {outside[0]} token rows lie outside their prompt's run")
         orphans = cat.one(
             "SELECT count(*) FROM prompt_runs r ANTI JOIN prompts p USING (prompt_id) "
             "WHERE r.model = ?", [m.model],
@@ -45,8 +52,11 @@ def verify(store: Store, *, full: bool = False) -> list[str]:
         if orphans and orphans[0]:
             problems.append(f"{where}: {orphans[0]} prompt runs refer to no prompt")
         problems += _check_weights(store, m, sites, where, full=full)
+        runs = [(int(a), int(n)) for a, n in cat.all(
+            "SELECT row_start, n_tokens FROM prompt_runs WHERE model = ? AND n_tokens > 0 "
+            "ORDER BY row_start", [m.model])]
         for s in sites:
-            problems += _check_site(store, m, s, where, full=full)
+            problems += _check_site(store, m, s, where, runs, full=full)
     return problems
 
 
@@ -71,8 +81,8 @@ def _check_weights(store: Store, m: ModelRecord, sites: list[SiteRecord], where:
     return out
 
 
-def _check_site(store: Store, m: ModelRecord, s: SiteRecord, where: str, *, full: bool
-                ) -> list[str]:
+def _check_site(store: Store, m: ModelRecord, s: SiteRecord, where: str,
+                runs: list[tuple[int, int]], *, full: bool) -> list[str]:
     out = []
     here = f"{where}, site {s.site!r}"
     inner = (s.n_heads, s.d) if s.n_heads else (s.d,)
@@ -93,13 +103,16 @@ def _check_site(store: Store, m: ModelRecord, s: SiteRecord, where: str, *, full
             )
         if str(arr.dtype) != dtype:
             out.append(f"{here}: {field} is {arr.dtype}, expected {dtype}")
-    if out or not m.n_rows:
+    if out or not runs:
         return out
-    # Every chunk holding committed rows: present and whole, or (full) read and checksummed.
+    # Every chunk holding committed rows (from the prompt runs: unused rows between shards
+    # may have no chunk): present and whole, or (full) read and checksummed.
     for field in ACT_FIELDS:
         arr = store.arrays.act_array(m.model_id, s.site, field)
         raw = store.arrays.act_layout(m.model_id, s.site, field)
-        for chunk in range(-(-m.n_rows // arr.chunks[0])):
+        c = arr.chunks[0]
+        held = sorted({k for a, n in runs for k in range(a // c, (a + n - 1) // c + 1)})
+        for chunk in held:
             try:
                 if full or raw is None:
                     store.arrays.read_chunk(m.model_id, s.site, field, chunk)
@@ -111,9 +124,11 @@ def _check_site(store: Store, m: ModelRecord, s: SiteRecord, where: str, *, full
     if out:
         return out
     # Spot-check the last committed rows: unit directions where the norm is positive.
-    lo = max(0, m.n_rows - 64)
-    d = _rows(store, m, s, "direction", lo).astype(np.float32)
-    n = _rows(store, m, s, "norm", lo)
+    last, n_last = runs[-1]
+    hi = last + n_last
+    lo = max(last, hi - 64)
+    d = _rows(store, m, s, "direction", lo, hi).astype(np.float32)
+    n = _rows(store, m, s, "norm", lo, hi)
     lengths = np.linalg.norm(d, axis=-1)
     bad = ((n > 0) & (np.abs(lengths - 1) > 1e-2)) | ~np.isfinite(n)
     if bad.any():
@@ -121,11 +136,12 @@ def _check_site(store: Store, m: ModelRecord, s: SiteRecord, where: str, *, full
     return out
 
 
-def _rows(store: Store, m: ModelRecord, s: SiteRecord, field: str, lo: int) -> np.ndarray:
-    """Committed rows lo..n_rows of a field, through the checked chunk reader."""
+def _rows(store: Store, m: ModelRecord, s: SiteRecord, field: str, lo: int, hi: int
+          ) -> np.ndarray:
+    """Committed rows lo..hi of a field, through the checked chunk reader."""
     c = store.arrays.act_array(m.model_id, s.site, field).chunks[0]
     parts = [store.arrays.read_chunk(m.model_id, s.site, field, i)
-             for i in range(lo // c, (m.n_rows - 1) // c + 1)]
+             for i in range(lo // c, (hi - 1) // c + 1)]
     joined = np.concatenate(parts)
     start = lo - (lo // c) * c
-    return joined[start : start + m.n_rows - lo]
+    return joined[start : start + hi - lo]

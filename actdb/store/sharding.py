@@ -1,0 +1,206 @@
+"""Shard ingests' own catalogs, and their merge into the main catalog in one transaction.
+
+A shard ingest (`--shard i/N`) writes its vectors into rows of the store's arrays that no
+other shard touches, and commits its catalog rows to `shards/{i}-of-{N}/catalog.duckdb`, a
+catalog of the same schema holding the model's row (its `n_rows`: where the shard resumes),
+its sites (their worst errors so far), the shard's new prompts, prompt runs and tokens, and
+in `meta` the plan it follows and, once done, that it finished. `merge` checks that every
+shard of one plan has finished and moves all their rows into the main catalog at once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from ..errors import ShardError
+from .catalog import Catalog, quote
+from .records import ModelRecord
+from .store import Store
+
+_PLAN_KEY = "shard_plan"
+_FINISHED_KEY = "shard_finished"
+_MERGED_KEY = "merged_shards"  # main catalog: the fingerprint of the last plan merged
+_ROW_TABLES = ("prompts", "prompt_runs", "tokens")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardPlan:
+    """What one shard of a sharded ingest does; every shard of one plan computes the same
+    `fingerprint` (of the model, the prompts to ingest with their token ids, N and the
+    store's rows before the plan)."""
+
+    model: str
+    shard: int
+    n_shards: int
+    fingerprint: str
+    base: int  # the model's committed rows in the main catalog when planned
+    start: int  # this shard's first row (aligned)
+    end: int  # past this shard's last row
+    total_end: int  # past the last row of every shard: the arrays' size
+
+    @property
+    def name(self) -> str:
+        return shard_name(self.shard, self.n_shards)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergeSummary:
+    store: str
+    model: str
+    shards: int
+    prompts: int  # prompt runs merged
+    tokens: int
+
+
+def shard_name(shard: int, n_shards: int) -> str:
+    return f"{shard}-of-{n_shards}"
+
+
+def create_shard_catalog(path: Path, main: Catalog, model: ModelRecord, plan: ShardPlan) -> None:
+    """A new shard catalog at `path`: the model and its sites as the main catalog has them
+    (rows from the shard's start), the prompt columns of the main catalog, and the plan."""
+    cat = Catalog.create(path, version=main.format_version())
+    try:
+        vocab = pa.table({"token_id": pa.array([], pa.int32()), "token": pa.array([], pa.string()),
+                          "piece": pa.array([], pa.string())})
+        record = ModelRecord(**{**asdict(model), "n_rows": plan.start,
+                                "logit_max_rel_error": None})
+        sites = main.sites(model.model)
+        cat.insert_model(record, sites, vocab)
+        with cat.transaction():
+            cat.con.execute("UPDATE sites SET max_rel_error = NULL")
+            extra = {k: v for k, v in main.prompt_columns().items()
+                     if k not in ("prompt_id", "text", "n_tokens")}
+            for name, sqltype in extra.items():
+                cat.con.execute(f"ALTER TABLE prompts ADD COLUMN {quote(name)} {sqltype}")
+            cat.con.execute("INSERT INTO meta VALUES (?, ?)",
+                            [_PLAN_KEY, json.dumps(asdict(plan), sort_keys=True)])
+    finally:
+        cat.close()
+
+
+def read_plan(cat: Catalog) -> tuple[ShardPlan, bool]:
+    """A shard catalog's plan, and whether the shard has finished."""
+    rows = cat.meta()
+    return ShardPlan(**json.loads(rows[_PLAN_KEY])), rows.get(_FINISHED_KEY) == "true"
+
+
+def mark_finished(cat: Catalog) -> None:
+    with cat.transaction():
+        cat.con.execute("DELETE FROM meta WHERE key = ?", [_FINISHED_KEY])
+        cat.con.execute("INSERT INTO meta VALUES (?, 'true')", [_FINISHED_KEY])
+
+
+def pending_shards(store: Store) -> list[str]:
+    """The shard catalogs not yet merged (an unsharded ingest must not run beside them)."""
+    return store.backend.shard_names()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Shard:
+    name: str
+    plan: ShardPlan
+    finished: bool
+    model: ModelRecord
+    tables: dict[str, pa.Table]
+    errors: dict[str, float]
+
+
+def _read_shard(store: Store, name: str) -> _Shard:
+    cat = store.backend.open_shard_catalog(name, read_only=True)
+    try:
+        plan, finished = read_plan(cat)
+        model = cat.models()[0]
+        tables = {t: cat.con.sql(f"SELECT * FROM {t}").to_arrow_table()
+                  for t in _ROW_TABLES}
+        errors = {s: e for s, e in cat.con.execute(
+            "SELECT site, max_rel_error FROM sites WHERE max_rel_error IS NOT NULL").fetchall()}
+    finally:
+        cat.close()
+    return _Shard(name=name, plan=plan, finished=finished, model=model, tables=tables,
+                  errors=errors)
+
+
+def merge_shards(store: Store) -> MergeSummary:
+    """Move every finished shard's catalog rows into the main catalog in one transaction,
+    then remove the shard catalogs. `store` is open for an ingest (the exclusive lock).
+
+    Raises:
+        ShardError: no shards, a shard missing or unfinished, or shards of different plans;
+            nothing is changed then.
+    """
+    where = store.location
+    names = store.backend.shard_names()
+    if not names:
+        raise ShardError(f"store {where!r} has no shard ingests to merge")
+    shards = [_read_shard(store, n) for n in names]
+    fingerprints = {s.plan.fingerprint for s in shards}
+    if len(fingerprints) > 1 or any(s.name != s.plan.name for s in shards):
+        detail = ", ".join(f"{s.name} (model {s.plan.model!r}, plan {s.plan.fingerprint[:8]})"
+                           for s in shards)
+        raise ShardError(
+            f"the shard ingests of store {where!r} disagree on their plan (another prompts "
+            f"file, model or number of shards): {detail}; rerun them all with the same "
+            "arguments, or remove the stray shards/ folder"
+        )
+    plan = shards[0].plan
+    have = {s.plan.shard for s in shards}
+    missing = [shard_name(i, plan.n_shards) for i in range(plan.n_shards) if i not in have]
+    unfinished = [s.name for s in shards if not s.finished]
+    if missing or unfinished:
+        what = "missing" if missing else "not finished"
+        raise ShardError(
+            f"cannot merge store {where!r}: shard {', '.join(missing or unfinished)} of "
+            f"model {plan.model!r} is {what}; run it (`actdb ingest ... --shard i/N` with the "
+            "same arguments resumes it), then merge"
+        )
+    main = store.catalog
+    model = main.model(plan.model)
+    merged = main.one("SELECT value FROM meta WHERE key = ?", [_MERGED_KEY])
+    if merged is not None and merged[0] == plan.fingerprint:
+        store.backend.remove_shards(names)  # merged already; removal was interrupted
+        return MergeSummary(store=where, model=plan.model, shards=len(shards), prompts=0,
+                            tokens=0)
+    if model is None or model.n_rows != plan.base:
+        raise ShardError(
+            f"cannot merge store {where!r}: model {plan.model!r} changed in the main catalog "
+            f"since its shards planned (rows {model.n_rows if model else None}, planned from "
+            f"{plan.base})"
+        )
+    n_rows = max([plan.base] + [s.model.n_rows for s in shards])
+    errors: dict[str, float] = {}
+    for s in shards:
+        for site, err in s.errors.items():
+            errors[site] = max(errors.get(site, 0.0), err)
+    logit = [s.model.logit_max_rel_error for s in shards if s.model.logit_max_rel_error]
+    with store.backend.writing("the catalog"), main.transaction():
+        con = main.con
+        for s in shards:
+            for table in _ROW_TABLES:
+                data = s.tables[table]
+                if data.num_rows == 0:
+                    continue
+                con.register("_shard", data)
+                try:
+                    con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _shard")
+                finally:
+                    con.unregister("_shard")
+        for site, err in errors.items():
+            con.execute("UPDATE sites SET max_rel_error = greatest(coalesce(max_rel_error, 0), "
+                        "?) WHERE model = ? AND site = ?", [err, plan.model, site])
+        if logit:
+            con.execute("UPDATE models SET logit_max_rel_error = greatest(coalesce("
+                        "logit_max_rel_error, 0), ?) WHERE model = ?", [max(logit), plan.model])
+        con.execute("UPDATE models SET n_rows = ? WHERE model = ?", [n_rows, plan.model])
+        con.execute("DELETE FROM meta WHERE key = ?", [_MERGED_KEY])
+        con.execute("INSERT INTO meta VALUES (?, ?)", [_MERGED_KEY, plan.fingerprint])
+    store.backend.remove_shards(names)
+    return MergeSummary(
+        store=where, model=plan.model, shards=len(shards),
+        prompts=sum(s.tables["prompt_runs"].num_rows for s in shards),
+        tokens=sum(s.tables["tokens"].num_rows for s in shards),
+    )

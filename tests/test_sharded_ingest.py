@@ -1,0 +1,223 @@
+"""Sharded ingest (`--shard i/N`, `actdb merge`, `--cluster`): shards run side by side as
+real processes, then merge, and the store equals a single-process ingest vector for vector
+(local and on a local S3 server); a killed shard resumes; merge refuses what it cannot merge
+and changes nothing then; an unsharded ingest waits for the shards to be merged."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pytest
+import zarr
+from click.testing import CliRunner
+
+import actdb
+from actdb.cli import cli
+from actdb.errors import IngestError, ShardError, StoreBusyError
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parents[1]
+# Varied lengths; with 4-row chunks (norm/mean chunks of 128 rows) each shard's ~60 tokens
+# leave a gap of whole direction chunks before the next shard's aligned start.
+PROMPTS = [f"Prompt {i}: the quick brown fox jumps over {i % 5} lazy dogs" + " again" * (i % 4)
+           for i in range(12)]
+ARGS = ["--batch-size", "1", "--device", "cpu", "--name", "m", "--chunk-tokens", "4", "-q"]
+
+
+def _ingest(store: str | Path, model: Path, **kw: object) -> None:
+    actdb.ingest(store, model=str(model), prompts=PROMPTS, batch_size=1, device="cpu",
+                 name="m", chunk_tokens=4, **kw)  # type: ignore[arg-type]
+
+
+def _start(store: str | Path, model: Path, prompts: Path, shard: str, *,
+           fault: str | None = None, env: dict[str, str] | None = None
+           ) -> subprocess.Popen[str]:
+    full = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
+    full.pop("ACTDB_FAULT", None)
+    if fault:
+        full["ACTDB_FAULT"] = fault
+    return subprocess.Popen(
+        [sys.executable, "-m", "actdb", "ingest", str(store), "--model", str(model),
+         "--prompts", str(prompts), "--shard", shard, *ARGS],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full)
+
+
+def _run_shards(store: str | Path, model: Path, prompts: Path, n: int = 2,
+                env: dict[str, str] | None = None) -> None:
+    procs = [_start(store, model, prompts, f"{i}/{n}", env=env) for i in range(n)]
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err
+
+
+def vectors(store: str | Path) -> dict[str, np.ndarray]:
+    """Everything the store returns per (prompt text, position, site, head), in that order."""
+    with actdb.connect(store) as db:
+        t = db.sql(
+            "SELECT p.text, a.position, a.site, coalesce(a.head, -1) AS head, a.token_id, "
+            "a.token, a.norm, a.mean, to_list(a.vec) AS x FROM acts a JOIN prompts p "
+            "USING (prompt_id) WHERE a.model = 'm' ORDER BY p.text, a.position, a.site, head"
+        ).to_arrow_table()
+    out = {c: np.asarray(t.column(c).to_pylist(), dtype=object)
+           for c in ("text", "position", "site", "head", "token_id", "token")}
+    for c in ("norm", "mean"):
+        out[c] = np.asarray(t.column(c).to_pylist(), dtype=np.float64)
+    out["x"] = np.asarray(t.column("x").to_pylist(), dtype=np.float64)
+    return out
+
+
+def assert_same_vectors(store: str | Path, reference: dict[str, np.ndarray]) -> None:
+    got = vectors(store)
+    assert len(got["x"]) == len(reference["x"]) > 0
+    for key, want in reference.items():
+        if want.dtype == object:
+            assert (got[key] == want).all(), key
+        else:  # batch size 1 both ways: the same forward passes, the same bits
+            np.testing.assert_array_equal(got[key], want, err_msg=key)
+
+
+def raw_directions(store: Path) -> dict[tuple[str, int], np.ndarray]:
+    """Directions read with plain DuckDB and plain zarr at the rows the catalog names."""
+    con = duckdb.connect(str(store / "catalog.duckdb"), read_only=True)
+    rows = con.execute("SELECT p.text, t.position, t.row FROM tokens t JOIN prompts p "
+                       "USING (prompt_id) ORDER BY 1, 2").fetchall()
+    mid, site = con.execute("SELECT m.model_id, s.site FROM models m JOIN sites s USING "
+                            "(model) ORDER BY s.site_id LIMIT 1").fetchone()
+    con.close()
+    arr = zarr.open_group(str(store / "tensors.zarr"), mode="r")[
+        f"models/{mid}/acts/{site}/direction"]
+    return {(text, pos): np.asarray(arr[row], dtype=np.float64) for text, pos, row in rows}
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, model_dir: Callable[[str], Path]) -> Path:
+    store = tmp_path_factory.mktemp("single") / "one.actdb"
+    _ingest(store, model_dir("gpt2"))
+    return store
+
+
+@pytest.fixture(scope="module")
+def reference(single: Path) -> dict[str, np.ndarray]:
+    return vectors(single)
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory: pytest.TempPathFactory, model_dir: Callable[[str], Path],
+           prompts_file: Path) -> Path:
+    """2 shard ingests as processes side by side, then `actdb merge`."""
+    store = tmp_path_factory.mktemp("sharded") / "s.actdb"
+    _run_shards(store, model_dir("gpt2"), prompts_file)
+    assert sorted(p.name for p in (store / "shards").iterdir()) == ["0-of-2", "1-of-2"]
+    res = CliRunner().invoke(cli, ["merge", str(store)])
+    assert res.exit_code == 0, res.output
+    return store
+
+
+def test_two_shards_equal_one_process(merged: Path, single: Path,
+                                      reference: dict[str, np.ndarray]) -> None:
+    assert_same_vectors(merged, reference)
+    assert not (merged / "shards").exists()
+    a, b = raw_directions(merged), raw_directions(single)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
+    # Shard 1 starts on a whole norm/mean chunk (4 * 32 rows): rows between are unused.
+    con = duckdb.connect(str(merged / "catalog.duckdb"), read_only=True)
+    starts = [r[0] for r in
+              con.execute("SELECT row_start FROM prompt_runs ORDER BY 1").fetchall()]
+    n_rows = con.execute("SELECT n_rows FROM models").fetchone()[0]
+    one = duckdb.connect(str(single / "catalog.duckdb"), read_only=True)
+    first_half = one.execute("SELECT sum(n_tokens) FROM prompt_runs WHERE prompt_id < 6")
+    tokens0 = first_half.fetchone()[0]
+    one.close()
+    assert starts[0] == 0 and starts[6] == -(-tokens0 // 128) * 128 > tokens0
+    last = con.execute("SELECT row_start + n_tokens FROM prompt_runs ORDER BY 1 DESC LIMIT 1")
+    assert n_rows == last.fetchone()[0]
+    con.close()
+    # verify, info and a partitioned query all handle the unused rows
+    res = CliRunner().invoke(cli, ["verify", str(merged), "--full"])
+    assert res.exit_code == 0, res.output
+    with actdb.connect(merged) as db, actdb.connect(single) as ref:
+        assert db.info().models[0]["tokens"] == ref.info().models[0]["tokens"]
+        q = "SELECT count(*), sum(norm) FROM acts"
+        assert db.sql(q).fetchall()[0] == pytest.approx(ref.sql(q).fetchall()[0])
+
+
+def test_a_killed_shard_resumes(tmp_path: Path, model_dir: Callable[[str], Path],
+                                prompts_file: Path, reference: dict[str, np.ndarray]) -> None:
+    store = tmp_path / "k.actdb"
+    model = model_dir("gpt2")
+    killed = _start(store, model, prompts_file, "1/2", fault="committed:2")
+    other = _start(store, model, prompts_file, "0/2")
+    killed.communicate(timeout=240)
+    assert killed.returncode == -9
+    assert other.communicate(timeout=240) and other.returncode == 0
+    res = CliRunner().invoke(cli, ["merge", str(store)])
+    assert res.exit_code == 1 and "1-of-2" in res.output and "not finished" in res.output
+    again = _start(store, model, prompts_file, "1/2")
+    _, err = again.communicate(timeout=240)
+    assert again.returncode == 0, err
+    actdb.merge(store)
+    assert_same_vectors(store, reference)
+    assert CliRunner().invoke(cli, ["verify", str(store), "--full"]).exit_code == 0
+
+
+def test_merge_refuses_and_changes_nothing(tmp_path: Path, model_dir: Callable[[str], Path],
+                                           prompts_file: Path) -> None:
+    store = tmp_path / "r.actdb"
+    model = model_dir("gpt2")
+    actdb.ingest(store, model=str(model), prompts=PROMPTS[:1], batch_size=1, device="cpu",
+                 name="m", chunk_tokens=4)
+    before = vectors(store)
+    # Only shard 0 of 2: the other is missing.
+    p = _start(store, model, prompts_file, "0/2")
+    assert p.communicate(timeout=240) and p.returncode == 0
+    res = CliRunner().invoke(cli, ["merge", str(store)])
+    assert res.exit_code == 1 and "1-of-2" in res.output and "missing" in res.output
+    assert "Traceback" not in res.output
+    # An unsharded ingest is refused while shards are not merged.
+    with pytest.raises(IngestError, match="not merged"):
+        _ingest(store, model)
+    # A shard of another plan (3 shards): merge refuses, naming the disagreement.
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(PROMPTS[:5]) + "\n")
+    p = _start(store, model, other, "1/3")
+    assert p.communicate(timeout=240) and p.returncode == 0
+    with pytest.raises(ShardError, match="disagree on their plan"):
+        actdb.merge(store)
+    # Nothing changed: the store opens, verifies and holds what it held.
+    assert CliRunner().invoke(cli, ["verify", str(store)]).exit_code == 0
+    after = vectors(store)
+    for k in before:
+        assert (after[k] == before[k]).all()
+
+
+def test_an_ingest_and_shards_exclude_each_other(tmp_path: Path,
+                                                 model_dir: Callable[[str], Path]) -> None:
+    from actdb.store.store import Store
+
+    store = tmp_path / "l.actdb"
+    first = actdb.ingest(store, model=str(model_dir("gpt2")), prompts=PROMPTS[:1],
+                                 batch_size=1, device="cpu", name="m", chunk_tokens=4)
+    assert first.prompts_new == 1
+    with Store(store, ingest=True, shard="0-of-2") as a:
+        assert a.shard == "0-of-2"
+        with pytest.raises(StoreBusyError, match="shard ingests"):
+            Store(store, ingest=True)
+    with Store(store, ingest=True):
+        with pytest.raises(StoreBusyError, match="another ingest or merge"):
+            Store(store, ingest=True, shard="0-of-2")
