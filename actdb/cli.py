@@ -88,6 +88,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--shard", default=None, metavar="I/N",
               help="Be worker I (from 0) of N ingesting shares of the prompts into STORE side "
                    "by side; `actdb merge STORE` makes them visible when all have finished.")
+@click.option("--cluster", default=None, metavar="ADDRESS|local:N",
+              help="Run one shard ingest per Dask worker (a scheduler address, or local:N "
+                   "worker processes here), then merge them.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 @click.pass_context
 def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
@@ -104,6 +107,7 @@ def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
       actdb ingest runs.actdb --model HuggingFaceTB/SmolLM2-135M-Instruct \\
           --prompts examples/prompts.txt --chat-template
       actdb ingest runs.actdb --model gpt2 --prompts examples/prompts.txt --shard 0/2
+      actdb ingest runs.actdb --model gpt2 --prompts examples/prompts.txt --cluster local:2
     """
     from .ingest import IngestPlan
     from .ingest import ingest as run_ingest

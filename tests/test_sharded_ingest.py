@@ -249,3 +249,32 @@ def test_two_shards_on_s3_equal_one_process(s3: S3Server, model_dir: Callable[[s
     assert starts == [0, 2048]
     res = CliRunner().invoke(cli, ["verify", url, "--full"])
     assert res.exit_code == 0, res.output
+
+
+def test_a_dask_cluster_ingest_equals_one_process(
+        tmp_path: Path, model_dir: Callable[[str], Path], single: Path,
+        reference: dict[str, np.ndarray]) -> None:
+    import logging
+
+    from distributed import Client, LocalCluster
+
+    store = tmp_path / "d.actdb"
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                           dashboard_address=None, silence_logs=logging.ERROR)
+    client = Client(cluster)
+    try:
+        summary = actdb.ingest(store, model=str(model_dir("gpt2")), prompts=PROMPTS,
+                               batch_size=1, device="cpu", name="m", chunk_tokens=4,
+                               cluster=client)
+        assert summary.prompts_new == len(PROMPTS)
+        assert not (store / "shards").exists()
+        assert_same_vectors(store, reference)
+        # The cluster query's row partitions cross the unused rows between the shards.
+        q = "SELECT site, count(*) AS n, sum(norm) AS s FROM acts GROUP BY site ORDER BY site"
+        with actdb.connect(store, cluster=client) as dist, actdb.connect(single) as one:
+            got, want = dist.sql(q).fetchall(), one.sql(q).fetchall()
+        assert [r[:2] for r in got] == [r[:2] for r in want]
+        np.testing.assert_allclose([r[2] for r in got], [r[2] for r in want], rtol=1e-6)
+    finally:
+        client.close()
+        cluster.close()

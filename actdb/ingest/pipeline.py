@@ -98,6 +98,7 @@ def ingest(
     storage_options: Mapping[str, Any] | None = None,
     chat_template: bool = False,
     shard: str | tuple[int, int] | None = None,
+    cluster: Any = None,
 ) -> IngestSummary:
     """Run `model` once over `prompts` and store every norm site's input in `store`.
 
@@ -111,8 +112,22 @@ def ingest(
     With `shard=(i, N)` (or `"i/N"`), this is worker i (from 0) of N ingesting its share of
     the prompts into the same store, side by side with the others: its catalog rows go to
     the store's `shards/{i}-of-{N}` catalog until `actdb.merge` moves them all into the main
-    catalog. Run again with the same arguments, a killed shard resumes.
+    catalog. Run again with the same arguments, a killed shard resumes. With `cluster`
+    (`"local:N"`, a Dask scheduler address or client), one shard per worker runs on the
+    cluster and they are merged at the end (the workers must reach the store and model).
     """
+    if cluster is not None:
+        if shard is not None:
+            raise IngestError("pass either shard or cluster, not both: a cluster ingest runs "
+                              "the shards itself")
+        from .cluster import ingest_on_cluster
+
+        return ingest_on_cluster(
+            store, cluster=cluster, model=model, prompts=prompts, tokenizer=tokenizer,
+            batch_size=batch_size, max_length=max_length, device=device, dtype=dtype,
+            sites=sites, name=name, revision=revision, device_map=device_map,
+            chunk_tokens=chunk_tokens, storage_options=storage_options,
+            chat_template=chat_template)
     shard_of = parse_shard(shard) if shard is not None else None
     if batch_size < 1:
         raise IngestError(f"batch_size must be at least 1, got {batch_size}")

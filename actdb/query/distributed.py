@@ -9,7 +9,6 @@ it cannot split runs here, in one process, with a note saying why.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -22,6 +21,7 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import ParseError
 
+from ..cluster import DaskClient
 from ..errors import QueryError
 from . import handles as H
 from . import sandbox
@@ -82,46 +82,17 @@ class Cluster:
 
     def __init__(self, spec: Any, *, path: str, device: str,
                  storage_options: Mapping[str, Any] | None = None) -> None:
-        try:
-            from distributed import Client, LocalCluster
-        except ImportError:  # pragma: no cover - a dependency of actdb
-            raise QueryError("cluster queries need dask[distributed]: pip install "
-                             "'dask[distributed]'") from None
         self.path = path
         self.device = device
         self.storage_options = dict(storage_options) if storage_options else None
-        self._own: Any = None
-        if isinstance(spec, str) and spec.startswith("local:"):
-            n = spec.removeprefix("local:")
-            if not n.isdigit() or int(n) < 1:
-                raise QueryError(f"cluster {spec!r}: write local:N with N a number of workers "
-                                 "of 1 or more, e.g. local:2")
-            self._own = LocalCluster(n_workers=int(n), threads_per_worker=1, processes=True,
-                                     host="127.0.0.1", dashboard_address=None,
-                                     silence_logs=logging.ERROR)
-            self.client = Client(self._own)
-        elif isinstance(spec, str):
-            try:
-                self.client = Client(spec, timeout=20)
-            except (OSError, TimeoutError) as e:
-                raise QueryError(f"cannot reach the Dask scheduler {spec!r}: {e}") from None
-        elif isinstance(spec, Client):
-            self.client = spec
-        elif hasattr(spec, "scheduler_address"):
-            self.client = Client(spec)
-        else:
-            raise QueryError(f"cluster must be 'local:N', a scheduler address or a Dask "
-                             f"client, not {type(spec).__name__}")
-        self._made_client = not isinstance(spec, Client)
+        self._dask = DaskClient(spec, QueryError)
+        self.client = self._dask.client
 
     def threads(self) -> int:
         return max(1, sum(self.client.nthreads().values()))
 
     def close(self) -> None:
-        if self._made_client:
-            self.client.close()
-        if self._own is not None:
-            self._own.close()
+        self._dask.close()
 
     def map(self, sqls: list[str], params: Any, need: dict[str, int]) -> list[pa.Table]:
         """Each partial query's rows, in order, from the workers."""

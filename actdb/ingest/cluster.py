@@ -1,0 +1,72 @@
+"""An ingest on a Dask cluster: N shard ingests (`shard=(i, N)`) run as tasks on the
+workers, one a worker where there are enough, then merge their catalogs here."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..cluster import DaskClient
+from ..errors import IngestError
+from .pipeline import IngestSummary, ingest
+from .prompts import PromptsLike, read_prompts
+from .shards import merge
+
+
+def ingest_on_cluster(
+    store: str | os.PathLike[str], *, cluster: Any, model: Any, prompts: PromptsLike,
+    shards: int | None = None, storage_options: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> IngestSummary:
+    """Ingest `prompts` with `shards` shard ingests on the cluster (default: one per
+    worker), then merge them. The workers must reach `store` and `model` at the same path
+    or URL. Options are `ingest`'s (batch size, device, name, ...).
+
+    Returns:
+        The whole ingest's summary (counts summed over shards; seconds of the whole run).
+    """
+    if not isinstance(model, str | os.PathLike):
+        raise IngestError("a cluster ingest loads the model on every worker: pass its hub name "
+                          "or folder, not a model object")
+    started = time.perf_counter()
+    # Read here, once: workers get the same prompts even when the file is only local.
+    rows = [{**p.extra, "text": p.text} for p in read_prompts(prompts)]
+    location = os.fspath(store)
+    if "://" not in location:
+        location = os.path.abspath(location)
+    source = os.fspath(model)
+    if os.path.exists(source):
+        source = os.path.abspath(source)
+    dask = DaskClient(cluster, IngestError)
+    try:
+        workers = dask.workers()
+        n = shards or max(1, len(workers))
+        futures = [
+            dask.client.submit(
+                ingest, location, model=source, prompts=rows, shard=(i, n),
+                storage_options=storage_options, **options, pure=False,
+                workers=[workers[i % len(workers)]] if workers else None,
+                allow_other_workers=True,
+            )
+            for i in range(n)
+        ]
+        parts: list[IngestSummary] = dask.client.gather(futures)
+    finally:
+        dask.close()
+    merge(location, storage_options=storage_options)
+    errors: dict[str, float] = {}
+    for p in parts:
+        for k, v in p.max_rel_error.items():
+            errors[k] = max(errors.get(k, 0.0), v)
+    first = parts[0]
+    return IngestSummary(
+        model=first.model, store=location, prompts_total=first.prompts_total,
+        prompts_new=sum(p.prompts_new for p in parts),
+        prompts_skipped=first.prompts_total - sum(p.prompts_new for p in parts),
+        prompts_truncated=first.prompts_truncated,
+        tokens_written=sum(p.tokens_written for p in parts), sites=first.sites,
+        bytes_stored=sum(p.bytes_stored for p in parts),
+        seconds=time.perf_counter() - started, max_rel_error=errors,
+    )
