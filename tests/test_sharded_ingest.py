@@ -171,15 +171,19 @@ def test_a_killed_shard_resumes(tmp_path: Path, model_dir: Callable[[str], Path]
     store = tmp_path / "k.actdb"
     model = model_dir("gpt2")
     killed = _start(store, model, prompts_file, "1/2", fault="tensors_written:3")
-    other = _start(store, model, prompts_file, "0/2")
     killed.communicate(timeout=240)
     assert killed.returncode == -9
-    assert other.communicate(timeout=240) and other.returncode == 0
+    _ingest(store, model, shard=(0, 2))
     res = CliRunner().invoke(cli, ["merge", str(store)])
     assert res.exit_code == 1 and "1-of-2" in res.output and "not finished" in res.output
-    again = _start(store, model, prompts_file, "1/2")
-    _, err = again.communicate(timeout=240)
-    assert again.returncode == 0, err
+    with actdb.connect(store) as db:  # the store opens; shard 1's rows are not visible yet
+        assert db.sql("SELECT count(*) FROM prompt_runs").fetchall() == [(0,)]
+    with duckdb.connect(str(store / "shards" / "1-of-2" / "catalog.duckdb")) as con:
+        committed = con.execute("SELECT count(*) FROM prompt_runs").fetchall()[0][0]
+    assert 0 < committed < 6  # two commits of a few prompts each, before the kill
+    summary = actdb.ingest(store, model=str(model), prompts=PROMPTS, batch_size=1,
+                           device="cpu", name="m", chunk_tokens=4, shard="1/2")
+    assert summary.prompts_new == 6 - committed
     actdb.merge(store)
     assert_same_vectors(store, reference)
     assert CliRunner().invoke(cli, ["verify", str(store), "--full"]).exit_code == 0
@@ -212,21 +216,35 @@ def test_merge_refuses_and_changes_nothing(tmp_path: Path, model_dir: Callable[[
         assert (after[k] == before[k]).all()
 
 
+def _check_exclusion(location: str) -> None:
+    """Shards share the store's lock; an ingest or merge holds it alone."""
+    from actdb.store.backend import open_backend
+
+    s0, s1, s0_again, whole = (open_backend(location) for _ in range(4))
+    s0.lock("0-of-2")
+    try:
+        s1.lock("1-of-2")  # shards side by side
+        s1.unlock()
+        with pytest.raises(StoreBusyError, match="shard ingests"):
+            whole.lock()
+    finally:
+        s0.unlock()
+    whole.lock()
+    try:
+        with pytest.raises(StoreBusyError, match="another ingest or merge"):
+            s0_again.lock("0-of-2")
+    finally:
+        whole.unlock()
+    s0_again.lock("0-of-2")  # free again
+    s0_again.unlock()
+
+
 def test_an_ingest_and_shards_exclude_each_other(tmp_path: Path,
                                                  model_dir: Callable[[str], Path]) -> None:
-    from actdb.store.store import Store
-
     store = tmp_path / "l.actdb"
-    first = actdb.ingest(store, model=str(model_dir("gpt2")), prompts=PROMPTS[:1],
-                                 batch_size=1, device="cpu", name="m", chunk_tokens=4)
-    assert first.prompts_new == 1
-    with Store(store, ingest=True, shard="0-of-2") as a:
-        assert a.shard == "0-of-2"
-        with pytest.raises(StoreBusyError, match="shard ingests"):
-            Store(store, ingest=True)
-    with Store(store, ingest=True):
-        with pytest.raises(StoreBusyError, match="another ingest or merge"):
-            Store(store, ingest=True, shard="0-of-2")
+    actdb.ingest(store, model=str(model_dir("gpt2")), prompts=PROMPTS[:1], batch_size=1,
+                 device="cpu", name="m", chunk_tokens=4)
+    _check_exclusion(str(store))
 
 
 def test_two_shards_on_s3_equal_one_process(s3: S3Server, model_dir: Callable[[str], Path],
@@ -278,3 +296,11 @@ def test_a_dask_cluster_ingest_equals_one_process(
     finally:
         client.close()
         cluster.close()
+
+
+def test_on_s3_an_ingest_and_shards_exclude_each_other(s3: S3Server,
+                                                       model_dir: Callable[[str], Path]) -> None:
+    url = s3.url()
+    actdb.ingest(url, model=str(model_dir("gpt2")), prompts=PROMPTS[:1], batch_size=1,
+                 device="cpu", name="m", chunk_tokens=4)
+    _check_exclusion(url)

@@ -7,6 +7,7 @@ import errno
 import fcntl
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
@@ -22,7 +23,7 @@ from ..errors import (
 from . import durable
 from .arrays import Arrays
 from .backend import CATALOG_NAME, SHARDS_NAME, TENSORS_NAME, TOKENIZERS_NAME
-from .catalog import LOCAL_FORMAT_VERSION, Catalog
+from .catalog import LOCAL_FORMAT_VERSION, Catalog, lock_wait_seconds
 from .faults import fault
 
 LOCK_NAME = "ingest.lock"  # flock: exclusive for an ingest or merge, shared by shard ingests
@@ -131,10 +132,22 @@ class LocalBackend:
 
     @contextmanager
     def registering(self) -> Iterator[None]:
-        """Among shard ingests, one at a time: a blocking flock on `shards.lock`."""
+        """Among shard ingests, one at a time: an flock on `shards.lock`, waited for up to
+        the lock wait (a shard holds it for seconds: registering a model, planning)."""
         fd = os.open(self.path / REGISTER_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            deadline = time.monotonic() + lock_wait_seconds()
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise StoreBusyError(
+                            f"store {self.location!r}: another shard ingest has been "
+                            f"registering for more than {lock_wait_seconds():g} s; try again"
+                        ) from None
+                    time.sleep(0.05)
             yield
         finally:
             os.close(fd)
