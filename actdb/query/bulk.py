@@ -141,8 +141,10 @@ class BulkEvaluator:
             return None
         assert walk is not None
         size = min(max(2 * walk.size, hi - lo), self.max_rows)
-        n_rows = self.src.codec.streams[stream & H.STREAM_MASK].n_rows
-        end = min(n_rows, max(hi, lo + size))
+        # Never past the committed rows' unbroken run (a merged sharded ingest leaves unused
+        # rows between shards, whose chunks may not exist).
+        model_id = self.src.codec.streams[stream & H.STREAM_MASK].model_id
+        end = min(self.src.segment_end(model_id, hi - 1), max(hi, lo + size))
         window = self._compute(stream, lo, end, rest)
         self._walks[wkey] = _Walk(end=hi, size=end - lo)
         self._remember(wkey, window)

@@ -165,8 +165,15 @@ class VectorSource:
         self._local = threading.local()
         self._last_chunk: dict[tuple[int, str, str], int] = {}
         self._token_ids: dict[tuple[int, str, str], int] = {}
+        # Where each model's committed rows run without a break: a merged sharded ingest
+        # leaves unused rows (maybe without chunks) between shards, never to be read ahead.
+        self._segments: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # Read up front: UDFs run inside a query on the catalog connection and may not use it.
         for m in self.models.values():
+            runs = store.catalog.con.execute(
+                "SELECT row_start, row_start + n_tokens FROM prompt_runs WHERE model = ? "
+                "AND n_tokens > 0 ORDER BY row_start", [m.model]).fetchall()
+            self._segments[m.model_id] = _segments(runs)
             rows = store.catalog.con.execute(
                 "SELECT token FROM vocab WHERE model = ? ORDER BY token_id", [m.model]
             ).fetchall()
@@ -182,6 +189,13 @@ class VectorSource:
             load(torch)
             self._device = resolve_device(self._device)
         return self._device
+
+    def segment_end(self, model_id: int, row: int) -> int:
+        """The end of the unbroken run of committed rows holding `row` (rows past it up to
+        the next run's start are unused)."""
+        starts, ends = self._segments.get(int(model_id), (np.zeros(0), np.zeros(0)))
+        i = int(np.searchsorted(starts, row, side="right")) - 1
+        return int(ends[i]) if i >= 0 and row < ends[i] else row + 1
 
     # -- identity --------------------------------------------------------------------------
 
@@ -234,7 +248,7 @@ class VectorSource:
         first, last = int(rows[0]) // c, int(rows[-1]) // c
         where = (model.model_id, site.site, name)
         if self._last_chunk.get(where) in (first - 1, first):  # walking the array: read ahead
-            n_chunks = -(-model.n_rows // c)
+            n_chunks = -(-self.segment_end(model.model_id, int(rows[-1])) // c)
             for ahead in range(last + 1, min(last + 1 + self.cache.readahead, n_chunks)):
                 self.cache.prefetch((*where, ahead),
                                     partial(self.store.arrays.read_chunk, *where, ahead))
@@ -416,3 +430,16 @@ class VectorSource:
 
         tok = AutoTokenizer.from_pretrained(str(folder))
         return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _segments(runs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted (start, end) runs of rows joined where one ends as the next starts."""
+    starts: list[int] = []
+    ends: list[int] = []
+    for a, b in runs:
+        if ends and a == ends[-1]:
+            ends[-1] = b
+        else:
+            starts.append(a)
+            ends.append(b)
+    return np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)

@@ -126,8 +126,9 @@ class LocalBackend:
         who = f" (PID {holder})" if holder.isdigit() else ""
         what = "shard ingest" if shard else "one"
         return StoreBusyError(
-            f"store {self.location!r} is being written by another ingest or merge{who}; run "
-            f"this {what} again when it has finished (it will skip what is stored)"
+            f"store {self.location!r} is being written by another ingest{who} (an ingest or a "
+            f"merge writes it alone); run this {what} again when it has finished (it will skip "
+            "what is stored)"
         )
 
     @contextmanager

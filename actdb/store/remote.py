@@ -111,8 +111,8 @@ class S3Backend:
                 f"store {self.location!r} is being written by shard ingests (--shard); run "
                 "this one when they have finished and `actdb merge` has run"
                 if not shard else
-                f"store {self.location!r} is being written by another ingest or merge; run "
-                "this shard ingest again when it has finished"
+                f"store {self.location!r} is being written by another ingest (an ingest or a "
+                "merge writes it alone); run this shard ingest again when it has finished"
             )
 
     @contextmanager
