@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import zarr
 
 from ..errors import StoreCorruptError
 from .chunks import CRC_BYTES, crc32c
 from .faults import fault
 from .objects import Objects
+
+if TYPE_CHECKING:
+    import zarr
 
 _EMPTY = 2**64 - 1
 
