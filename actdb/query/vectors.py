@@ -36,6 +36,7 @@ OFF_STREAM_ROLES = frozenset({"inner", "q_norm", "k_norm"})
 # this many runs read ahead of the one it computes on.
 RUN_CHUNKS = 16
 RUN_AHEAD = 2
+_RUNS_PENDING = 8  # about 24 MiB of runs read ahead at most, whatever the query left behind
 # float32 values converted at a time by `project`: 1 MiB, so the block stays in the core's
 # cache between its conversion and its product
 _SCRATCH_FLOATS = 1 << 18
@@ -86,10 +87,13 @@ class ChunkCache:
         self._insert(key, value, keep=keep, chunks=chunks)
         return value
 
-    def prefetch(self, key: tuple[object, ...], load: Callable[[], np.ndarray]) -> None:
-        """Start reading `key` in the background unless it is cached or on its way."""
+    def prefetch(self, key: tuple[object, ...], load: Callable[[], np.ndarray], *,
+                 limit: int = 64) -> None:
+        """Start reading `key` in the background unless it is cached or on its way, or
+        `limit` reads are on their way already (reads a query stopped before using stay there
+        until the next `clear`: the limit bounds their memory)."""
         with self._lock:
-            if key in self._items or key in self._pending or len(self._pending) > 64:
+            if key in self._items or key in self._pending or len(self._pending) >= limit:
                 return
             self._pending[key] = self._reader.submit(load)
 
@@ -270,7 +274,10 @@ class VectorSource:
         where = (model.model_id, site.site, name)
         walking = self._last_chunk.get(where) in (first - 1, first)
         self._last_chunk[where] = last
-        if last - first + 1 >= RUN_CHUNKS // 2 and _consecutive(rows):
+        # Runs on a local disk only: object storage keeps several single-chunk requests in
+        # flight (Store.readers), which a run, read request after request, would serialize.
+        if (self.store.readers == 1 and last - first + 1 >= RUN_CHUNKS // 2
+                and _consecutive(rows)):
             yield from self._runs(model, site, name, rows, heads, c, walking)
             return
         bounds = np.searchsorted(rows, np.arange(first, last + 2) * c)
@@ -323,7 +330,7 @@ class VectorSource:
 
         for r in range(first, last + 1):
             for ahead in range(r + 1, min(r + 1 + RUN_AHEAD, stop)):
-                self.cache.prefetch((*where, "run", ahead), load(ahead))
+                self.cache.prefetch((*where, "run", ahead), load(ahead), limit=_RUNS_PENDING)
             held = self._held.get(where)
             if held is not None and held[0] == r:
                 data = held[1]
