@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -334,9 +335,12 @@ def test_kill_then_resume_on_s3(s3: S3Server, model_dir: Callable[[str], Path], 
     script = tmp_path / "ingest.py"
     script.write_text(FAULT_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "ACTDB_FAULT": point}
+    work_folders = set(Path(tempfile.gettempdir()).glob("actdb-s3-*"))
     proc = subprocess.run([sys.executable, str(script), url, str(model_dir("gpt2")),
                            str(prompts)], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == -signal.SIGKILL, f"{point} was never reached: {proc.stderr[-2000:]}"
+    orphans = set(Path(tempfile.gettempdir()).glob("actdb-s3-*")) - work_folders
+    assert orphans  # the killed process's working copy of the catalog, never removed by it
     objects = Objects(parse_url(url))
     assert objects.exists("ingest.lease")  # a killed ingest cannot release its lease
     with actdb.connect(url) as db:
@@ -349,5 +353,6 @@ def test_kill_then_resume_on_s3(s3: S3Server, model_dir: Callable[[str], Path], 
         assert db.verify() == []  # every byte is compared below
     assert_same(snapshot(url, "m"), fault_reference)
     assert not objects.exists("ingest.lease")
+    assert not any(folder.exists() for folder in orphans)  # swept by the next process
     catalogs = [key for key, _ in objects.list("catalogs")]
     assert len(catalogs) <= 2, catalogs  # the current one and the one it replaced

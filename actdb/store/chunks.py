@@ -37,11 +37,11 @@ def crc32c(data: np.ndarray) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RawLayout:
-    """Where the chunk files of one raw array lie, and what each holds."""
+class ChunkFormat:
+    """What one chunk of a raw array holds: its values (`bytes` codec, little-endian), then,
+    with `crc`, their CRC-32C in 4 bytes. Subclasses say where a chunk lies."""
 
     label: str  # the array's path in the group, for messages
-    folder: str
     tail: str
     shape: tuple[int, ...]  # of one chunk
     dtype: np.dtype[Any]
@@ -57,13 +57,59 @@ class RawLayout:
     def file_bytes(self) -> int:
         return self.nbytes + (CRC_BYTES if self.crc else 0)
 
+    def where(self, chunk: int) -> str:
+        """Where chunk `chunk` lies, for messages."""
+        raise NotImplementedError
+
+    def decode(self, raw: np.ndarray, chunk: int, *, check: bool) -> np.ndarray:
+        """The values of one chunk from its `file_bytes` bytes (a view of `raw`), the
+        checksum checked when `check`."""
+        data = raw[: self.nbytes]
+        if self.crc and check:
+            stored = int.from_bytes(raw[self.nbytes : self.file_bytes].tobytes(), "little")
+            if crc32c(data) != stored:
+                raise self._damaged(chunk, "fails its checksum")
+        return data.view(self.dtype).reshape(self.shape)
+
+    def check_size(self, chunk: int, size: int | None) -> None:
+        """A chunk found with `size` bytes (None: absent) is whole, or the store is damaged."""
+        if size is None:
+            raise self._damaged(chunk, "is missing")
+        if size != self.file_bytes:
+            raise self._damaged(chunk, f"has {size} bytes, not {self.file_bytes}")
+
+    def _damaged(self, chunk: int, what: str) -> StoreCorruptError:
+        return StoreCorruptError(
+            f"chunk {chunk} of array {self.label!r} {what} ({self.where(chunk)!r}): "
+            "the store is damaged"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RawLayout(ChunkFormat):
+    """Where the chunk files of one raw array lie on a local disk."""
+
+    folder: str
+
     def path(self, chunk: int) -> str:
         return f"{self.folder}/{chunk}{self.tail}"
 
     def read(self, chunk: int, *, check: bool = True) -> np.ndarray:
         """Chunk `chunk` read straight from its file, its size and (`check`) checksum
         checked: a missing, short, long or damaged chunk is a StoreCorruptError naming it."""
-        return self.read_run(chunk, 1, check=check)
+        path = self.path(chunk)
+        # One byte more than expected: a file too long shows in the count read.
+        buf = np.empty(self.file_bytes + 1, dtype=np.uint8)
+        got: int | None
+        try:
+            # readinto releases the GIL for the read itself, so a read-ahead thread
+            # reads while the query's thread computes (np.fromfile holds it).
+            with open(path, "rb", buffering=0) as f:
+                got = f.readinto(buf.data)
+        except FileNotFoundError:
+            got = None
+        self.check_size(chunk, got)
+        return self.decode(buf, chunk, check=check)
 
     def read_run(self, first: int, count: int, *, check: bool = True) -> np.ndarray:
         """Chunks `first` .. `first + count - 1` as one array (their rows in order), each
@@ -71,7 +117,7 @@ class RawLayout:
 
         Each file's values go straight into their place in one buffer and its checksum into
         a small one (one `preadv` a file, which releases the GIL), so a scan pays Python's
-        per-call costs once per run of chunks for the buffer, and no copy to join them."""
+        per-call costs once per run of chunks for the buffer, and no copy joins them."""
         nbytes, file_bytes = self.nbytes, self.file_bytes
         buf = np.empty(count * nbytes, dtype=np.uint8)
         # the checksum, then one byte more than expected: a file too long shows in the count
@@ -79,16 +125,17 @@ class RawLayout:
         for i in range(count):
             chunk = first + i
             data = buf[i * nbytes : (i + 1) * nbytes]
+            got: int | None
             try:
                 fd = os.open(self.path(chunk), os.O_RDONLY)
             except FileNotFoundError:
-                raise self._damaged(chunk, "is missing") from None
-            try:
-                got = os.preadv(fd, [data.data, tail.data], 0)
-            finally:
-                os.close(fd)
-            if got != file_bytes:
-                raise self._damaged(chunk, f"has {got} bytes, not {file_bytes}")
+                got = None
+            else:
+                try:
+                    got = os.preadv(fd, [data.data, tail.data], 0)
+                finally:
+                    os.close(fd)
+            self.check_size(chunk, got)
             if self.crc and check:
                 stored = int.from_bytes(tail[:CRC_BYTES].tobytes(), "little")
                 if crc32c(data) != stored:
@@ -98,11 +145,10 @@ class RawLayout:
     def stat(self, chunk: int) -> None:
         """The structural check of one chunk: its file exists with the right size."""
         try:
-            size = os.stat(self.path(chunk)).st_size
+            size: int | None = os.stat(self.path(chunk)).st_size
         except FileNotFoundError:
-            raise self._damaged(chunk, "is missing") from None
-        if size != self.file_bytes:
-            raise self._damaged(chunk, f"has {size} bytes, not {self.file_bytes}")
+            size = None
+        self.check_size(chunk, size)
 
     def write(self, chunk: int, data: np.ndarray) -> None:
         """Replace chunk `chunk` whole: a temporary file beside it, fsynced, renamed over it
@@ -124,11 +170,8 @@ class RawLayout:
                 os.unlink(tmp)
             raise
 
-    def _damaged(self, chunk: int, what: str) -> StoreCorruptError:
-        return StoreCorruptError(
-            f"chunk {chunk} of array {self.label!r} {what} ({self.path(chunk)!r}): "
-            "the store is damaged"
-        )
+    def where(self, chunk: int) -> str:
+        return self.path(chunk)
 
 
 def raw_layout(arr: zarr.Array, zstore: Any) -> RawLayout | None:

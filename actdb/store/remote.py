@@ -4,6 +4,7 @@ ingest at a time by a lease object (lease.py). Layout and protocol: docs/FORMAT.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -23,6 +24,22 @@ from .lease import Lease
 from .objects import Objects, parse_url
 
 REMOTE_FORMAT_VERSION = 3
+# Local working folders are named for their process: one whose process is gone (killed,
+# so it never closed its store) is removed by the next process that makes one.
+_WORK_PREFIX = "actdb-s3-"
+
+
+def _sweep_orphans() -> None:
+    for folder in Path(tempfile.gettempdir()).glob(f"{_WORK_PREFIX}*"):
+        pid = folder.name[len(_WORK_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or not folder.is_dir() or folder.stat().st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 class S3Backend:
@@ -40,7 +57,8 @@ class S3Backend:
 
     def _workdir(self) -> Path:
         if self._work is None:
-            self._work = Path(tempfile.mkdtemp(prefix="actdb-s3-"))
+            _sweep_orphans()
+            self._work = Path(tempfile.mkdtemp(prefix=f"{_WORK_PREFIX}{os.getpid()}-"))
         return self._work
 
     def needs_create(self) -> bool:
@@ -50,7 +68,7 @@ class S3Backend:
         """Tensors' root group first, then the first catalog object, then the pointer with
         a create-if-absent write: the pointer makes the store exist, so a kill before it
         leaves no store, and of two creators the second finds the pointer and opens theirs."""
-        work = Path(tempfile.mkdtemp(prefix="actdb-s3-create-"))
+        work = Path(tempfile.mkdtemp(prefix=f"{_WORK_PREFIX}{os.getpid()}-create-"))
         try:
             Arrays.create(None, version=REMOTE_FORMAT_VERSION, store=self._zarr_store(False),
                           objects=self._tensor_objects())

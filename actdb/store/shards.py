@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import StoreCorruptError
-from .chunks import CRC_BYTES, crc32c
+from .chunks import CRC_BYTES, ChunkFormat, crc32c
 from .faults import fault
 from .objects import Objects
 
@@ -36,72 +35,41 @@ _EMPTY = 2**64 - 1
 
 
 @dataclass(frozen=True, kw_only=True)
-class ObjectChunks:
-    """Where the chunk objects of one raw unsharded array lie, and what each holds."""
+class ObjectChunks(ChunkFormat):
+    """Where the chunk objects of one raw unsharded array lie."""
 
-    label: str
     objects: Objects  # the tensors group's prefix
-    tail: str
-    shape: tuple[int, ...]  # of one chunk
-    dtype: np.dtype[Any]
-    crc: bool
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * self.dtype.itemsize
-
-    @property
-    def file_bytes(self) -> int:
-        return self.nbytes + (CRC_BYTES if self.crc else 0)
 
     def key(self, chunk: int) -> str:
         return f"{self.label}/c/{chunk}{self.tail}"
 
     def read(self, chunk: int, *, check: bool = True) -> np.ndarray:
         try:
-            data, _ = self.objects.get(self.key(chunk))
+            data: bytes | None = self.objects.get(self.key(chunk))[0]
         except FileNotFoundError:
-            raise self._damaged(chunk, "is missing") from None
-        if len(data) != self.file_bytes:
-            raise self._damaged(chunk, f"has {len(data)} bytes, not {self.file_bytes}")
-        return _decode(memoryview(data), self, chunk, check=check,
-                       damaged=self._damaged)
+            data = None
+        self.check_size(chunk, None if data is None else len(data))
+        assert data is not None
+        # The object's bytes are immutable: the values are copied out, writable.
+        return self.decode(np.frombuffer(data, np.uint8), chunk, check=check).copy()
 
     def stat(self, chunk: int) -> None:
-        size = self.objects.size(self.key(chunk))
-        if size is None:
-            raise self._damaged(chunk, "is missing")
-        if size != self.file_bytes:
-            raise self._damaged(chunk, f"has {size} bytes, not {self.file_bytes}")
+        self.check_size(chunk, self.objects.size(self.key(chunk)))
 
-    def _damaged(self, chunk: int, what: str) -> StoreCorruptError:
-        return StoreCorruptError(
-            f"chunk {chunk} of array {self.label!r} {what} "
-            f"({self.objects.where(self.key(chunk))!r}): the store is damaged"
-        )
+    def where(self, chunk: int) -> str:
+        return self.objects.where(self.key(chunk))
 
 
-@dataclass(kw_only=True)
-class ShardedChunks:
-    """One sharded array on object storage: inner chunks read by range, shards written whole."""
+@dataclass(frozen=True, kw_only=True)
+class ShardedChunks(ChunkFormat):
+    """One sharded array on object storage: inner chunks read by range, shards written whole.
+    `shape` is that of one inner chunk; every inner chunk carries its CRC-32C."""
 
-    label: str
     objects: Objects
-    tail: str
-    shape: tuple[int, ...]  # of one inner chunk
-    dtype: np.dtype[Any]
     per_shard: int  # inner chunks per shard
     crc: bool = True
     _index_ok: set[int] = field(default_factory=set)  # shards whose index was checked
     _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * self.dtype.itemsize
-
-    @property
-    def file_bytes(self) -> int:
-        return self.nbytes + CRC_BYTES
 
     @property
     def index_bytes(self) -> int:
@@ -155,9 +123,8 @@ class ShardedChunks:
             got = self.objects.get_range(self.key(shard), lo, lo + self.file_bytes)
         except FileNotFoundError:
             raise self._damaged(chunk, "is missing (its shard is absent)") from None
-        if len(got) != self.file_bytes:
-            raise self._damaged(chunk, f"has {len(got)} bytes, not {self.file_bytes}")
-        return _decode(got, self, chunk, check=check, damaged=self._damaged)
+        self.check_size(chunk, len(got))
+        return self.decode(np.frombuffer(got, np.uint8), chunk, check=check).copy()
 
     def stat(self, chunk: int) -> None:
         shard = chunk // self.per_shard
@@ -215,24 +182,8 @@ class ShardedChunks:
         buf[lo + self.nbytes : lo + self.file_bytes] = np.frombuffer(
             crc32c(raw).to_bytes(CRC_BYTES, "little"), np.uint8)
 
-    def _damaged(self, chunk: int, what: str) -> StoreCorruptError:
-        shard = chunk // self.per_shard
-        return StoreCorruptError(
-            f"chunk {chunk} of array {self.label!r} {what} "
-            f"({self.objects.where(self.key(shard))!r}): the store is damaged"
-        )
-
-
-def _decode(buf: memoryview, layout: ObjectChunks | ShardedChunks, chunk: int, *,
-            check: bool, damaged: Any) -> np.ndarray:
-    """Values and trailing CRC-32C of one chunk -> a fresh array, the checksum checked."""
-    raw = np.frombuffer(buf, dtype=np.uint8)
-    data = raw[: layout.nbytes]
-    if layout.crc and check:
-        stored = int.from_bytes(raw[layout.nbytes : layout.file_bytes].tobytes(), "little")
-        if crc32c(data) != stored:
-            raise damaged(chunk, "fails its checksum")
-    return data.copy().view(layout.dtype).reshape(layout.shape)
+    def where(self, chunk: int) -> str:
+        return self.objects.where(self.key(chunk // self.per_shard))
 
 
 def object_layout(arr: zarr.Array, objects: Objects) -> ObjectChunks | ShardedChunks | None:
