@@ -118,7 +118,7 @@ class RawLayout(ChunkFormat):
         Each file's values go straight into their place in one buffer and its checksum into
         a small one (one `preadv` a file, which releases the GIL), so a scan pays Python's
         per-call costs once per run of chunks for the buffer, and no copy joins them."""
-        nbytes, file_bytes = self.nbytes, self.file_bytes
+        nbytes = self.nbytes
         buf = np.empty(count * nbytes, dtype=np.uint8)
         # the checksum, then one byte more than expected: a file too long shows in the count
         tail = np.empty(CRC_BYTES + 1, dtype=np.uint8)
