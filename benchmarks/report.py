@@ -25,7 +25,7 @@ class Result:
         self.ratios.append((label, value, target, met))
 
 
-def machine() -> dict[str, str]:
+def machine(load_at_start: tuple[float, float, float] | None = None) -> dict[str, str]:
     import duckdb
     import torch
     import zarr
@@ -52,8 +52,12 @@ def machine() -> dict[str, str]:
         flags = [f for f in line.split() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")]
     except OSError:
         pass
+    loads = [("at the start", load_at_start), ("at the end", os.getloadavg())]
+    load = "; ".join(f"{when} {a:.2f}, {b:.2f}, {c:.2f}" for when, v in loads if v is not None
+                     for a, b, c in [v])
     return {
         "CPU": f"{cpu}, {os.cpu_count()} cores",
+        "load average (1, 5, 15 min)": load,
         "memory": mem,
         "GPU": gpu,
         "matrix instructions": ", ".join(flags) or "unknown",

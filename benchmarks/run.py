@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     started = time.perf_counter()
+    load_at_start = os.getloadavg()  # other work on the machine changes every figure
     results = []
     try:
         if args.only is None:
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     command = "python benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_report(args.output, results, machine(), command=command.strip(),
+    write_report(args.output, results, machine(load_at_start), command=command.strip(),
                  seconds=time.perf_counter() - started, scale=scale.name)
     print(f"wrote {args.output} in {time.perf_counter() - started:.0f} s", file=sys.stderr)
 

@@ -98,6 +98,23 @@ def test_export_command_writes_what_db_vectors_reads(store: Path, tmp_path: Path
     assert bad.returncode == 1 and "export needs a query selecting vec" in bad.stderr
 
 
+def test_table_output_aligns_every_kind_of_value(store: Path) -> None:
+    """The table format, written from Arrow: columns right-aligned to their widest cell,
+    NULL for missing values, floats to 6 significant digits, lists and structs spelled out."""
+    out = CliRunner().invoke(cli, ["query", str(store), """
+        SELECT * FROM (VALUES
+            (1, 0.1234567891::DOUBLE, [1.5, 2.0], {'token_id': 7, 'token': ' a'}, NULL),
+            (22, 'NaN'::DOUBLE, [], NULL, 'x')) t(n, f, l, s, v)"""])
+    assert out.exit_code == 0, out.output
+    assert out.output.splitlines() == [
+        " n        f          l                        s    v",
+        " 1 0.123457 [1.5, 2.0] {token_id: 7, token: ␣a} NULL",
+        "22      NaN         []                     NULL    x",
+    ]
+    empty = CliRunner().invoke(cli, ["query", str(store), "SELECT 1 AS a WHERE false"])
+    assert empty.output == "(no rows) ['a']\n"
+
+
 def test_table_output_shows_whitespace_tokens(store: Path) -> None:
     out = CliRunner().invoke(cli, ["query", str(store), "SELECT ' Paris' AS token, "
                                    "'a\nb' AS t2, 'The capital of France' AS prose"])

@@ -188,6 +188,62 @@ def test_selective_queries_read_exactly(big):
     assert read < 0.25 * n_chunks * n_sites, (read, n_chunks)
 
 
+def test_scan_runs_read_what_zarr_reads_and_name_a_damaged_chunk(big, tmp_path):
+    """A scan's runs of chunks (one buffer, one checked read a file) hold exactly what
+    zarr-python reads from the same arrays, and damage inside a run names its chunk."""
+    import shutil
+
+    import zarr
+
+    from actdb.errors import StoreCorruptError
+    from actdb.store.store import Store
+
+    _, db = big
+    site = _site(db, "pre_mlp")
+    store = tmp_path / "copy.actdb"
+    shutil.copytree(db.store.path, store)
+    group = zarr.open_group(str(store / "tensors.zarr"), mode="r")
+    with Store(store) as st:
+        n_rows = st.catalog.models()[0].n_rows
+        for field, first, count in (("direction", 2, 5), ("norm", 0, 1)):
+            arr = group[f"models/0/acts/{site}/{field}"]
+            c = arr.chunks[0]
+            assert (first + count) * c <= -(-n_rows // c) * c
+            got = st.arrays.read_chunks(0, site, field, first, count)
+            assert got.shape[0] == count * c and got.dtype == arr.dtype
+            want = arr[first * c : (first + count) * c]  # ends at the array's end
+            np.testing.assert_array_equal(got[: len(want)], want)
+    chunk = store / "tensors.zarr" / "models" / "0" / "acts" / site / "direction" / "c" / "4" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    with Store(store) as st, pytest.raises(StoreCorruptError, match="chunk 4 of array .* fails"):
+        st.arrays.read_chunks(0, site, "direction", 2, 5)
+    chunk.write_bytes(bytes(data[:-9]))
+    with Store(store) as st, pytest.raises(StoreCorruptError, match="chunk 4 of array .* has"):
+        st.arrays.read_chunks(0, site, "direction", 2, 5)
+    # the whole scan meets it too, through the read-ahead thread
+    with actdb.connect(store, device="cpu") as copy, pytest.raises(StoreCorruptError,
+                                                                   match="chunk 4"):
+        copy.sql(f"SELECT avg(vec_norm(vec) + cosine_to_anchor(vec, 3)) FROM acts "
+                 f"WHERE site = '{site}'").fetchall()
+
+
+def test_repeated_rows_with_a_gap_read_each_row(big):
+    """Rows asked for as (r, r, r + 2) of one stream: as many rows as the span of the first and
+    last, but not consecutive; each must be its own row's value."""
+    ref, db = big
+    site = _site(db, "pre_mlp")
+    a = ref.anchors("unembed")[3]
+    rows = fetch(db, f"""
+        SELECT a.prompt_id, a.position, cosine_to_anchor(a.vec, 3) AS c
+        FROM acts a JOIN (SELECT unnest([4, 4, 6]) AS p) v ON a.position = v.p
+        WHERE a.site = '{site}' AND a.prompt_id = 1""")
+    assert sorted(r["position"] for r in rows) == [4, 4, 6]
+    want = unit(Rows(ref, db, [{**r, "site": site} for r in rows]).x) @ a
+    close(col(rows, "c"), want, atol=COS_TOL, what="repeated rows")
+
+
 # -- vocabulary-wide top-k in low precision ----------------------------------------------------
 
 
@@ -248,6 +304,31 @@ def test_top_logits_through_bf16_candidates(big, monkeypatch):
 
 
 # -- threads and start-up ---------------------------------------------------------------------
+
+
+_CLI_SELECT_1 = """
+import json, sys
+from actdb.cli import cli
+try:
+    cli(["query", sys.argv[1], "SELECT 41 + 1 AS answer"], prog_name="actdb")
+except SystemExit as e:
+    assert not e.code, e.code
+heavy = ("torch", "transformers", "matplotlib", "pandas", "zarr", "pyarrow.compute",
+         "actdb.plot.data", "actdb.plot.figures", "actdb.ingest")
+print(json.dumps(sorted(m for m in heavy if m in sys.modules
+                        and type(sys.modules[m]).__name__ == "module")))
+"""
+
+
+def test_cli_select_1_loads_no_plot_zarr_pandas_or_torch(family_store):
+    """`actdb query STORE "SELECT 1"` (the CLI, table output included) imports none of the
+    modules only some commands need."""
+    out = subprocess.run([sys.executable, "-c", _CLI_SELECT_1, str(family_store(FAMILY))],
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    lines = out.stdout.strip().splitlines()
+    assert lines[:2] == ["answer", "    42"], lines
+    assert json.loads(lines[-1]) == [], lines[-1]
 
 
 def test_thread_policy_keeps_the_callers_setting(big):

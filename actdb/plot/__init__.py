@@ -16,9 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .data import PlotData, PlotError, inline_sql
-
 if TYPE_CHECKING:
+    from .data import PlotData, PlotError, inline_sql
     from .figures import (
         angles,
         angles_data,
@@ -37,10 +36,15 @@ __all__ = ["PlotData", "PlotError", "angles", "angles_data", "dims", "dims_data"
            "inline_sql", "lens", "lens_data", "norms", "norms_data", "rotation",
            "rotation_data", "save"]
 
-_FIGURES = frozenset(__all__) - {"PlotData", "PlotError", "inline_sql"}
+# The query layer (through .data) loads on first use too: the CLI registers `actdb plot`
+# without paying for it when another command runs.
+_DATA = frozenset({"PlotData", "PlotError", "inline_sql"})
+_FIGURES = frozenset(__all__) - _DATA
 
 
 def __getattr__(name: str) -> Any:
     if name in _FIGURES:
         return getattr(importlib.import_module(".figures", __name__), name)
+    if name in _DATA:
+        return getattr(importlib.import_module(".data", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

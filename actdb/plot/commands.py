@@ -9,12 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from ..errors import ActdbError
-from ..query import Database
+
+if TYPE_CHECKING:  # the query layer loads when a picture is drawn, not with the CLI
+    from ..query import Database
 
 F = TypeVar("F", bound=Callable[..., Any])
 

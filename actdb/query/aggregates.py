@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from ..errors import QueryError
 from ..lazy import lazy_module
@@ -20,9 +19,11 @@ from .kernels import Arg, _unit
 from .vectors import VectorSource
 
 if TYPE_CHECKING:
+    import pyarrow.compute as pc
     import torch
 else:
     torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
+    pc = lazy_module("pyarrow.compute")  # 0.1 s to import: when a function first runs
 
 
 class HandleLists:

@@ -20,14 +20,19 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from ..lazy import lazy_module
 from . import handles as H
 from .vectors import VectorSource
+
+if TYPE_CHECKING:
+    import pyarrow.compute as pc
+else:
+    pc = lazy_module("pyarrow.compute")  # 0.1 s to import: when a tensor function first runs
 
 Kernel = Callable[..., None]
 Convert = Callable[[pa.Array], Any]  # an argument column -> what the kernel takes (kernels.Arg)

@@ -75,11 +75,7 @@ class Database:
         self._box = ErrorBox()
         self._bulk = prepare(self.con, self.source, self._box)
         _OPEN.add(self)
-        self._known = {
-            r[0].lower() for r in self.con.execute(
-                "SELECT DISTINCT function_name FROM duckdb_functions()"
-            ).fetchall()
-        }
+        self._known_names: set[str] | None = None  # read when a query first needs it
         self._taken = {
             r[0].lower() for r in self.con.execute(
                 "SELECT table_name FROM duckdb_tables() UNION SELECT view_name FROM duckdb_views()"
@@ -97,6 +93,17 @@ class Database:
             except BaseException:
                 self.close()
                 raise
+
+    def _known(self) -> set[str]:
+        """Every function name DuckDB knows here (its own, the macros and the UDFs), read on
+        first use: a query calling only what sqlglot knows never needs the list."""
+        if self._known_names is None:
+            self._known_names = {
+                r[0].lower() for r in self.con.execute(
+                    "SELECT DISTINCT function_name FROM duckdb_functions()"
+                ).fetchall()
+            }
+        return self._known_names
 
     @property
     def device(self) -> torch.device:
@@ -240,7 +247,7 @@ class Database:
     def drop_caches(self) -> None:
         """Forget the chunks read so far, so the next query reads from the store again
         (for timing cold reads; the operating system's page cache is not touched)."""
-        self.source.cache.clear()
+        self.source.clear()
 
     @property
     def stats(self) -> dict[str, int]:

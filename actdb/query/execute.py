@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from duckdb.func import FunctionNullHandling, PythonUDFType
 
 from ..errors import ActdbError
+from ..lazy import lazy_module
 from . import handles as H
 from .bulk import BulkEvaluator
 from .functions import ANCHORS, DIRECTION, FUNCTIONS, TOKEN, VEC, VECS, TensorFunction
 from .kernels import Arg
 from .threads import torch_threads
 from .vectors import VectorSource
+
+if TYPE_CHECKING:
+    import pyarrow.compute as pc
+else:
+    pc = lazy_module("pyarrow.compute")  # 0.1 s to import: when a tensor function first runs
 
 _ARROW_TYPES = {
     "DOUBLE": pa.float64(),

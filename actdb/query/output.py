@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import pyarrow as pa
-import pyarrow.csv as pacsv
-import pyarrow.parquet as pq
 
 from ..errors import OutputError
 from .result import Result
@@ -64,8 +62,10 @@ def write_result(result: Result, fmt: str, output: Path | None) -> None:
 
 def _write(result: Result, fmt: str, output: Path | None) -> None:
     if fmt == "parquet":
+        import pyarrow.parquet as pq
+
         assert output is not None
-        writer: pq.ParquetWriter | None = None
+        writer: Any = None
         try:
             for batch in result.record_batches():
                 if writer is None:
@@ -93,6 +93,8 @@ def _write(result: Result, fmt: str, output: Path | None) -> None:
 
 
 def _write_csv(result: Result, stream: IO[str]) -> None:
+    import pyarrow.csv as pacsv
+
     header = True
     for batch in result.record_batches():
         table = pa.Table.from_batches([batch])
@@ -111,11 +113,7 @@ def _write_csv(result: Result, stream: IO[str]) -> None:
 
 
 def _write_table(result: Result, stream: IO[str]) -> None:
-    import pandas as pd
+    from .display import text_table
 
-    from .display import visible_frame
-
-    df = visible_frame(result.df())  # tokens' whitespace visible, as in the pictures
-    with pd.option_context("display.max_colwidth", 80, "display.width", 200):
-        stream.write((df.to_string(index=False) if len(df) else f"(no rows) {list(df.columns)}")
-                     + "\n")
+    # tokens' whitespace visible, as in the pictures
+    stream.write(text_table(result.to_arrow_table(), max_colwidth=80) + "\n")

@@ -32,6 +32,22 @@ ANCHOR_SETS = ("unembed", "embed", "unembed_folded")
 OFF_STREAM_ROLES = frozenset({"inner", "q_norm", "k_norm"})
 
 
+# A scan reads whole runs of this many chunks (about 4 MiB) as one read-ahead task, and keeps
+# this many runs read ahead of the one it computes on.
+RUN_CHUNKS = 16
+RUN_AHEAD = 2
+_RUNS_PENDING = 8  # about 24 MiB of runs read ahead at most, whatever the query left behind
+# float32 values converted at a time by `project`: 1 MiB, so the block stays in the core's
+# cache between its conversion and its product
+_SCRATCH_FLOATS = 1 << 18
+
+
+def _consecutive(rows: np.ndarray) -> bool:
+    """Whether sorted `rows` are consecutive integers, each once."""
+    return len(rows) < 2 or (int(rows[-1]) - int(rows[0]) + 1 == len(rows)
+                             and bool((rows[1:] != rows[:-1]).all()))
+
+
 class ChunkCache:
     """Whole chunks kept in memory, least recently used first out, at most `max_bytes`.
 
@@ -55,7 +71,12 @@ class ChunkCache:
         self.chunks_read = 0
         self.bytes_read = 0
 
-    def get(self, key: tuple[object, ...], load: Callable[[], np.ndarray]) -> np.ndarray:
+    def get(self, key: tuple[object, ...], load: Callable[[], np.ndarray], *,
+            keep: bool = True, chunks: int = 1) -> np.ndarray:
+        """The value of `key`, from memory, from a read under way, or read now. `keep`
+        False: counted but not kept (a scan's runs of chunks: holding hundreds of megabytes
+        it will not read again would make every read land in fresh, page-faulted memory).
+        `chunks`: how many chunks the value holds, for the counters."""
         with self._lock:
             hit = self._items.get(key)
             if hit is not None:
@@ -63,20 +84,26 @@ class ChunkCache:
                 return hit
             pending = self._pending.pop(key, None)
         value = pending.result() if pending is not None else load()
-        self._insert(key, value)
+        self._insert(key, value, keep=keep, chunks=chunks)
         return value
 
-    def prefetch(self, key: tuple[object, ...], load: Callable[[], np.ndarray]) -> None:
-        """Start reading `key` in the background unless it is cached or on its way."""
+    def prefetch(self, key: tuple[object, ...], load: Callable[[], np.ndarray], *,
+                 limit: int = 64) -> None:
+        """Start reading `key` in the background unless it is cached or on its way, or
+        `limit` reads are on their way already (reads a query stopped before using stay there
+        until the next `clear`: the limit bounds their memory)."""
         with self._lock:
-            if key in self._items or key in self._pending or len(self._pending) > 64:
+            if key in self._items or key in self._pending or len(self._pending) >= limit:
                 return
             self._pending[key] = self._reader.submit(load)
 
-    def _insert(self, key: tuple[object, ...], value: np.ndarray) -> None:
+    def _insert(self, key: tuple[object, ...], value: np.ndarray, *, keep: bool = True,
+                chunks: int = 1) -> None:
         with self._lock:
-            self.chunks_read += 1
+            self.chunks_read += chunks
             self.bytes_read += value.nbytes
+            if not keep:
+                return
             self._items[key] = value
             self._bytes += value.nbytes
             while self._bytes > self.max_bytes and len(self._items) > 1:
@@ -84,10 +111,13 @@ class ChunkCache:
                 self._bytes -= old.nbytes
 
     def clear(self) -> None:
-        """Forget every cached chunk (the counters stay)."""
+        """Forget every cached chunk and every read ahead (the counters stay)."""
         with self._lock:
             self._items.clear()
             self._bytes = 0
+            for f in self._pending.values():
+                f.cancel()
+            self._pending.clear()
 
     def close(self) -> None:
         for f in list(self._pending.values()):
@@ -164,6 +194,7 @@ class VectorSource:
         self._lock = threading.RLock()  # anchors() builds on cached weights under the lock
         self._local = threading.local()
         self._last_chunk: dict[tuple[int, str, str], int] = {}
+        self._held: dict[tuple[int, str, str], tuple[int, np.ndarray]] = {}
         self._token_ids: dict[tuple[int, str, str], int] = {}
         # Where each model's committed rows run without a break: a merged sharded ingest
         # leaves unused rows (maybe without chunks) between shards, never to be read ahead.
@@ -178,6 +209,11 @@ class VectorSource:
                 "SELECT token FROM vocab WHERE model = ? ORDER BY token_id", [m.model]
             ).fetchall()
             self._tokens[m.model_id] = [r[0] for r in rows]
+
+    def clear(self) -> None:
+        """Forget every chunk read (the next query reads from the store again)."""
+        self.cache.clear()
+        self._held.clear()
 
     @property
     def device(self) -> torch.device:
@@ -232,13 +268,16 @@ class VectorSource:
         n, d = len(g.rows), g.site.d
         out = torch.empty((n, w.shape[1]))
         scratch = getattr(self._local, "scratch", None)
+        step = max(1, _SCRATCH_FLOATS // d)
+        if scratch is None or scratch.numel() < step * d:
+            scratch = self._local.scratch = torch.empty(step * d)
         for a, b, part in self._pieces(g.model, g.site, "direction", g.rows, g.heads):
-            m = b - a
-            if scratch is None or scratch.numel() < m * d:
-                scratch = self._local.scratch = torch.empty(m * d)
-            block = scratch[: m * d].view(m, d)
-            block.copy_(torch.from_numpy(part))
-            torch.mm(block, w, out=out[a:b])
+            piece = torch.from_numpy(part)
+            for i in range(0, b - a, step):
+                m = min(step, b - a - i)
+                block = scratch[: m * d].view(m, d)
+                block.copy_(piece[i : i + m])
+                torch.mm(block, w, out=out[a + i : a + i + m])
         return out
 
     def _pieces(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
@@ -247,28 +286,78 @@ class VectorSource:
         c = self.store.arrays.act_array(model.model_id, site.site, name).chunks[0]
         first, last = int(rows[0]) // c, int(rows[-1]) // c
         where = (model.model_id, site.site, name)
-        if self._last_chunk.get(where) in (first - 1, first):  # walking the array: read ahead
-            n_chunks = -(-self.segment_end(model.model_id, int(rows[-1])) // c)
-            for ahead in range(last + 1, min(last + 1 + self.cache.readahead, n_chunks)):
-                self.cache.prefetch((*where, ahead),
-                                    partial(self.store.arrays.read_chunk, *where, ahead))
+        walking = self._last_chunk.get(where) in (first - 1, first)
         self._last_chunk[where] = last
+        # Runs on a local disk only: object storage keeps several single-chunk requests in
+        # flight (Store.readers), which a run, read request after request, would serialize.
+        if (self.store.readers == 1 and last - first + 1 >= RUN_CHUNKS // 2
+                and _consecutive(rows)):
+            yield from self._runs(model, site, name, rows, heads, c, walking)
+            return
         bounds = np.searchsorted(rows, np.arange(first, last + 2) * c)
-        for chunk in range(first, last + 1):
+        # The chunks to read, in order: those holding asked-for rows (every one is read anyway,
+        # so reading them ahead costs no byte more), then, when the query walks the array,
+        # the chunks that follow; the read-ahead thread stays `readahead` chunks ahead.
+        needed = (np.nonzero(bounds[1:] > bounds[:-1])[0] + first).tolist()
+        upcoming = list(needed)
+        if walking:
+            # not past this run of committed rows: unused rows between merged shards follow
+            n_chunks = -(-self.segment_end(model.model_id, int(rows[-1])) // c)
+            upcoming += range(last + 1, min(last + 1 + self.cache.readahead, n_chunks))
+        ahead = 1
+        for i, chunk in enumerate(needed):
+            for j in range(max(ahead, i + 1), min(i + 1 + self.cache.readahead, len(upcoming))):
+                self.cache.prefetch((*where, upcoming[j]),
+                                    partial(self.store.arrays.read_chunk, *where, upcoming[j]))
+                ahead = j + 1
             lo = chunk * c
             a, b = bounds[chunk - first], bounds[chunk - first + 1]
-            if a == b:
-                continue
             data = self.cache.get(
                 (model.model_id, site.site, name, chunk),
                 partial(self.store.arrays.read_chunk, model.model_id, site.site, name, chunk),
             )
             local = rows[a:b] - lo
-            if local[-1] - local[0] + 1 == len(local):  # contiguous: a view, no gather
-                part = data[local[0] : local[-1] + 1]
-            else:
-                part = data[local]
+            # a view where the rows are consecutive (a row can repeat: heads, self-joins)
+            part = data[local[0] : local[-1] + 1] if _consecutive(local) else data[local]
             yield int(a), int(b), (part[np.arange(len(local)), heads[a:b]] if site.n_heads
+                                   else part)
+
+    def _runs(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
+              heads: np.ndarray, c: int, walking: bool) -> Iterator[tuple[int, int, np.ndarray]]:
+        """`_pieces` for consecutive rows over many chunks (a bulk window, a scan): read by
+        runs of RUN_CHUNKS chunks (aligned, so the next window finds the run it shares with
+        this one), each run one task of the read-ahead thread and one piece here, while the
+        thread reads the next runs. Per-chunk Python work, on both threads, was most of a
+        full scan's time; the GIL they share made a per-chunk read-ahead slower than none.
+        Runs are not kept in the chunk cache (counted, not kept): the query is past them."""
+        where = (model.model_id, site.site, name)
+        step = RUN_CHUNKS * c
+        lo, hi = int(rows[0]), int(rows[-1]) + 1
+        # The chunks of this run of committed rows: no later one is read (unused rows between
+        # merged shards follow it; shards start on whole runs of chunks).
+        n_chunks = -(-self.segment_end(model.model_id, hi - 1) // c)
+        first, last = lo // step, (hi - 1) // step
+        stop = min(-(-n_chunks // RUN_CHUNKS), last + 1 + (RUN_AHEAD if walking else 0))
+
+        def count(r: int) -> int:
+            return min(RUN_CHUNKS, n_chunks - r * RUN_CHUNKS)
+
+        def load(r: int) -> Callable[[], np.ndarray]:
+            return partial(self.store.arrays.read_chunks, *where, r * RUN_CHUNKS, count(r))
+
+        for r in range(first, last + 1):
+            for ahead in range(r + 1, min(r + 1 + RUN_AHEAD, stop)):
+                self.cache.prefetch((*where, "run", ahead), load(ahead), limit=_RUNS_PENDING)
+            held = self._held.get(where)
+            if held is not None and held[0] == r:
+                data = held[1]
+            else:
+                data = self.cache.get((*where, "run", r), load(r), keep=False, chunks=count(r))
+                # kept for the next window, which starts in this run when this one ends in it
+                self._held[where] = (r, data)
+            a, b = max(lo, r * step), min(hi, (r + 1) * step)
+            part = data[a - r * step : b - r * step]
+            yield a - lo, b - lo, (part[np.arange(b - a), heads[a - lo : b - lo]] if site.n_heads
                                    else part)
 
     def groups(self, handles: np.ndarray) -> Iterator[Group]:

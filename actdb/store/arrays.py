@@ -15,25 +15,32 @@ each object holds SHARD_CHUNKS inner chunks, each still with its own CRC-32C (sh
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import zarr
-import zarr.storage
-from zarr.codecs import Crc32cCodec
 
 from ..errors import StoreCorruptError
+from ..lazy import lazy_module, load
 from . import durable
 from .catalog import LOCAL_FORMAT_VERSION
 from .chunks import RawLayout, crc32c, raw_layout
 from .objects import Objects
 from .shards import ObjectChunks, ShardedChunks, object_layout
+
+if TYPE_CHECKING:
+    import zarr
+    import zarr.codecs
+else:
+    # imported when the group is first opened: a query that reads no vector (`SELECT 1`,
+    # `actdb info`) never pays for it (0.3 s of CPU)
+    zarr = lazy_module("zarr")
 
 # How a chunk is read straight from storage: a local file, an object, or a range of a shard.
 Layout = RawLayout | ObjectChunks | ShardedChunks
@@ -76,16 +83,10 @@ class Arrays:
         self.read_only = read_only
         # Off only to measure what checking costs (benchmarks/); never off for users.
         self.check_checksums = True
-        self.zstore = store if store is not None else zarr.storage.LocalStore(
-            str(path), read_only=read_only
-        )
-        try:
-            self.group = zarr.open_group(self.zstore, mode="r" if read_only else "r+")
-        except Exception as e:
-            raise StoreCorruptError(
-                f"the root metadata of {self.label!r} cannot be read ({_first_line(e)}): "
-                "the store is damaged"
-            ) from None
+        self._zstore = store
+        self._group: zarr.Group | None = None
+        if path is None or not read_only:
+            self.group  # noqa: B018 - writers and object storage open the group now
         # Opening an array reads its metadata file: keep the handles (and raw chunk paths).
         self._handles: dict[tuple[int, str, str], zarr.Array] = {}
         self._raw: dict[tuple[int, str, str], Layout | None] = {}
@@ -93,9 +94,31 @@ class Arrays:
         self._dirty: set[str] = set()  # folders with renames not yet fsynced
         self._dirty_lock = threading.Lock()
 
+    @property
+    def zstore(self) -> Any:
+        """zarr's store under the group (a LocalStore for a local store)."""
+        if self._zstore is None:
+            load(zarr)
+            self._zstore = zarr.storage.LocalStore(str(self.path), read_only=self.read_only)
+        return self._zstore
+
+    @property
+    def group(self) -> zarr.Group:
+        """The root group, opened on first use (a local store's version is read without it)."""
+        if self._group is None:
+            try:
+                self._group = zarr.open_group(self.zstore, mode="r" if self.read_only else "r+")
+            except Exception as e:
+                raise StoreCorruptError(
+                    f"the root metadata of {self.label!r} cannot be read ({_first_line(e)}): "
+                    "the store is damaged"
+                ) from None
+        return self._group
+
     @classmethod
     def create(cls, path: Path | None, *, version: int = LOCAL_FORMAT_VERSION,
                store: Any = None, objects: Objects | None = None) -> Arrays:
+        load(zarr)
         zarr.open_group(
             store if store is not None else zarr.storage.LocalStore(str(path)),
             mode="w",
@@ -110,8 +133,27 @@ class Arrays:
         return self.objects is not None
 
     def format_version(self) -> int:
-        v = self.group.attrs.get("actdb_format_version", -1)
+        attrs = self.group.attrs if self._group is not None else self._root_attributes()
+        v = attrs.get("actdb_format_version", -1)
         return int(v) if isinstance(v, int | float | str) else -1
+
+    def _root_attributes(self) -> dict[str, Any]:
+        """The root group's attributes read from its `zarr.json` (Zarr v3's group metadata),
+        damage reported as opening the group reports it."""
+        assert self.path is not None
+        try:
+            doc = json.loads((self.path / "zarr.json").read_bytes())
+            if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+                raise ValueError("not the metadata of a Zarr v3 group")
+            attrs = doc.get("attributes", {})
+            if not isinstance(attrs, dict):
+                raise ValueError("its attributes are not an object")
+        except Exception as e:  # noqa: BLE001 - any failure is damage, as zarr.open_group's
+            raise StoreCorruptError(
+                f"the root metadata of {self.label!r} cannot be read ({_first_line(e)}): "
+                "the store is damaged"
+            ) from None
+        return attrs
 
     # -- opening arrays --------------------------------------------------------------------
 
@@ -201,8 +243,8 @@ class Arrays:
         value = np.ascontiguousarray(value, dtype=np.float32)
         chunks = (min(value.shape[0], 8192), *value.shape[1:]) if value.ndim == 2 else value.shape
         arr = group.create_array(
-            name, shape=value.shape, dtype="float32", chunks=chunks, compressors=[Crc32cCodec()],
-            overwrite=True,
+            name, shape=value.shape, dtype="float32", chunks=chunks,
+            compressors=[zarr.codecs.Crc32cCodec()], overwrite=True,
             # a chunk equal to the fill value (an all-zero bias) is still written: a missing
             # chunk is damage, never zeros
             config={"write_empty_chunks": True},
@@ -294,7 +336,7 @@ class Arrays:
                 shards = (step * SHARD_CHUNKS, *tail) if self.sharded else None
                 g.create_array(
                     name, shape=(rows, *tail), dtype=dtype, chunks=(step, *tail), shards=shards,
-                    compressors=[Crc32cCodec()], fill_value=0,
+                    compressors=[zarr.codecs.Crc32cCodec()], fill_value=0,
                     config={"write_empty_chunks": True},  # missing is damage, never zeros
                     dimension_names=(("row", "head", "dim") if len(tail) == 2 else ("row", "dim"))
                     if name == "direction" else ("row", "head")[: 1 + len(tail)],
@@ -335,6 +377,17 @@ class Arrays:
                 f"chunk {chunk} of array {arr.path!r} cannot be read ({_first_line(e)}): "
                 "the store is damaged"
             ) from None
+
+    def read_chunks(self, model_id: int, site: str, field: str, first: int,
+                    count: int) -> np.ndarray:
+        """Chunks `first` .. `first + count - 1` of a site's field as one array of their rows
+        in order, each checked as `read_chunk` checks it (one buffer, no joining copy, where
+        the chunk files are read raw)."""
+        raw = self.act_layout(model_id, site, field)
+        if isinstance(raw, RawLayout):
+            return raw.read_run(first, count, check=self.check_checksums)
+        parts = [self.read_chunk(model_id, site, field, first + i) for i in range(count)]
+        return parts[0] if count == 1 else np.concatenate(parts)
 
     def write_rows(
         self, model_id: int, site: str, start: int, values: dict[str, np.ndarray]

@@ -8,20 +8,25 @@ little-endian, exactly as Zarr's own codec writes it, so zarr-python reads these
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import crc32c as _crc32c
 import numpy as np
-import zarr
-import zarr.storage
 
 from ..errors import StoreCorruptError
+from ..lazy import lazy_module
 from .durable import PARTIAL_SUFFIX
 from .faults import fault
+
+if TYPE_CHECKING:
+    import zarr
+else:
+    zarr = lazy_module("zarr")  # imported when an array is first opened (arrays.py)
 
 CRC_BYTES = 4
 
@@ -44,7 +49,9 @@ class ChunkFormat:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * self.dtype.itemsize
+        # math.prod, not np.prod: this runs several times per chunk read (a scan reads
+        # thousands), and np.prod's dispatch cost 20% of a full scan
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def file_bytes(self) -> int:
@@ -103,6 +110,37 @@ class RawLayout(ChunkFormat):
             got = None
         self.check_size(chunk, got)
         return self.decode(buf, chunk, check=check)
+
+    def read_run(self, first: int, count: int, *, check: bool = True) -> np.ndarray:
+        """Chunks `first` .. `first + count - 1` as one array (their rows in order), each
+        chunk's file checked as `read` checks it.
+
+        Each file's values go straight into their place in one buffer and its checksum into
+        a small one (one `preadv` a file, which releases the GIL), so a scan pays Python's
+        per-call costs once per run of chunks for the buffer, and no copy joins them."""
+        nbytes = self.nbytes
+        buf = np.empty(count * nbytes, dtype=np.uint8)
+        # the checksum, then one byte more than expected: a file too long shows in the count
+        tail = np.empty(CRC_BYTES + 1, dtype=np.uint8)
+        for i in range(count):
+            chunk = first + i
+            data = buf[i * nbytes : (i + 1) * nbytes]
+            got: int | None
+            try:
+                fd = os.open(self.path(chunk), os.O_RDONLY)
+            except FileNotFoundError:
+                got = None
+            else:
+                try:
+                    got = os.preadv(fd, [data.data, tail.data], 0)
+                finally:
+                    os.close(fd)
+            self.check_size(chunk, got)
+            if self.crc and check:
+                stored = int.from_bytes(tail[:CRC_BYTES].tobytes(), "little")
+                if crc32c(data) != stored:
+                    raise self._damaged(chunk, "fails its checksum")
+        return buf.view(self.dtype).reshape(count * self.shape[0], *self.shape[1:])
 
     def stat(self, chunk: int) -> None:
         """The structural check of one chunk: its file exists with the right size."""

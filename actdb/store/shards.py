@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import zarr
 
 from .chunks import CRC_BYTES, ChunkFormat, crc32c
 from .faults import fault
 from .objects import Objects
+
+if TYPE_CHECKING:
+    import zarr
 
 _EMPTY = 2**64 - 1
 
