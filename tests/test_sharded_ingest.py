@@ -235,6 +235,8 @@ def _check_exclusion(location: str) -> None:
     try:
         s1.lock("1-of-2")  # shards side by side
         s1.unlock()
+        with pytest.raises(StoreBusyError):  # but one process per shard
+            s0_again.lock("0-of-2")
         with pytest.raises(StoreBusyError, match="shard ingests"):
             whole.lock()
     finally:

@@ -147,9 +147,14 @@ class BulkEvaluator:
         assert walk is not None
         size = min(max(2 * walk.size, hi - lo), self.max_rows)
         # Never past the committed rows' unbroken run (a merged sharded ingest leaves unused
-        # rows between shards, whose chunks may not exist).
+        # rows between shards, whose chunks may not exist); a call whose rows straddle such
+        # a gap is computed as asked.
         model_id = self.src.codec.streams[stream & H.STREAM_MASK].model_id
-        end = min(self.src.segment_end(model_id, hi - 1), max(hi, lo + size))
+        segment_end = self.src.segment_end(model_id, lo)
+        if hi > segment_end:
+            self._walks[wkey] = _Walk(end=hi, size=hi - lo)
+            return None
+        end = min(segment_end, max(hi, lo + size))
         window = self._compute(stream, lo, end, rest)
         self._walks[wkey] = _Walk(end=hi, size=end - lo)
         self._remember(wkey, window)

@@ -40,6 +40,7 @@ class LocalBackend:
         self.location = str(path)
         self.storage_options: dict[str, Any] = {}
         self._lock_fd: int | None = None
+        self._shard_fd: int | None = None
 
     def needs_create(self) -> bool:
         p = self.path
@@ -107,7 +108,27 @@ class LocalBackend:
             if not shard:  # the one holder says who it is; shards share the lock
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            else:
+                self._shard_fd = self._lock_one_shard(fd, shard)
         self._lock_fd = fd
+
+    def _lock_one_shard(self, store_fd: int, shard: str) -> int:
+        """One process per shard: a second one would write the same rows and commit them
+        twice. An exclusive flock on `shards/{shard}/shard.lock`, beside the shared store lock
+        (merge, which holds the store alone, removes it with the shard's folder)."""
+        folder = self.path / SHARDS_NAME / shard
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / "shard.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            os.close(store_fd)
+            raise StoreBusyError(
+                f"store {self.location!r}: shard {shard} is being ingested by another process; "
+                "run it again when that one has finished (it will skip what is stored)"
+            ) from None
+        return fd
 
     def _busy(self, fd: int, shard: str | None) -> StoreBusyError:
         holder = os.read(fd, 32).decode(errors="replace").strip()
@@ -187,6 +208,9 @@ class LocalBackend:
             (self.path / SHARDS_NAME).rmdir()  # only when empty
 
     def unlock(self) -> None:
+        if self._shard_fd is not None:
+            os.close(self._shard_fd)
+            self._shard_fd = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing the descriptor releases the flock
             self._lock_fd = None
