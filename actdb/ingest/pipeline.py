@@ -23,6 +23,7 @@ from ..store.records import ModelRecord, SiteRecord
 from ..store.sharding import (
     create_shard_catalog,
     mark_finished,
+    other_plans,
     pending_shards,
     read_plan,
     shard_name,
@@ -199,12 +200,21 @@ def _enter_shard(st: Store, reg: _Registration, records: list[SiteRecord], work:
     """Under the shards' registration lock: register a new model now, plan, size the arrays
     to the plan's end, open (or create) this shard's catalog; then this shard's registration
     (its own committed rows) and the prompts it has still to run."""
-    if reg.write is not None:
-        reg.write()
     record = reg.record
     align = write_alignment(record.chunk_tokens, sharded=st.arrays.sharded)
     plan, mine = plan_shard(work, model=record.model, shard=shard_of[0], n_shards=shard_of[1],
                             base=record.n_rows, align=align)
+    # Before anything is written: shards of another plan (another N, prompts file or store
+    # state) own rows this plan would overwrite.
+    others = other_plans(st, plan.fingerprint)
+    if others:
+        raise IngestError(
+            f"store {st.location!r} has shard ingests of another plan ({', '.join(others)}: "
+            "another shard count, prompts file or model); finish them and run `actdb merge`, "
+            f"or rerun this shard with their arguments"
+        )
+    if reg.write is not None:
+        reg.write()
     st.reserve_rows(record, records, plan.total_end)  # only ever grows: racing shards agree
     cat = st.open_shard(lambda path: create_shard_catalog(path, st.catalog, record, plan))
     stored, _ = read_plan(cat)

@@ -89,6 +89,21 @@ def read_plan(cat: Catalog) -> tuple[ShardPlan, bool]:
     return ShardPlan(**json.loads(rows[_PLAN_KEY])), rows.get(_FINISHED_KEY) == "true"
 
 
+def other_plans(store: Store, fingerprint: str) -> list[str]:
+    """The shard catalogs in `store` that follow another plan than `fingerprint`: shards of
+    two plans compute overlapping rows, so a shard must not write beside any of them."""
+    others = []
+    for name in store.backend.shard_names():
+        cat = store.backend.open_shard_catalog(name, read_only=True)
+        try:
+            plan, _ = read_plan(cat)
+        finally:
+            cat.close()
+        if plan.fingerprint != fingerprint:
+            others.append(name)
+    return others
+
+
 def mark_finished(cat: Catalog) -> None:
     with cat.transaction():
         cat.con.execute("DELETE FROM meta WHERE key = ?", [_FINISHED_KEY])
