@@ -18,14 +18,12 @@ from torch import nn
 
 from ..errors import IngestError
 from ..store.arrays import default_chunk_tokens, write_alignment
-from ..store.backend import SHARDS_NAME
 from ..store.records import ModelRecord, SiteRecord
 from ..store.sharding import (
     create_shard_catalog,
     mark_finished,
     other_plans,
     pending_shards,
-    read_plan,
     shard_name,
 )
 from ..store.store import ActBatch, Store
@@ -197,8 +195,9 @@ def ingest(
 
 def _enter_shard(st: Store, reg: _Registration, records: list[SiteRecord], work: list[Work],
                  shard_of: tuple[int, int]) -> tuple[_Registration, list[Work]]:
-    """Under the shards' registration lock: register a new model now, plan, size the arrays
-    to the plan's end, open (or create) this shard's catalog; then this shard's registration
+    """Under the shards' registration lock: plan, refuse beside shards of another plan,
+    register a new model now, size the arrays to the plan's end, open (or create) this
+    shard's catalog; then this shard's registration
     (its own committed rows) and the prompts it has still to run."""
     record = reg.record
     align = write_alignment(record.chunk_tokens, sharded=st.arrays.sharded)
@@ -216,14 +215,8 @@ def _enter_shard(st: Store, reg: _Registration, records: list[SiteRecord], work:
     if reg.write is not None:
         reg.write()
     st.reserve_rows(record, records, plan.total_end)  # only ever grows: racing shards agree
+    # Its own catalog, if it exists, was among those checked: it follows this plan.
     cat = st.open_shard(lambda path: create_shard_catalog(path, st.catalog, record, plan))
-    stored, _ = read_plan(cat)
-    if stored.fingerprint != plan.fingerprint:
-        raise IngestError(
-            f"shard {plan.name} of store {st.location!r} was started with another plan "
-            "(another prompts file, model or store state): rerun it with its first arguments, "
-            f"or remove {SHARDS_NAME}/{plan.name} from the store to start it afresh"
-        )
     mine_record = cat.model(record.model)
     assert mine_record is not None
     done = cat.ingested_prompt_ids(record.model)
