@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", type=Path, default=Path("bench-data"))
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
-    ap.add_argument("--only", choices=["full-scan"], default=None,
-                    help="run only the full scan and its checksum cost")
+    ap.add_argument("--only", choices=["full-scan", "ingest"], default=None,
+                    help="run only the full scan and its checksum cost, or only the ingest")
     ap.add_argument("--device", default="cpu",
                     help="where queries, the ingest and the torch baselines run: cpu or cuda")
     args = ap.parse_args(argv)
@@ -79,12 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     load_at_start = os.getloadavg()  # other work on the machine changes every figure
     results = []
     try:
-        if args.only is None:
+        if args.only in (None, "ingest"):
             results.append(workloads.ingest_overhead(scale, work, repeats))
-        scan = workloads.ScanData.build(scale, work)
-        full_scan = workloads.full_scan(scan, repeats)
-        results += [full_scan, workloads.checksum_cost(scan, repeats)]
-        if args.only is None:
+        scan = workloads.ScanData.build(scale, work) if args.only != "ingest" else None
+        if scan is not None:
+            full_scan = workloads.full_scan(scan, repeats)
+            results += [full_scan, workloads.checksum_cost(scan, repeats)]
+        if args.only is None and scan is not None:
             results.append(workloads.selective(scan, repeats, full_scan))
             results.append(workloads.nearest(scan, repeats))
             results.append(workloads.contention(scan, repeats))

@@ -132,7 +132,8 @@ def test_kill_at_a_random_moment_then_resume(
     _resume_and_compare(store, str(model_dir("gpt2")), reference)
 
 
-@pytest.mark.parametrize("point", ["chunk_write:3:enospc", "catalog_commit:3:enospc"])
+@pytest.mark.parametrize("point", ["chunk_write:3:enospc", "catalog_commit:3:enospc",
+                                   "weight_write:2:enospc"])
 def test_disk_full_is_one_sentence_and_the_same_command_resumes(
     tmp_path: Path, model_dir: Callable[[str], Path], reference: dict[str, object], point: str,
 ) -> None:
@@ -150,7 +151,8 @@ def test_disk_full_is_one_sentence_and_the_same_command_resumes(
     # stderr: the ingest's announcement, then the error: one sentence, no traceback.
     error = [line for line in full.stderr.strip().splitlines() if line.startswith("Error:")]
     assert len(error) == 1 and "Traceback" not in full.stderr, full.stderr
-    what = "the catalog" if point.startswith("catalog") else "vectors of model 'm'"
+    what = {"catalog_commit": "the catalog", "chunk_write": "vectors of model 'm'",
+            "weight_write": "the weights of model 'm'"}[point.split(":")[0]]
     assert "is full" in error[0] and what in error[0] and "run the same command" in error[0]
     with actdb.connect(store) as db:
         assert db.verify(full=True) == []

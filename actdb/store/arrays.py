@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Executor
@@ -203,43 +204,53 @@ class Arrays:
         """Write a model's weights, replacing any left by an interrupted earlier ingest,
         and make them durable before the catalog row that makes them visible."""
         self._model_group(model_id)  # its parents exist, on object storage too
+        if self.path is not None:  # weights an interrupted registration left are replaced
+            for name in ("embed", "lm_head", "lm_head_bias", "sites"):
+                shutil.rmtree(self.path / "models" / str(model_id) / name, ignore_errors=True)
         with self._staged(f"models/{model_id}", pool) as g:
             named = {"embed": embed, "lm_head": lm_head, "lm_head_bias": lm_head_bias}
             for name, value in named.items():
                 if value is not None:
-                    self._write_whole(g, name, value)
+                    self._write_whole(g, name, value, pool)
             for site, (gain, bias) in site_params.items():
                 sg = g.require_group(f"sites/{site}")
                 for name, value in (("gain", gain), ("bias", bias)):
                     if value is not None:
-                        self._write_whole(sg, name, value)
+                        self._write_whole(sg, name, value, pool)
         if self.path is not None:  # an object PUT is durable when it returns
             durable.sync_tree(self.path / "models" / str(model_id), skip="acts")
             durable.fsync_dir(self.path / "models")
 
     @contextmanager
     def _staged(self, label: str, pool: Executor | None) -> Iterator[zarr.Group]:
-        """The group `label` to create arrays in. On object storage it is built in memory
-        and its objects PUT when the block ends (concurrently with `pool`): zarr creating an
-        array there re-checks and re-creates every parent group, tens of round trips each."""
-        if self.objects is None:
-            yield self.group.require_group(label)
-            return
+        """The group `label` to create arrays in, built in memory; when the block ends its
+        metadata (and any chunk written through zarr) goes to storage: objects PUT
+        concurrently with `pool`, or local files each written whole (a temporary file
+        renamed). zarr creating arrays in place costs tens of round trips on object storage,
+        and 10 ms an array on a local disk (0.8 s for a 25-site model's 75 arrays)."""
         staged: dict[str, Any] = {}
         root = zarr.open_group(zarr.storage.MemoryStore(staged), mode="w", zarr_format=3)
         yield root.require_group(label)
-        objects = self.objects
-        items = [(k, v) for k, v in staged.items() if k.startswith(label + "/")]
-        list((pool.map if pool else map)(lambda kv: objects.put(kv[0], kv[1].to_bytes()),
-                                         items))
+        items = [(k, v.to_bytes()) for k, v in staged.items() if k.startswith(label + "/")]
+        if self.objects is not None:
+            objects = self.objects
+            list((pool.map if pool else map)(lambda kv: objects.put(kv[0], kv[1]), items))
+            return
+        assert self.path is not None
+        for key, data in items:
+            target = self.path / key
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f"{target.name}.{os.getpid()}{durable.PARTIAL_SUFFIX}")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)  # made durable by the caller's sync_tree
 
     # Zarr v3 dimension names, so xarray.open_zarr and other tools label the axes. Names are
     # unique within a group where sizes can differ (an LM head may have more rows than W_E).
     _WEIGHT_DIMS = {"embed": ("embed_token", "dim"), "lm_head": ("vocab", "dim"),
                     "lm_head_bias": ("vocab",), "gain": ("dim",), "bias": ("dim",)}
 
-    @staticmethod
-    def _write_whole(group: zarr.Group, name: str, value: np.ndarray) -> None:
+    def _write_whole(self, group: zarr.Group, name: str, value: np.ndarray,
+                     pool: Executor | None) -> None:
         value = np.ascontiguousarray(value, dtype=np.float32)
         chunks = (min(value.shape[0], 8192), *value.shape[1:]) if value.ndim == 2 else value.shape
         arr = group.create_array(
@@ -252,7 +263,25 @@ class Arrays:
             dimension_names=("head", "dim") if name in ("gain", "bias") and value.ndim == 2
             else Arrays._WEIGHT_DIMS.get(name),
         )
-        arr[...] = value
+        # `group` is staged in memory (_staged); its path is the array's path in the store.
+        raw = raw_layout(arr, self.zstore) if self.objects is None else None
+        if raw is None:
+            arr[...] = value
+            return
+        # On a local disk the chunk files are written straight, as the vectors' are: zarr's
+        # own write of a 154 MB embedding cost an ingest 1.6 s, this about 0.2 s.
+        step = raw.shape[0]
+        n = -(-value.shape[0] // step)
+
+        def one(chunk: int) -> None:
+            part = value[chunk * step : (chunk + 1) * step]
+            if part.shape[0] < step:  # the edge chunk is stored whole, padded with the fill
+                part = np.concatenate([part, np.zeros((step - part.shape[0], *part.shape[1:]),
+                                                      dtype=part.dtype)])
+            os.makedirs(os.path.dirname(raw.path(chunk)), exist_ok=True)
+            raw.write(chunk, part, point="weight_write")
+
+        list((pool.map if pool else map)(one, range(n)))
 
     def weight(self, model_id: int, name: str, *, required: bool = True) -> np.ndarray | None:
         """A weight array whole, every chunk present and checked; None when absent and not
@@ -308,9 +337,12 @@ class Arrays:
         for name in ACT_FIELDS:
             self._handles.pop((model_id, site, name), None)
         label = f"models/{model_id}/acts/{site}"
-        if self.objects is not None and label not in self.group:
+        if label not in self.group:
             with self._staged(label, None) as g:
                 self._create_act_arrays(g, inner=inner, rows=rows, chunk_tokens=chunk_tokens)
+            if self.path is not None:
+                durable.sync_tree(self.path / label, skip="c")
+                durable.fsync_dir((self.path / label).parent)
             return
         g = self._model_group(model_id).require_group(f"acts/{site}")
         self._create_act_arrays(g, inner=inner, rows=rows, chunk_tokens=chunk_tokens)

@@ -150,16 +150,17 @@ class RawLayout(ChunkFormat):
             size = None
         self.check_size(chunk, size)
 
-    def write(self, chunk: int, data: np.ndarray) -> None:
+    def write(self, chunk: int, data: np.ndarray, *, point: str = "chunk_write") -> None:
         """Replace chunk `chunk` whole: a temporary file beside it, fsynced, renamed over it
-        (the caller fsyncs the folder). Its folder must exist."""
+        (the caller fsyncs the folder). Its folder must exist. `point`: the fault point
+        that tests inject at mid-write (faults.py)."""
         path = self.path(chunk)
         data = np.ascontiguousarray(data, dtype=self.dtype)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{PARTIAL_SUFFIX}"
         try:
             with open(tmp, "wb") as f:
                 f.write(data.data.cast("B"))
-                fault("chunk_write")  # a kill here leaves a torn temporary file
+                fault(point)  # a kill here leaves a torn temporary file
                 if self.crc:
                     f.write(crc32c(data).to_bytes(CRC_BYTES, "little"))
                 f.flush()

@@ -3,7 +3,8 @@
 `ACTDB_FAULT=point[:n[:action]]` makes the process act the n-th time (default 1) it reaches
 `point`: `kill` (default) sends itself SIGKILL, `enospc` raises OSError(ENOSPC) as a full disk
 would. Unset, `fault()` is one comparison. Points (docs/FORMAT.md lists them):
-create_before_catalog, create_after_catalog, weights_written, chunk_write, tensors_written,
+create_before_catalog, create_after_catalog, weight_write (a weight chunk file mid-write),
+weights_written, chunk_write (a vector chunk file mid-write), tensors_written,
 catalog_commit, committed, catalog_uploaded (object storage: a catalog uploaded, its
 pointer not yet swapped), shard_removal (a merge removing a merged shard's catalog: all of
 it removed but what names it as a shard).
@@ -16,8 +17,9 @@ import os
 import signal
 import threading
 
-POINTS = ("create_before_catalog", "create_after_catalog", "weights_written", "chunk_write",
-          "tensors_written", "catalog_commit", "committed", "catalog_uploaded", "shard_removal")
+POINTS = ("create_before_catalog", "create_after_catalog", "weight_write", "weights_written",
+          "chunk_write", "tensors_written", "catalog_commit", "committed", "catalog_uploaded",
+          "shard_removal")
 
 
 def _parse(spec: str | None) -> tuple[str, int, str] | None:

@@ -1,0 +1,87 @@
+"""Where an ingest's time goes: each step of `actdb.ingest` timed inside one run.
+
+    python benchmarks/ingest_phases.py [--prompts 1] [--repeats 3] [--workdir /tmp/phases]
+
+The model is the ingest benchmark's (workloads.py: GPT-2-small shape, random weights, fixed
+seed, 128-token prompts), ingested into a new store each run, batch size 8, on the CPU. Steps
+on the commit thread (registering the model, sizing the arrays, committing batches) overlap
+the forward passes, so the steps do not add up to the wall time. Prints the median of each
+step over the runs after one warm-up run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import shutil
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from run import SCALES  # noqa: E402
+from workloads import _gpt2_small  # noqa: E402
+
+import actdb  # noqa: E402
+from actdb.ingest import pipeline  # noqa: E402
+from actdb.store.store import Store  # noqa: E402
+
+STEPS = {
+    pipeline: ["find_sites", "measure_logits", "_register", "_plan_work", "_run"],
+    Store: ["open_or_create", "register_model", "reserve_rows", "commit_batch"],
+}
+seconds: dict[str, float] = defaultdict(float)
+
+
+def _timed(owner: Any, name: str) -> None:
+    f = getattr(owner, name)
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            seconds[name] += time.perf_counter() - t
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/actdb-ingest-phases"))
+    args = ap.parse_args()
+    for owner, names in STEPS.items():
+        for name in names:
+            _timed(owner, name)
+    model, tokenizer, prompts = _gpt2_small(SCALES["medium"])
+    prompts = prompts[: args.prompts]
+    runs: dict[str, list[float]] = defaultdict(list)
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    args.workdir.mkdir(parents=True)
+    for i in range(args.repeats + 1):
+        seconds.clear()
+        t = time.perf_counter()
+        actdb.ingest(args.workdir / f"run-{i}.actdb", model=model, tokenizer=tokenizer,
+                     prompts=prompts, batch_size=8, device="cpu", name="gpt2")
+        seconds["wall"] = time.perf_counter() - t
+        shutil.rmtree(args.workdir / f"run-{i}.actdb")
+        if i > 0:  # the first run warms up
+            for k, v in seconds.items():
+                runs[k].append(v)
+    print(f"ingest of {len(prompts)} prompt(s), {torch.get_num_threads()} torch threads, "
+          f"median of {args.repeats}:")
+    for k, v in sorted(runs.items(), key=lambda kv: -statistics.median(kv[1])):
+        print(f"  {k:16s} {statistics.median(v):6.2f} s")
+    shutil.rmtree(args.workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
