@@ -40,6 +40,19 @@ def _errors(ctx: click.Context) -> Iterator[None]:
         raise click.ClickException(text) from None
 
 
+def _shard_option(ctx: click.Context, param: click.Parameter, value: str | None
+                  ) -> tuple[int, int] | None:
+    """--shard I/N checked here: a malformed one is a usage error (exit 2)."""
+    if value is None:
+        return None
+    from .ingest.shards import parse_shard
+
+    try:
+        return parse_shard(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 @click.version_option(package_name="actdb")
@@ -85,7 +98,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--chat-template", is_flag=True,
               help="Wrap each prompt as a user turn with the tokenizer's chat template "
                    "(instruct models); the templated text is the stored prompt.")
-@click.option("--shard", default=None, metavar="I/N",
+@click.option("--shard", default=None, metavar="I/N", callback=_shard_option,
               help="Be worker I (from 0) of N ingesting shares of the prompts into STORE side "
                    "by side; `actdb merge STORE` makes them visible when all have finished.")
 @click.option("--cluster", default=None, metavar="ADDRESS|local:N",
@@ -133,6 +146,9 @@ def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
             _interrupted(store, planned[0] if planned else None)
     if quiet:
         return
+    if s.note:
+        click.echo(s.note)
+        return
     worst = max(s.max_rel_error.values(), default=0.0)
     click.echo(
         f"model {s.model!r}: {s.prompts_new} prompts ingested, {s.prompts_skipped} already "
@@ -156,6 +172,10 @@ def merge(ctx: click.Context, store: str) -> None:
 
     with _errors(ctx):
         s = run_merge(store)
+    if s.finished_removal:
+        click.echo(f"model {s.model!r}: its shards were already merged into {store} (by a "
+                   "merge that stopped while removing them); removed what was left of them")
+        return
     click.echo(f"model {s.model!r}: merged {s.shards} shards ({s.prompts} prompts, "
                f"{s.tokens} tokens) into {store}")
 

@@ -88,5 +88,9 @@ class StoreStorageError(ActdbError, OSError):
     """Object storage could not be reached or refused a request (credentials, bucket, network)."""
 
 
+class ShardSpecError(ActdbError, ValueError):
+    """A shard or shard count given to a sharded ingest is not one (`--shard 3/2`, shards=0)."""
+
+
 class ShardError(ActdbError, RuntimeError):
     """Shard ingests that cannot be merged (missing, unfinished, or of different plans)."""

@@ -6,6 +6,7 @@ and changes nothing then; an unsharded ingest waits for the shards to be merged.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -134,10 +135,12 @@ def reference(single: Path) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def merged(tmp_path_factory: pytest.TempPathFactory, model_dir: Callable[[str], Path],
            prompts_file: Path) -> Path:
-    """2 shard ingests as processes side by side, then `actdb merge`."""
+    """2 shard ingests as processes side by side, then `actdb merge` (a copy of the store
+    before the merge is kept beside it, see `unmerged`)."""
     store = tmp_path_factory.mktemp("sharded") / "s.actdb"
     _run_shards(store, model_dir("gpt2"), prompts_file)
     assert sorted(p.name for p in (store / "shards").iterdir()) == ["0-of-2", "1-of-2"]
+    shutil.copytree(store, store.parent / "unmerged.actdb")
     res = CliRunner().invoke(cli, ["merge", str(store)])
     assert res.exit_code == 0, res.output
     return store
@@ -261,24 +264,39 @@ def _check_exclusion(location: str) -> None:
 
 
 def test_an_ingest_and_shards_exclude_each_other(tmp_path: Path,
-                                                 model_dir: Callable[[str], Path]) -> None:
+                                                 model_dir: Callable[[str], Path],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACTDB_LOCK_WAIT_S", "0.1")
     store = tmp_path / "l.actdb"
     actdb.ingest(store, model=str(model_dir("gpt2")), prompts=PROMPTS[:1], batch_size=1,
                  device="cpu", name="m", chunk_tokens=4)
     _check_exclusion(str(store))
+    _registration_waits_and_an_error_there_releases_the_lock(store)
 
 
 def test_two_shards_on_s3_equal_one_process(s3: S3Server, model_dir: Callable[[str], Path],
                                             prompts_file: Path,
-                                            reference: dict[str, np.ndarray]) -> None:
+                                            reference: dict[str, np.ndarray],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from actdb.store import faults
+
     url = s3.url()
     # one commit (one catalog publication) per shard: a round trip each is slow on moto
     _run_shards(url, model_dir("gpt2"), prompts_file, env={**s3.env(), "FLUSH_TOKENS": "4096"})
     keys = [k for k, _ in Objects(parse_url(url)).list("shards")]
     assert any(k.startswith("shards/0-of-2/") for k in keys)
     assert any(k.startswith("shards/1-of-2/") for k in keys)
+    # A merge stopped (killed) while removing the first shard: all of it gone but its
+    # pointer and catalog, so it is still listed, and the next merge only finishes.
+    monkeypatch.setattr(faults, "_SPEC", ("shard_removal", 1, "enospc"))
+    monkeypatch.setattr(faults, "_seen", 0)
+    with pytest.raises(OSError):
+        actdb.merge(url)
+    monkeypatch.setattr(faults, "_SPEC", None)
+    left = sorted(k for k, _ in Objects(parse_url(url)).list("shards/0-of-2"))
+    assert left[0] == "shards/0-of-2/catalog.json" and len(left) == 2, left
     res = CliRunner().invoke(cli, ["merge", url])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 0 and "already merged" in res.output, res.output
     assert Objects(parse_url(url)).list("shards") == []
     assert_same_vectors(url, reference)
     # Shard 1 starts on a whole shard object of norm/mean chunks (4 * 32 * 16 rows).
@@ -320,8 +338,263 @@ def test_a_dask_cluster_ingest_equals_one_process(
 
 
 def test_on_s3_an_ingest_and_shards_exclude_each_other(s3: S3Server,
-                                                       model_dir: Callable[[str], Path]) -> None:
+                                                       model_dir: Callable[[str], Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     url = s3.url()
     actdb.ingest(url, model=str(model_dir("gpt2")), prompts=PROMPTS[:1], batch_size=1,
                  device="cpu", name="m", chunk_tokens=4)
     _check_exclusion(url)
+    monkeypatch.setenv("ACTDB_LEASE_S", "0.6")
+    monkeypatch.setenv("ACTDB_LOCK_WAIT_S", "0.1")
+    _registration_lease_waits_while_renewed(url)
+
+
+# -- robustness (review of the sharded ingest) ---------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["²/3", "٣/4", "3/2", "0/0", "-1/2", " 1/2", "1/2 ", "1", "a/b",
+                                  "1//2", (2, 2), (0, True), (0, 2, 1)])
+def test_a_bad_shard_is_one_clear_error(spec: object, tmp_path: Path) -> None:
+    from actdb.errors import ShardSpecError
+    from actdb.ingest.shards import parse_shard
+
+    with pytest.raises(ShardSpecError, match=r"^shard .+ (is not I/N|I must be from 0)"
+                       ) as err:
+        parse_shard(spec)  # type: ignore[arg-type]
+    assert isinstance(err.value, ValueError) and "\n" not in str(err.value)
+    if isinstance(spec, str):  # the CLI: a usage error (exit 2), no traceback, nothing made
+        res = CliRunner().invoke(cli, ["ingest", str(tmp_path / "x.actdb"), "--model", "gpt2",
+                                       "--prompts", "-", "--shard", spec], input="hi\n")
+        assert res.exit_code == 2, res.output
+        assert "--shard" in res.output and repr(spec) in res.output
+        assert "Traceback" not in res.output and not (tmp_path / "x.actdb").exists()
+
+
+def test_parse_shard_accepts_good_specs() -> None:
+    from actdb.ingest.shards import parse_shard
+
+    assert parse_shard("0/1") == (0, 1)
+    assert parse_shard("12/13") == (12, 13)
+    assert parse_shard((1, 2)) == (1, 2)
+
+
+@pytest.mark.parametrize("shards", [0, -1, 1.5, True])
+def test_a_cluster_ingest_needs_one_shard_or_more(shards: object, tmp_path: Path) -> None:
+    from actdb.errors import ShardSpecError
+    from actdb.ingest.cluster import ingest_on_cluster
+
+    # refused before any cluster is started or anything is read
+    with pytest.raises(ShardSpecError, match=rf"^shards={shards!r}: .* at least 1"):
+        ingest_on_cluster(tmp_path / "c.actdb", cluster="local:1", model="gpt2",
+                          prompts=tmp_path / "absent.txt", shards=shards)  # type: ignore
+    assert not (tmp_path / "c.actdb").exists()
+
+
+@pytest.fixture()
+def unmerged(merged: Path, tmp_path: Path) -> Path:
+    """A fresh copy of the sharded store as its two finished shards left it, before merge."""
+    store = tmp_path / "u.actdb"
+    shutil.copytree(merged.parent / "unmerged.actdb", store)
+    return store
+
+
+def test_a_merge_killed_while_removing_shards_is_finished_by_the_next(
+        unmerged: Path, merged: Path, model_dir: Callable[[str], Path],
+        reference: dict[str, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
+    from actdb.store import faults
+
+    store, model = unmerged, model_dir("gpt2")
+    # The merge's transaction commits; its removal stops within the second shard (a kill
+    # there: everything of that shard gone but its catalog).
+    monkeypatch.setattr(faults, "_SPEC", ("shard_removal", 2, "enospc"))
+    monkeypatch.setattr(faults, "_seen", 0)
+    with pytest.raises(OSError):
+        actdb.merge(store)
+    monkeypatch.setattr(faults, "_SPEC", None)
+    assert [p.name for p in (store / "shards").iterdir()] == ["1-of-2"]
+    assert [p.name for p in (store / "shards" / "1-of-2").iterdir()] == ["catalog.duckdb"]
+    res = CliRunner().invoke(cli, ["merge", str(store)])
+    assert res.exit_code == 0 and "already merged" in res.output, res.output
+    assert not (store / "shards").exists()
+    assert_same_vectors(store, reference)
+    # The catalog is the normal merge's, row for row.
+    q = ("SELECT * FROM {} ORDER BY ALL", ["prompts", "prompt_runs", "tokens", "models",
+                                           "sites", "meta"])
+    with duckdb.connect(str(store / "catalog.duckdb"), read_only=True) as a, \
+            duckdb.connect(str(merged / "catalog.duckdb"), read_only=True) as b:
+        for table in q[1]:
+            sql = q[0].format(table)
+            assert a.execute(sql).fetchall() == b.execute(sql).fetchall(), table
+
+    # A finished shard run again after its merge has nothing to do: it says so and writes
+    # nothing (an empty shard catalog would keep unsharded ingests out until removed).
+    files = _file_hashes(store)
+    res = CliRunner().invoke(cli, ["ingest", str(store), "--model", str(model), "--prompts",
+                                   "-", "--shard", "1/2", *ARGS[:-1]],
+                             input="\n".join(PROMPTS) + "\n")
+    assert res.exit_code == 0, res.output
+    assert _file_hashes(store) == files
+    assert not (store / "shards").is_dir() or not any((store / "shards").rglob("catalog*"))
+    assert "shard 1/2: every prompt is already stored" in res.output
+    # Unsharded ingests go on: one more prompt, after the merged rows.
+    summary = actdb.ingest(store, model=str(model), prompts=[*PROMPTS, "one more prompt"],
+                           batch_size=1, device="cpu", name="m", chunk_tokens=4)
+    assert summary.prompts_new == 1
+    assert CliRunner().invoke(cli, ["verify", str(store)]).exit_code == 0
+
+
+def _chunk_file(store: Path, row: int, field: str = "direction") -> tuple[Path, str]:
+    """The chunk file holding `row` of the first site's `field`, and the site."""
+    from actdb.store.store import Store
+
+    with Store(store) as st:
+        m = st.catalog.models()[0]
+        site = st.catalog.sites(m.model)[0].site
+        c = st.arrays.act_array(m.model_id, site, field).chunks[0]
+        layout = st.arrays.act_layout(m.model_id, site, field)
+        assert layout is not None
+        return Path(layout.path(row // c)), site  # type: ignore[union-attr]
+
+
+def _drop_prompt(store: Path, prompt_id: int) -> None:
+    """Catalog damage no ingest makes: a prompt's run and tokens gone, its rows left."""
+    with duckdb.connect(str(store / "catalog.duckdb")) as con:
+        con.execute("DELETE FROM tokens WHERE prompt_id = ?", [prompt_id])
+        con.execute("DELETE FROM prompt_runs WHERE prompt_id = ?", [prompt_id])
+
+
+def _verify(store: Path) -> list[str]:
+    from actdb.store.store import Store
+    from actdb.store.verify import verify
+
+    with Store(store) as st:
+        return verify(st)
+
+
+def test_verify_allows_missing_chunks_only_between_shards(
+        single: Path, merged: Path, tmp_path: Path) -> None:
+    with duckdb.connect(str(merged / "catalog.duckdb"), read_only=True) as con:
+        runs = con.execute("SELECT prompt_id, row_start, n_tokens FROM prompt_runs "
+                           "ORDER BY row_start").fetchall()
+    end0, start1 = runs[5][1] + runs[5][2], runs[6][1]
+    assert start1 - end0 > 8  # whole 4-row direction chunks lie in the gap
+    assert _verify(merged) == []
+    # The unused rows between the shards have no chunk files: that is no damage.
+    gap_chunk, _ = _chunk_file(merged, start1 - 4)
+    assert not gap_chunk.exists()
+    for name, source in (("one", single), ("merged", merged)):
+        # A chunk file of committed rows deleted: reported, in either store.
+        store = tmp_path / name
+        shutil.copytree(source, store)
+        chunk, site = _chunk_file(store, runs[2][1])
+        chunk.unlink()
+        problems = _verify(store)
+        assert any(site in p and "missing" in p for p in problems), problems
+        # Rows in no prompt's run, not before a shard's aligned start: a hole in the
+        # catalog, and the chunk files of those rows are checked too.
+        store = tmp_path / f"{name}-hole"
+        shutil.copytree(source, store)
+        pid, start, n = next(r for r in runs if r[2] > 8 and r[1] < end0)
+        _drop_prompt(store, pid)
+        chunk, site = _chunk_file(store, start + 4)
+        chunk.unlink()
+        problems = _verify(store)
+        assert any(f"rows {start}..{start + n - 1} are in no prompt's run" in p
+                   for p in problems), problems
+        assert any(site in p and "missing" in p for p in problems), problems
+
+
+def test_a_handle_into_unused_rows_is_refused(merged: Path, single: Path) -> None:
+    from actdb.errors import QueryError
+    from actdb.query.handles import ROW_MASK
+
+    with duckdb.connect(str(merged / "catalog.duckdb"), read_only=True) as con:
+        end0, start1 = con.execute(
+            "SELECT max(row_start + n_tokens) FILTER (WHERE prompt_id < 6), "
+            "min(row_start) FILTER (WHERE prompt_id >= 6) FROM prompt_runs").fetchone()
+    with actdb.connect(merged) as db, actdb.connect(single) as one:
+        h, norm = db.sql("SELECT vec, norm FROM acts a JOIN tokens t USING (model, prompt_id, "
+                         "position) WHERE t.row = $r AND a.head IS NULL LIMIT 1",
+                         params={"r": start1}).fetchall()[0]
+        got = db.sql("SELECT vec_norm($h)", params={"h": h}).fetchall()[0][0]
+        assert got == pytest.approx(norm, rel=1e-6)
+        for row in (end0, start1 - 1):  # the first and last unused row
+            forged = (h & ~ROW_MASK) | row
+            with pytest.raises(QueryError, match=rf"^{forged} is not a vec handle of this "
+                               rf"store: row {row} holds no stored token"):
+                db.sql("SELECT vec_norm($h)", params={"h": forged}).fetchall()
+            # also among stored rows of one call (rows before and after the gap)
+            with pytest.raises(QueryError, match=rf"^{forged} is not a vec handle"):
+                db.sql("SELECT sum(vec_norm(x)) FROM (SELECT unnest([$a, $h, $b]) AS x)",
+                       params={"a": (h & ~ROW_MASK) | 0, "h": forged, "b": h}).fetchall()
+        # the same scan as before is untouched: sums equal the one-process store's
+        q = "SELECT site, sum(vec_norm(vec)) FROM acts GROUP BY site ORDER BY site"
+        np.testing.assert_allclose([r[1] for r in db.sql(q).fetchall()],
+                                   [r[1] for r in one.sql(q).fetchall()], rtol=1e-6)
+
+
+def _registration_waits_and_an_error_there_releases_the_lock(store: Path) -> None:
+    """A shard waits for the registration lock as long as its holder holds it (past
+    ACTDB_LOCK_WAIT_S: a first registration may write a large model's weights); an error
+    while it waits (here a signal, as Ctrl-C or a cancelled task) releases the store lock
+    it took, so the same long-lived process can take it again."""
+    import fcntl
+    import signal
+
+    from actdb.store.backend import open_backend
+    from actdb.store.store import Store
+
+    class Stop(Exception):
+        pass
+
+    def stop(*_: object) -> None:
+        raise Stop
+
+    fd = os.open(store / "shards.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another shard registering, for as long as it takes
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)  # > ACTDB_LOCK_WAIT_S (0.1 s here)
+    try:
+        with pytest.raises(Stop):
+            Store(store, ingest=True, shard="0-of-2")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        os.close(fd)
+    whole = open_backend(str(store))
+    whole.lock()  # no shard's shared lock was left behind
+    whole.unlock()
+    with Store(store, ingest=True, shard="0-of-2"):  # and the registration lock is free
+        pass
+
+
+def _registration_lease_waits_while_renewed(location: str) -> None:
+    """On object storage a shard waits for `shards/register.lease` while its holder renews
+    it, and takes it over once its holder stopped renewing it (died on another host)."""
+    import threading
+    import time
+
+    from actdb.store.backend import open_backend
+    from actdb.store.lease import Lease
+
+    key = "shards/register.lease"
+    holder = Lease(Objects(parse_url(location)), location, key)
+    holder.acquire()  # renewed every ttl / 3
+    got = threading.Event()
+    waiter_backend = open_backend(location)
+
+    def waiter() -> None:
+        with waiter_backend.registering():
+            got.set()
+
+    t = threading.Thread(target=waiter, daemon=True)
+    t.start()
+    assert not got.wait(1.5)  # past the lease's 0.6 s and ACTDB_LOCK_WAIT_S: still waiting
+    holder._stop.set()  # the holder dies: its lease is no longer renewed, nor removed
+    assert holder._thread is not None
+    holder._thread.join()
+    started = time.monotonic()
+    assert got.wait(5)
+    t.join(5)
+    assert time.monotonic() - started < 2.5
+    assert Objects(parse_url(location)).list(key) == []  # the waiter released it in turn

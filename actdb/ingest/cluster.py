@@ -12,7 +12,7 @@ from ..cluster import DaskClient
 from ..errors import IngestError
 from .pipeline import IngestSummary, ingest
 from .prompts import PromptsLike, read_prompts
-from .shards import merge
+from .shards import check_shard_count, merge
 
 
 def ingest_on_cluster(
@@ -30,6 +30,7 @@ def ingest_on_cluster(
     if not isinstance(model, str | os.PathLike):
         raise IngestError("a cluster ingest loads the model on every worker: pass its hub name "
                           "or folder, not a model object")
+    wanted = check_shard_count(shards)
     started = time.perf_counter()
     # Read here, once: workers get the same prompts even when the file is only local.
     rows = [{**p.extra, "text": p.text} for p in read_prompts(prompts)]
@@ -42,7 +43,7 @@ def ingest_on_cluster(
     dask = DaskClient(cluster, IngestError)
     try:
         workers = dask.workers()
-        n = shards or max(1, len(workers))
+        n = wanted or max(1, len(workers))
         futures = [
             dask.client.submit(
                 ingest, location, model=source, prompts=rows, shard=(i, n),
@@ -55,7 +56,8 @@ def ingest_on_cluster(
         parts: list[IngestSummary] = dask.client.gather(futures)
     finally:
         dask.close()
-    merge(location, storage_options=storage_options)
+    if not all(p.note for p in parts):  # else no shard had anything to do or to merge
+        merge(location, storage_options=storage_options)
     errors: dict[str, float] = {}
     for p in parts:
         for k, v in p.max_rel_error.items():

@@ -34,7 +34,7 @@ from .logits import LOGIT_LIMIT, LogitCheck, LogitTransform, measure_logits, mod
 from .progress import progress_bar
 from .prompts import Prompt, PromptsLike, apply_chat_template, extra_columns, read_prompts
 from .rows import Work, batch_tables
-from .shards import parse_shard, plan_shard
+from .shards import nothing_to_do, parse_shard, plan_shard
 from .sites import FoundSite, find_sites
 
 # Batches are buffered to at least this many token rows before a write and commit: fewer
@@ -71,6 +71,7 @@ class IngestSummary:
     bytes_stored: int  # vectors (2d + 8 bytes each) and, for a new model, its weights
     seconds: float
     max_rel_error: dict[str, float] = field(default_factory=dict)
+    note: str | None = None  # a shard with nothing to do says so (and wrote nothing)
 
     @property
     def tokens_per_second(self) -> float:
@@ -164,6 +165,13 @@ def ingest(
         work = _plan_work(st, reg.record.model, prompt_list, ids, truncated)
         records = [f.record for f in found]
         if shard_of is not None:
+            if not work:  # no shard catalog: an empty one would block unsharded ingests
+                return IngestSummary(
+                    model=reg.record.model, store=os.fspath(store),
+                    prompts_total=len(prompt_list), prompts_new=0,
+                    prompts_skipped=len(prompt_list), prompts_truncated=sum(truncated),
+                    tokens_written=0, sites=len(found), bytes_stored=0, seconds=0.0,
+                    note=nothing_to_do(st.location, reg.record.model, shard_of))
             reg, work = _enter_shard(st, reg, records, work, shard_of)
         record = reg.record
         per_token = sum(_bytes_per_token(s) for s in records)

@@ -13,26 +13,60 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import IngestError
+from ..errors import ShardSpecError
 from ..store.sharding import MergeSummary, ShardPlan, merge_shards
 from ..store.store import Store
 from .rows import Work
 
+# ASCII digits only: str.isdigit() also passes '²', which int() refuses (and '٣', which it
+# reads as 3), so a typo would not be one clear error.
+_SHARD_SPEC = re.compile(r"([0-9]+)/([0-9]+)", re.ASCII)
+
 
 def parse_shard(spec: str | tuple[int, int]) -> tuple[int, int]:
-    """`i/N` (or a tuple) as (i, N), checked: 0 <= i < N."""
+    """`i/N` (or a tuple) as (i, N), checked: 0 <= i < N.
+
+    Raises:
+        ShardSpecError: anything else, in one sentence naming the value.
+    """
     if isinstance(spec, str):
-        left, sep, right = spec.partition("/")
-        if not sep or not left.strip().isdigit() or not right.strip().isdigit():
-            raise IngestError(f"shard {spec!r}: write i/N, e.g. 0/2 for the first of 2 shards")
-        spec = (int(left), int(right))
-    i, n = spec
+        match = _SHARD_SPEC.fullmatch(spec)
+        if match is None:
+            raise ShardSpecError(f"shard {spec!r} is not I/N (two whole numbers, e.g. 0/2 for "
+                                 "the first of 2 shards)")
+        i, n = int(match[1]), int(match[2])
+    else:
+        parts = tuple(spec) if isinstance(spec, tuple | list) else ()
+        if len(parts) != 2 or not all(isinstance(v, int) and not isinstance(v, bool)
+                                      for v in parts):
+            raise ShardSpecError(f"shard {spec!r} is not I/N: give a string such as '0/2' "
+                                 "or a tuple of two ints such as (0, 2)")
+        i, n = parts
     if n < 1 or not 0 <= i < n:
-        raise IngestError(f"shard {i}/{n}: i must be from 0 to N - 1, and N at least 1")
+        raise ShardSpecError(f"shard {spec!r}: I must be from 0 to N - 1 and N at least 1 "
+                             f"(got I = {i}, N = {n})")
     return i, n
+
+
+def check_shard_count(shards: object) -> int | None:
+    """A cluster ingest's shard count: None (one per worker) or an int of at least 1."""
+    if shards is None:
+        return None
+    if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+        raise ShardSpecError(f"shards={shards!r}: a cluster ingest needs a whole number of "
+                             "shards of at least 1 (or None: one per worker)")
+    return shards
+
+
+def nothing_to_do(location: str, model: str, shard: tuple[int, int]) -> str:
+    """What a shard says when the main catalog already holds every prompt of its ingest
+    (its plan's shards were merged, or an ingest stored them): it writes nothing then."""
+    return (f"shard {shard[0]}/{shard[1]}: every prompt is already stored for model {model!r} "
+            f"in {location!r} (merged from its shards, or by an earlier ingest); nothing to do")
 
 
 def fingerprint(model: str, n_shards: int, base: int, align: int, work: list[Work]) -> str:

@@ -100,6 +100,13 @@ class Codec:
                 f"{stream.n_rows} rows stored for its model; {_ADVICE}")
 
 
+def unused_row(value: int, row: int) -> QueryError:
+    """A handle of a row below the model's row count that no token was stored in."""
+    return QueryError(f"{value} is not a vec handle of this store: row {row} holds no stored "
+                      f"token (it is one of the unused rows between the shards of a sharded "
+                      f"ingest); {_ADVICE}")
+
+
 def encode_sql(row: str, stream: str) -> str:
     """The SQL expression that builds a raw handle from column expressions."""
     return f"({row}::BIGINT | ({stream}::BIGINT << {STREAM_SHIFT}) | {TAG_BITS}::BIGINT)"

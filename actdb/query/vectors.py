@@ -377,7 +377,25 @@ class VectorSource:
             if np.any(rows[1:] < rows[:-1]):  # chunk-friendly reading order
                 order = np.argsort(rows, kind="stable")
                 index, rows = index[order], rows[order]
+            self._check_stored(model.model_id, rows, handles, index)
             yield Group(self, index, model, site, view, rows, dec.head[index])
+
+    def _check_stored(self, model_id: int, rows: np.ndarray, handles: np.ndarray,
+                      index: np.ndarray) -> None:
+        """Refuse a handle of an unused row between merged shards (never written: it would
+        read zeros or a missing chunk). Per call, not per row: sorted rows within one
+        unbroken run of committed rows (every call of an unsharded store) are all stored."""
+        starts, ends = self._segments[model_id]
+        if not len(starts):
+            raise H.unused_row(int(np.asarray(handles)[index[0]]), int(rows[0]))
+        i = int(np.searchsorted(starts, rows[0], side="right")) - 1
+        if i >= 0 and rows[-1] < ends[i]:
+            return
+        seg = np.searchsorted(starts, rows, side="right") - 1
+        stored = (seg >= 0) & (rows < ends[np.maximum(seg, 0)])
+        if not stored.all():
+            j = int(np.argmin(stored))
+            raise H.unused_row(int(np.asarray(handles)[index[j]]), int(rows[j]))
 
     def apply_view(self, model: ModelRecord, site: SiteRecord, view: str, x: torch.Tensor,
                    mean: torch.Tensor | None, heads: np.ndarray | None = None) -> torch.Tensor:

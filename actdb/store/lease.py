@@ -56,17 +56,21 @@ class Lease:
         self._thread = threading.Thread(target=self._renew, name="actdb-lease", daemon=True)
         self._thread.start()
 
-    def acquire_waiting(self, seconds: float) -> None:
-        """Take the lease, waiting up to `seconds` while another holder has it."""
-        deadline = time.monotonic() + seconds
+    def acquire_waiting(self, seconds: float | None) -> None:
+        """Take the lease, waiting up to `seconds` (None: as long as it takes) while another
+        holder has it. A live holder renews it; one that died stops renewing, its lease runs
+        out within `lease_seconds()` and is taken over, so an endless wait ends."""
+        deadline = None if seconds is None else time.monotonic() + seconds
+        pause = 0.05
         while True:
             try:
                 self.acquire()
                 return
             except StoreBusyError:
-                if time.monotonic() > deadline:
+                if deadline is not None and time.monotonic() > deadline:
                     raise
-                time.sleep(0.05)
+                time.sleep(pause)
+                pause = min(pause * 1.5, 1.0)  # a long wait costs a request a second
 
     def _take_over(self) -> None:
         try:

@@ -23,7 +23,7 @@ from ..errors import (
 from . import durable
 from .arrays import Arrays
 from .backend import CATALOG_NAME, SHARDS_NAME, TENSORS_NAME, TOKENIZERS_NAME
-from .catalog import LOCAL_FORMAT_VERSION, Catalog, lock_wait_seconds
+from .catalog import LOCAL_FORMAT_VERSION, Catalog
 from .faults import fault
 
 LOCK_NAME = "ingest.lock"  # flock: exclusive for an ingest or merge, shared by shard ingests
@@ -154,21 +154,19 @@ class LocalBackend:
 
     @contextmanager
     def registering(self) -> Iterator[None]:
-        """Among shard ingests, one at a time: an flock on `shards.lock`, waited for up to
-        the lock wait (a shard holds it for seconds: registering a model, planning)."""
+        """Among shard ingests, one at a time: an flock on `shards.lock`, waited for as long
+        as another shard holds it. No time limit: the kernel releases the flock when its
+        holder dies, so a holder is alive while it holds it, and a first registration may
+        take long (a large model's weights written and fsynced)."""
         fd = os.open(self.path / REGISTER_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            deadline = time.monotonic() + lock_wait_seconds()
+            # Polled rather than a blocking flock: Ctrl-C (or a worker's cancellation) ends
+            # the wait at once.
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise StoreBusyError(
-                            f"store {self.location!r}: another shard ingest has been "
-                            f"registering for more than {lock_wait_seconds():g} s; try again"
-                        ) from None
                     time.sleep(0.05)
             yield
         finally:
@@ -202,10 +200,25 @@ class LocalBackend:
         return Catalog(path, read_only=read_only, hold=False, store=self.location)
 
     def remove_shards(self, names: list[str]) -> None:
+        """Remove merged shards' folders, each one's catalog file last: a merge killed
+        meanwhile leaves a shard that the next merge still recognises as merged. Then the
+        folders a killed removal left without a catalog (nothing else makes them while a
+        merge holds the store alone: a shard takes the shared lock before its folder)."""
+        folder = self.path / SHARDS_NAME
         for name in names:
-            shutil.rmtree(self.path / SHARDS_NAME / name, ignore_errors=True)
+            if not (folder / name).is_dir():
+                continue
+            for p in sorted((folder / name).iterdir()):
+                if p.name != CATALOG_NAME:
+                    shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+            fault("shard_removal")
+            shutil.rmtree(folder / name, ignore_errors=True)
+        if folder.is_dir():
+            for p in folder.iterdir():
+                if p.is_dir() and not (p / CATALOG_NAME).is_file():
+                    shutil.rmtree(p, ignore_errors=True)
         with suppress(OSError):
-            (self.path / SHARDS_NAME).rmdir()  # only when empty
+            folder.rmdir()  # only when empty
 
     def unlock(self) -> None:
         if self._shard_fd is not None:

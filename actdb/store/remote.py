@@ -18,7 +18,7 @@ from ..errors import StoreBusyError
 from . import published
 from .arrays import Arrays
 from .backend import CATALOG_NAME, SHARDS_NAME, TENSORS_NAME, TOKENIZERS_NAME
-from .catalog import FORMAT_VERSION, Catalog, lock_wait_seconds
+from .catalog import FORMAT_VERSION, Catalog
 from .durable import full_disk_as_error
 from .faults import fault
 from .lease import LEASE_KEY, Lease, live_holder
@@ -117,8 +117,11 @@ class S3Backend:
 
     @contextmanager
     def registering(self) -> Iterator[None]:
+        """Among shard ingests, one at a time: `shards/register.lease`, waited for as long
+        as its holder renews it (a first registration uploads the model's weights, which may
+        take minutes); a lease its holder stopped renewing runs out and is taken over."""
         lease = Lease(self.objects, self.location, f"{SHARDS_NAME}/{REGISTER_LEASE}")
-        lease.acquire_waiting(lock_wait_seconds())
+        lease.acquire_waiting(None)
         try:
             yield
         finally:
@@ -157,8 +160,32 @@ class S3Backend:
         return Catalog(local, read_only=False, hold=False, store=self.location, publish=publish)
 
     def remove_shards(self, names: list[str]) -> None:
+        """Remove merged shards' objects, each one's pointer and then its current catalog
+        last: a merge killed meanwhile leaves a shard that the next merge still lists and
+        recognises as merged. Then the objects a killed removal left without a pointer
+        (nothing else writes there while a merge holds the store alone, but the transient
+        leases of shards giving way, which are left alone)."""
+        pointer_tail = "/" + published.POINTER_KEY
         for name in names:
-            for key, _ in self.objects.list(f"{SHARDS_NAME}/{name}"):
+            prefix = f"{SHARDS_NAME}/{name}"
+            try:
+                pointer, _ = published.read_pointer(self.objects.child(prefix))
+                current: str | None = f"{prefix}/{pointer['catalog']}"
+            except FileNotFoundError:
+                current = None
+            last = [f"{prefix}{pointer_tail}", current]
+            for key, _ in self.objects.list(prefix):
+                if key not in last:
+                    self.objects.delete(key)
+            fault("shard_removal")
+            for last_key in last:
+                if last_key is not None:
+                    self.objects.delete(last_key)
+        listed = [key for key, _ in self.objects.list(SHARDS_NAME) if key.count("/") >= 2]
+        named = {key.split("/")[1] for key in listed if key.endswith(pointer_tail)
+                 and key.count("/") == 2}
+        for key in listed:
+            if key.split("/")[1] not in named and not key.endswith("/" + SHARD_LEASE):
                 self.objects.delete(key)
 
     def unlock(self) -> None:

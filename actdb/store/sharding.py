@@ -54,6 +54,9 @@ class MergeSummary:
     shards: int
     prompts: int  # prompt runs merged
     tokens: int
+    # the shards had been merged by an earlier merge that was killed while removing their
+    # catalogs: this one only removed what was left
+    finished_removal: bool = False
 
 
 def shard_name(shard: int, n_shards: int) -> str:
@@ -153,6 +156,19 @@ def merge_shards(store: Store) -> MergeSummary:
     if not names:
         raise ShardError(f"store {where!r} has no shard ingests to merge")
     shards = [_read_shard(store, n) for n in names]
+    # A merge killed after its transaction committed, while it removed the shard catalogs,
+    # left some of them: their plan is the one the main catalog records as merged (a later
+    # plan starts from the merged rows, so its fingerprint differs). Only finish removing.
+    row = store.catalog.one("SELECT value FROM meta WHERE key = ?", [_MERGED_KEY])
+    merged = row[0] if row else None
+    done = [s for s in shards if s.plan.fingerprint == merged]
+    if done:
+        store.backend.remove_shards([s.name for s in done])
+        shards = [s for s in shards if s.plan.fingerprint != merged]
+        if not shards:
+            return MergeSummary(store=where, model=done[0].plan.model, shards=0, prompts=0,
+                                tokens=0, finished_removal=True)
+        names = [s.name for s in shards]
     fingerprints = {s.plan.fingerprint for s in shards}
     if len(fingerprints) > 1 or any(s.name != s.plan.name for s in shards):
         detail = ", ".join(f"{s.name} (model {s.plan.model!r}, plan {s.plan.fingerprint[:8]})"
@@ -175,11 +191,6 @@ def merge_shards(store: Store) -> MergeSummary:
         )
     main = store.catalog
     model = main.model(plan.model)
-    merged = main.one("SELECT value FROM meta WHERE key = ?", [_MERGED_KEY])
-    if merged is not None and merged[0] == plan.fingerprint:
-        store.backend.remove_shards(names)  # merged already; removal was interrupted
-        return MergeSummary(store=where, model=plan.model, shards=len(shards), prompts=0,
-                            tokens=0)
     if model is None or model.n_rows != plan.base:
         raise ShardError(
             f"cannot merge store {where!r}: model {plan.model!r} changed in the main catalog "

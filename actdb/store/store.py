@@ -65,8 +65,16 @@ class Store:
         if shard:
             # A shard reads the main catalog, and may register a model in it, only while
             # no other shard does: it lets go once its own catalog exists (open_shard).
-            self._registering = self.backend.registering()
-            self._registering.__enter__()
+            # Waiting can end in an error (Ctrl-C, a task cancelled, storage unreachable):
+            # the lock or lease taken above is released then, not left to a long-lived
+            # process (a Dask worker) that would keep every later ingest out.
+            registering = self.backend.registering()
+            try:
+                registering.__enter__()
+            except BaseException:
+                self.backend.close()
+                raise
+            self._registering = registering
         self._writers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="actdb-write")
         try:
             self.catalog = self.backend.open_catalog(read_only=self.read_only, ingest=ingest)

@@ -1,15 +1,16 @@
 """Check that a store's catalog and tensors agree; list every problem found.
 
 The quick check is structural: catalog counts, array shapes and types, and every chunk
-holding committed rows present with its exact size. `full` also reads every such chunk and
-every weight, checking their checksums (format 2)."""
+below the model's row count present with its exact size, but for the unused rows a sharded
+ingest leaves before each shard's aligned start (and nowhere else). `full` also reads every
+such chunk and every weight, checking their checksums (format 2)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ..errors import StoreCorruptError
-from .arrays import ACT_FIELDS
+from .arrays import ACT_FIELDS, write_alignment
 from .records import ModelRecord, SiteRecord
 from .store import Store
 
@@ -55,9 +56,31 @@ def verify(store: Store, *, full: bool = False) -> list[str]:
         runs = [(int(a), int(n)) for a, n in cat.all(
             "SELECT row_start, n_tokens FROM prompt_runs WHERE model = ? AND n_tokens > 0 "
             "ORDER BY row_start", [m.model])]
+        align = write_alignment(m.chunk_tokens, sharded=store.arrays.sharded)
+        gaps, bad = unused_rows(runs, m.n_rows, align)
+        problems += [f"{where}: rows {a}..{b - 1} are in no prompt's run and are not the "
+                     f"unused rows before a shard's aligned start (every {align} rows)"
+                     for a, b in bad]
         for s in sites:
-            problems += _check_site(store, m, s, where, runs, full=full)
+            problems += _check_site(store, m, s, where, gaps, full=full)
     return problems
+
+
+def unused_rows(runs: list[tuple[int, int]], n_rows: int, align: int
+                ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The rows below `n_rows` in no prompt run, as ranges [a, b): those a sharded ingest
+    leaves between a shard's last row and the next shard's start (a multiple of `align`,
+    less than `align` rows on), whose chunks may never have been written; and any other,
+    which no ingest leaves (an unsharded store has none at all)."""
+    allowed: list[tuple[int, int]] = []
+    bad: list[tuple[int, int]] = []
+    pos = 0
+    for start, n in [*runs, (n_rows, 0)]:
+        if start > pos:
+            ok = start % align == 0 and start - pos < align
+            (allowed if ok else bad).append((pos, start))
+        pos = max(pos, start + n)
+    return allowed, bad
 
 
 def _check_weights(store: Store, m: ModelRecord, sites: list[SiteRecord], where: str, *,
@@ -82,7 +105,7 @@ def _check_weights(store: Store, m: ModelRecord, sites: list[SiteRecord], where:
 
 
 def _check_site(store: Store, m: ModelRecord, s: SiteRecord, where: str,
-                runs: list[tuple[int, int]], *, full: bool) -> list[str]:
+                gaps: list[tuple[int, int]], *, full: bool) -> list[str]:
     out = []
     here = f"{where}, site {s.site!r}"
     inner = (s.n_heads, s.d) if s.n_heads else (s.d,)
@@ -103,16 +126,18 @@ def _check_site(store: Store, m: ModelRecord, s: SiteRecord, where: str,
             )
         if str(arr.dtype) != dtype:
             out.append(f"{here}: {field} is {arr.dtype}, expected {dtype}")
-    if out or not runs:
+    if out or not m.n_rows:
         return out
-    # Every chunk holding committed rows (from the prompt runs: unused rows between shards
-    # may have no chunk): present and whole, or (full) read and checksummed.
+    # Every chunk below n_rows but those wholly in the unused rows between shards (never
+    # written, maybe absent): present and whole, or (full) read and checksummed.
     for field in ACT_FIELDS:
         arr = store.arrays.act_array(m.model_id, s.site, field)
         raw = store.arrays.act_layout(m.model_id, s.site, field)
         c = arr.chunks[0]
-        held = sorted({k for a, n in runs for k in range(a // c, (a + n - 1) // c + 1)})
-        for chunk in held:
+        unused = {k for a, b in gaps for k in range(-(-a // c), b // c)}
+        for chunk in range(-(-m.n_rows // c)):
+            if chunk in unused:
+                continue
             try:
                 if full or raw is None:
                     store.arrays.read_chunk(m.model_id, s.site, field, chunk)
@@ -124,9 +149,10 @@ def _check_site(store: Store, m: ModelRecord, s: SiteRecord, where: str,
     if out:
         return out
     # Spot-check the last committed rows: unit directions where the norm is positive.
-    last, n_last = runs[-1]
-    hi = last + n_last
-    lo = max(last, hi - 64)
+    hi = gaps[-1][0] if gaps and gaps[-1][1] == m.n_rows else m.n_rows
+    lo = max([b for _, b in gaps if b <= hi] + [0, hi - 64])
+    if hi <= lo:
+        return out
     d = _rows(store, m, s, "direction", lo, hi).astype(np.float32)
     n = _rows(store, m, s, "norm", lo, hi)
     lengths = np.linalg.norm(d, axis=-1)
