@@ -34,6 +34,8 @@ _SCRIPT = textwrap.dedent("""
     import actdb
     torch.set_num_threads(1)
     importlib.import_module("actdb.ingest.pipeline")._FLUSH_TOKENS = 32
+    log = importlib.import_module("actdb.store.catalog_log")
+    log.FOLD_MIN_BYTES, log.FOLD_FILE_SHARE = 1, 10**9  # fold the catalog's log every commit
     prompts = [l for l in open(sys.argv[3]).read().splitlines() if l]
     actdb.ingest(sys.argv[1], model=sys.argv[2], prompts=prompts, batch_size=1,
                  device="cpu", name="m", chunk_tokens=8,
@@ -85,6 +87,8 @@ def _resume_and_compare(store: Path, model: str, reference: dict[str, object]) -
     _ingest_in_process(store, model)
     assert _partials(store) == []
     assert not list(store.parent.glob(f".{store.name}.creating-*"))
+    # No copy of a killed catalog fold, and the log folded into the file at the end.
+    assert sorted(p.name for p in store.glob("*catalog*")) == ["catalog.duckdb"]
     with actdb.connect(store) as db:
         assert db.verify(full=True) == []
     assert_same(snapshot(store, "m"), reference)
@@ -93,6 +97,7 @@ def _resume_and_compare(store: Path, model: str, reference: dict[str, object]) -
 @pytest.mark.parametrize("point", [
     "create_before_catalog:1", "create_after_catalog:1", "weights_written:1",
     "chunk_write:40", "tensors_written:2", "catalog_commit:4", "committed:3",
+    "catalog_fold:3", "catalog_folded:3",
 ])
 def test_kill_at_each_point_then_resume(
     tmp_path: Path, model_dir: Callable[[str], Path], reference: dict[str, object],

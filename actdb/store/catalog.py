@@ -23,7 +23,7 @@ from ..errors import (
     StoreFormatError,
     StoreNotWritableError,
 )
-from . import limits
+from . import catalog_log, limits
 from .durable import full_disk_as_error
 from .faults import fault
 from .records import ModelRecord, SiteRecord
@@ -99,7 +99,10 @@ class Catalog:
     - holder (`read_only=False, hold=True`): the file stays open for writing until `close`
       (`connect(read_only=False)`, and store creation).
 
-    Both sides retry for a while when the other holds DuckDB's file lock.
+    Both sides retry for a while when the other holds DuckDB's file lock. A local writer
+    never checkpoints the file in place: its commits stay in DuckDB's log, folded into a new
+    copy of the file renamed over it (catalog_log.py), so a kill cannot tear the file. A
+    working copy of a catalog on object storage is checkpointed before it is published.
     """
 
     def __init__(self, path: Path, *, read_only: bool, hold: bool = True,
@@ -113,6 +116,10 @@ class Catalog:
         # working copy of a catalog on object storage is published.
         self._publish = publish
         self._changed = False
+        # Local writers leave commits in the log (catalog_log.py); `_logged`: some not folded.
+        self._log_only = publish is None
+        self._logged = False
+        self._swept = False  # the leftovers of a killed fold removed
         self._lock = threading.RLock()
         self._con: duckdb.DuckDBPyConnection | None = None
         if read_only:
@@ -143,23 +150,45 @@ class Catalog:
         return cat
 
     def close(self) -> None:
+        """Close, folding the log of a local writer into the file. A fold that fails (a full
+        disk) leaves the log, which every open replays: the store stays whole."""
         with self._lock:
+            # A holder's connection may have run a user's writes: fold whatever log exists.
+            if self._log_only and not self.read_only and catalog_log.log_bytes(self.path):
+                with suppress(Exception):
+                    with self._session():
+                        self._fold()
             if self._con is not None:
                 self._con.close()
                 self._con = None
 
+    def _fold(self) -> None:
+        catalog_log.fold(self.path)
+        self._logged = False
+
+    def _mark_changed(self) -> None:
+        self._changed = True
+        self._logged = self._log_only
+
     # -- connections -----------------------------------------------------------------------
 
-    def _retrying(self, step: Callable[[], T]) -> T:
+    def _retrying(self, step: Callable[[], T],
+                  stale_log: Callable[[], None] | None = None) -> T:
         """`step`, retried while another process holds DuckDB's file lock (up to the lock
-        wait), then any failure as one of our errors."""
+        wait), then any failure as one of our errors. When DuckDB refuses the log beside the
+        file as written for another checkpoint of it (catalog_log.py), `step` is retried too:
+        after `stale_log()` when the log is older than the file, as it is when the file was
+        opened across a fold."""
         deadline = time.monotonic() + lock_wait_seconds()
         pause = 0.002
         while True:
             try:
                 return step()
             except duckdb.Error as e:
-                if _is_lock_conflict(e) and time.monotonic() < deadline:
+                stale = catalog_log.stale_log(e)
+                if stale and stale_log is not None:
+                    stale_log()
+                if (_is_lock_conflict(e) or stale is not None) and time.monotonic() < deadline:
                     time.sleep(pause)
                     pause = min(pause * 2, 0.05)
                     continue
@@ -169,15 +198,46 @@ class Catalog:
         """A connection to the file, waiting while another process holds its lock."""
         # One DuckDB thread: its idle workers otherwise steal the cores torch needs for the
         # forward pass (measured: a 20x slower forward after a catalog write).
-        return self._retrying(lambda: duckdb.connect(str(self.path), read_only=read_only,
-                                                     config={"threads": 1}))
+        log_only = self._log_only and not read_only
+        config = catalog_log.LOG_ONLY_CONFIG if log_only else {"threads": 1}
+        seen = catalog_log.stat_log(self.path)
+
+        def connect() -> duckdb.DuckDBPyConnection:
+            con = duckdb.connect(str(self.path), read_only=read_only, config=config)
+            if not log_only:
+                return con
+            if not self._swept:
+                catalog_log.remove_leftovers(self.path)
+                self._swept = True
+            return catalog_log.log_only(con)
+
+        def remove_stale() -> None:
+            # A log a killed fold left, older than the file and folded into it: a writer
+            # deletes it (unless another writer replaced it meanwhile; then open again).
+            nonlocal seen
+            catalog_log.remove_stale_log(self.path, seen)
+            seen = catalog_log.stat_log(self.path)
+
+        return self._retrying(connect, None if read_only else remove_stale)
 
     def _snapshot(self) -> duckdb.DuckDBPyConnection:
-        """Every table of the file, copied into memory inside one read-only attach."""
+        """Every table of the file, copied into memory inside one read-only attach (from a
+        private copy of the file alone when the log beside it is stale, catalog_log.py)."""
         mem = duckdb.connect(":memory:", config={"threads": 1})
-        quoted = str(self.path).replace("'", "''")
+        source: list[Path] = [self.path]
+        private: list[Any] = []
+
+        def attach() -> None:
+            quoted = str(source[0]).replace("'", "''")
+            mem.execute(f"ATTACH '{quoted}' AS _actdb_file (READ_ONLY)")
+
+        def without_log() -> None:
+            if not private:
+                private.append(catalog_log.copy_without_log(self.path))
+                source[0] = Path(private[0].name) / self.path.name
+
         try:
-            self._retrying(lambda: mem.execute(f"ATTACH '{quoted}' AS _actdb_file (READ_ONLY)"))
+            self._retrying(attach, without_log)
             try:
                 mem.execute("COPY FROM DATABASE _actdb_file TO memory")
             except duckdb.Error as e:
@@ -187,6 +247,9 @@ class Catalog:
         except BaseException:
             mem.close()
             raise
+        finally:
+            for folder in private:
+                folder.cleanup()
         return mem
 
     def _open_error(self, e: duckdb.Error) -> Exception:
@@ -224,9 +287,11 @@ class Catalog:
             self._con = self._open()
             try:
                 yield self._con
+                if self._logged and catalog_log.should_fold(self.path):
+                    self._fold()
             finally:
                 con, self._con = self._con, None
-                con.close()  # checkpoints: the log is folded into the file
+                con.close()  # a local writer's commits stay in the log; others checkpoint
             if self._changed and self._publish is not None:
                 self._changed = False
                 self._publish()
@@ -243,7 +308,7 @@ class Catalog:
                     con.execute("ROLLBACK")
                 raise
             con.execute("COMMIT")
-            self._changed = True
+            self._mark_changed()
             fault("committed")
 
     # -- reading ---------------------------------------------------------------------------
@@ -290,7 +355,7 @@ class Catalog:
                 if name not in have:
                     with self._session() as con:
                         con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {sqltype}")
-                        self._changed = True
+                        self._mark_changed()
                     self.__dict__.pop("_column_cache", None)
 
     def models(self) -> list[ModelRecord]:
@@ -395,7 +460,7 @@ class Catalog:
                 if column_type not in _FIELD_TYPES:  # never pasted: only our own type names
                     raise ValueError(f"unexpected prompt column type {sqltype!r}")
                 con.execute(f"ALTER TABLE prompts ADD COLUMN {quote(name)} {column_type}")
-                self._changed = True
+                self._mark_changed()
 
     def insert_model(
         self, model: ModelRecord, sites: Sequence[SiteRecord], vocab: pa.Table

@@ -5,7 +5,9 @@
 would. Unset, `fault()` is one comparison. Points (docs/FORMAT.md lists them):
 create_before_catalog, create_after_catalog, weight_write (a weight chunk file mid-write),
 weights_written, chunk_write (a vector chunk file mid-write), tensors_written,
-catalog_commit, committed, catalog_uploaded (object storage: a catalog uploaded, its
+catalog_commit, committed, catalog_fold (the catalog's log folded into a new copy of the file,
+not yet renamed over it), catalog_folded (renamed, the old log not yet deleted),
+catalog_uploaded (object storage: a catalog uploaded, its
 pointer not yet swapped), shard_removal (a merge removing a merged shard's catalog: all of
 it removed but what names it as a shard).
 """
@@ -18,7 +20,8 @@ import signal
 import threading
 
 POINTS = ("create_before_catalog", "create_after_catalog", "weight_write", "weights_written",
-          "chunk_write", "tensors_written", "catalog_commit", "committed", "catalog_uploaded",
+          "chunk_write", "tensors_written", "catalog_commit", "committed", "catalog_fold",
+          "catalog_folded", "catalog_uploaded",
           "shard_removal")
 
 

@@ -1,0 +1,152 @@
+"""The catalog file is never rewritten in place: commits go to DuckDB's log, and the log is
+folded into a new copy of the file that is renamed over the old one.
+
+Why: a DuckDB checkpoint rewrites metadata blocks that the file's current header still
+points at, and a SIGKILL can interrupt a large write between pages (Linux checks for a fatal
+signal between them), so a kill during a checkpoint left a block whose checksum no longer
+matched: a store that would not open. Appends to the log are safe (DuckDB replays only
+whole, committed transactions), and a rename is atomic.
+
+The protocol, with the file's DuckDB lock held throughout (no other process can open it):
+1. copy the file and its log to `.catalog.duckdb.folding-PID` (+ `.wal`), open the copy
+   (DuckDB replays the log), checkpoint it, close it, fsync it;
+2. rename the copy over the file (fault point `catalog_fold` just before);
+3. delete the log (fault point `catalog_folded` just before).
+Killed after 2, the old log is left beside the new file. DuckDB refuses such a log by its
+checkpoint iteration (older than the file's); everything in it is in the file already, so a
+writer deletes it, and a reader takes its snapshot from the file alone (`stale_log`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import duckdb
+
+from .durable import fsync_dir
+from .faults import fault
+
+# A connection that never checkpoints: commits stay in the log until it is folded.
+LOG_ONLY_CONFIG = {"threads": 1, "checkpoint_threshold": "1TB"}
+# The log is folded when a writer closes, and in between once it is larger than
+# FOLD_MIN_BYTES and than 1/FOLD_FILE_SHARE of the file (so folding, which copies the file,
+# costs at most a few times what was written, and every open replays at most that much).
+FOLD_MIN_BYTES = 4 << 20
+FOLD_FILE_SHARE = 4
+
+_ITERATIONS = re.compile(r"File checkpoint iteration: (\d+), WAL checkpoint iteration: (\d+)")
+
+
+def log_path(path: Path) -> Path:
+    return path.with_name(path.name + ".wal")
+
+
+def log_only(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
+    """`con` (opened with LOG_ONLY_CONFIG) made to leave its commits in the log at close."""
+    con.execute("PRAGMA disable_checkpoint_on_shutdown")
+    return con
+
+
+def stale_log(e: BaseException) -> bool | None:
+    """For DuckDB's refusal of a log written for another checkpoint of the file: True when
+    the log is older than the file (folded into it already), False when newer (the file was
+    opened just before a fold renamed a new one into place: open again); None for any
+    other error."""
+    m = _ITERATIONS.search(str(e))
+    if not m:
+        return None
+    return int(m.group(2)) < int(m.group(1))
+
+
+def log_bytes(path: Path) -> int:
+    try:
+        return log_path(path).stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def should_fold(path: Path) -> bool:
+    size = log_bytes(path)
+    if size < FOLD_MIN_BYTES:
+        return False
+    try:
+        return size * FOLD_FILE_SHARE >= path.stat().st_size
+    except FileNotFoundError:
+        return False
+
+
+def fold(path: Path) -> None:
+    """Fold the log of `path` into a new file renamed over it. The caller holds the file's
+    DuckDB lock (an open connection to it) and has no transaction in flight."""
+    log = log_path(path)
+    if not log.exists():
+        return
+    tmp = path.with_name(f".{path.name}.folding-{os.getpid()}")
+    tmp_log = log_path(tmp)
+    for p in (tmp, tmp_log):
+        p.unlink(missing_ok=True)
+    try:
+        shutil.copyfile(path, tmp)
+        shutil.copyfile(log, tmp_log)
+        con = duckdb.connect(str(tmp), config={"threads": 1})
+        try:
+            con.execute("CHECKPOINT")
+        finally:
+            con.close()
+        if tmp_log.exists():
+            raise OSError(f"DuckDB left a log after checkpointing {str(tmp)!r}")
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fault("catalog_fold")
+        os.replace(tmp, path)
+    except BaseException:
+        for p in (tmp, tmp_log):
+            p.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    fault("catalog_folded")
+    log.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def remove_leftovers(path: Path) -> None:
+    """The copies a killed fold left (the caller holds the file's lock: nobody is folding)."""
+    for p in path.parent.glob(f".{path.name}.folding-*"):
+        p.unlink(missing_ok=True)
+
+
+def remove_stale_log(path: Path, seen: os.stat_result | None) -> None:
+    """Delete a log DuckDB refused as older than the file, if it is still the one it refused
+    (same inode, size and time: no writer has replaced it since)."""
+    log = log_path(path)
+    try:
+        now = log.stat()
+    except FileNotFoundError:
+        return
+    if seen is None or (now.st_ino, now.st_size, now.st_mtime_ns) != (
+            seen.st_ino, seen.st_size, seen.st_mtime_ns):
+        return
+    log.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def stat_log(path: Path) -> os.stat_result | None:
+    try:
+        return log_path(path).stat()
+    except FileNotFoundError:
+        return None
+
+
+def copy_without_log(path: Path) -> tempfile.TemporaryDirectory[str]:
+    """A private copy of the file alone (its stale log left behind), in a temporary folder
+    the caller removes: what a reader opens when the log beside the file is stale."""
+    folder = tempfile.TemporaryDirectory(prefix="actdb-catalog-")
+    shutil.copyfile(path, Path(folder.name) / path.name)
+    return folder
