@@ -199,7 +199,7 @@ class Catalog:
         # One DuckDB thread: its idle workers otherwise steal the cores torch needs for the
         # forward pass (measured: a 20x slower forward after a catalog write).
         log_only = self._log_only and not read_only
-        config = catalog_log.LOG_ONLY_CONFIG if log_only else {"threads": 1}
+        config = catalog_log.LOG_ONLY_CONFIG if log_only else catalog_log.CHECKPOINTING_CONFIG
         seen = catalog_log.stat_log(self.path)
 
         def connect() -> duckdb.DuckDBPyConnection:

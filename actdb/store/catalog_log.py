@@ -31,7 +31,10 @@ from .durable import fsync_dir
 from .faults import fault
 
 # A connection that never checkpoints: commits stay in the log until it is folded.
-LOG_ONLY_CONFIG = {"threads": 1, "checkpoint_threshold": "1TB"}
+Config = dict[str, str | bool | int | float | list[str]]
+LOG_ONLY_CONFIG: Config = {"threads": 1, "checkpoint_threshold": "1TB"}
+# A working copy of a catalog on object storage: checkpointed at close, then uploaded.
+CHECKPOINTING_CONFIG: Config = {"threads": 1}
 # The log is folded when a writer closes, and in between once it is larger than
 # FOLD_MIN_BYTES and than 1/FOLD_FILE_SHARE of the file (so folding, which copies the file,
 # costs at most a few times what was written, and every open replays at most that much).
