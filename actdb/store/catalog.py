@@ -149,18 +149,24 @@ class Catalog:
             )
         return cat
 
-    def close(self) -> None:
+    def close(self, *, strict: bool = False) -> None:
         """Close, folding the log of a local writer into the file. A fold that fails (a full
-        disk) leaves the log, which every open replays: the store stays whole."""
+        disk) leaves the log, which every open replays, so the store stays whole: that is an
+        error only when `strict` (the file is about to be moved without its log)."""
         with self._lock:
-            # A holder's connection may have run a user's writes: fold whatever log exists.
-            if self._log_only and not self.read_only and catalog_log.log_bytes(self.path):
-                with suppress(Exception):
-                    with self._session():
-                        self._fold()
-            if self._con is not None:
-                self._con.close()
-                self._con = None
+            try:
+                # A holder's connection may have run a user's writes: fold any log there is.
+                if self._log_only and not self.read_only and catalog_log.log_bytes(self.path):
+                    try:
+                        with self._session():
+                            self._fold()
+                    except Exception:
+                        if strict:
+                            raise
+            finally:
+                if self._con is not None:
+                    self._con.close()
+                    self._con = None
 
     def _fold(self) -> None:
         catalog_log.fold(self.path)

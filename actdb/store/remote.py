@@ -78,7 +78,7 @@ class S3Backend:
                           objects=self._tensor_objects())
             fault("create_before_catalog")
             local = work / CATALOG_NAME
-            Catalog.create(local, version=REMOTE_FORMAT_VERSION).close()
+            Catalog.create(local, version=REMOTE_FORMAT_VERSION).close(strict=True)
             fault("create_after_catalog")
             published.create(self.objects, local, REMOTE_FORMAT_VERSION)
         finally:

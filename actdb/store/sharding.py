@@ -83,7 +83,7 @@ def create_shard_catalog(path: Path, main: Catalog, model: ModelRecord, plan: Sh
             cat.con.execute("INSERT INTO meta VALUES (?, ?)",
                             [_PLAN_KEY, json.dumps(asdict(plan), sort_keys=True)])
     finally:
-        cat.close()
+        cat.close(strict=True)  # renamed into place without its log
 
 
 def read_plan(cat: Catalog) -> tuple[ShardPlan, bool]:
@@ -138,7 +138,7 @@ def _read_shard(store: Store, name: str) -> _Shard:
         errors = {s: e for s, e in cat.con.execute(
             "SELECT site, max_rel_error FROM sites WHERE max_rel_error IS NOT NULL").fetchall()}
     finally:
-        cat.close()
+        cat.close(strict=True)  # renamed into place without its log
     return _Shard(name=name, plan=plan, finished=finished, model=model, tables=tables,
                   errors=errors)
 
