@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -113,3 +116,49 @@ def test_a_fold_killed_before_its_rename_leaves_a_copy_the_next_writer_removes(
     writer.close()
     assert not leftover.exists()
     assert _texts(created) == [f"prompt {j}" for j in range(8)]
+
+
+# A second writer, another process, started while a fold is at one of its points: it must
+# wait for the fold (the catalog's lock), not commit into a log the fold then drops.
+_SECOND_WRITER = """
+import sys
+import time
+from pathlib import Path
+from actdb.store.catalog import Catalog
+import pyarrow as pa
+print("ready", flush=True)
+cat = Catalog(Path(sys.argv[1]), read_only=False, hold=False)
+with cat.transaction():
+    began = time.time()
+    cat._insert_table("prompts", pa.table({"prompt_id": pa.array([100], pa.int64()),
+                      "text": ["second writer"], "n_tokens": pa.array([1], pa.int32())}))
+cat.close()
+print("committed", began)
+"""
+
+
+@pytest.mark.parametrize("point", ["catalog_fold", "catalog_folded"])
+def test_a_second_writer_waits_for_a_fold_in_progress(
+    created: Path, point: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    holder = Catalog(created, read_only=False, hold=True)
+    holder.con.execute("INSERT INTO prompts VALUES (0, 'holder', 1)")
+    started: list[subprocess.Popen[str]] = []
+
+    def at(name: str) -> None:
+        if name == point and not started:
+            started.append(subprocess.Popen(
+                [sys.executable, "-c", _SECOND_WRITER, str(created)], text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+            assert started[0].stdout is not None
+            assert started[0].stdout.readline() == "ready\n"  # imported: opening now
+            time.sleep(1.0)  # ample time to commit, were it let in
+
+    monkeypatch.setattr(catalog_log, "fault", at)
+    holder.close(strict=True)
+    closed = time.time()
+    monkeypatch.undo()
+    out, err = started[0].communicate(timeout=60)
+    assert started[0].returncode == 0 and "committed" in out, err
+    assert float(out.split()[-1]) > closed, "the second writer wrote during the fold"
+    assert _texts(created) == ["holder", "second writer"]

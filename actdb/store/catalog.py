@@ -23,7 +23,7 @@ from ..errors import (
     StoreFormatError,
     StoreNotWritableError,
 )
-from . import catalog_log, limits
+from . import catalog_lock, catalog_log, limits
 from .durable import full_disk_as_error
 from .faults import fault
 from .records import ModelRecord, SiteRecord
@@ -99,10 +99,12 @@ class Catalog:
     - holder (`read_only=False, hold=True`): the file stays open for writing until `close`
       (`connect(read_only=False)`, and store creation).
 
-    Both sides retry for a while when the other holds DuckDB's file lock. A local writer
-    never checkpoints the file in place: its commits stay in DuckDB's log, folded into a new
-    copy of the file renamed over it (catalog_log.py), so a kill cannot tear the file. A
-    working copy of a catalog on object storage is checkpointed before it is published.
+    Both sides wait for a while when the other holds the catalog's lock (catalog_lock.py:
+    writers exclusively while their connection is open, readers shared while they copy). A
+    local writer never checkpoints the file in place: its commits stay in DuckDB's log,
+    folded into a new copy of the file renamed over it (catalog_log.py), so a kill cannot
+    tear the file. A working copy of a catalog on object storage is checkpointed before it
+    is published.
     """
 
     def __init__(self, path: Path, *, read_only: bool, hold: bool = True,
@@ -120,6 +122,7 @@ class Catalog:
         self._log_only = publish is None
         self._logged = False
         self._swept = False  # the leftovers of a killed fold removed
+        self._locked = False  # this writer holds the catalog's lock (catalog_lock.py)
         self._lock = threading.RLock()
         self._con: duckdb.DuckDBPyConnection | None = None
         if read_only:
@@ -167,6 +170,18 @@ class Catalog:
                 if self._con is not None:
                     self._con.close()
                     self._con = None
+                self._unlock()
+
+    def _lock_or_busy(self, *, exclusive: bool) -> None:
+        if not catalog_lock.acquire(self.path, exclusive=exclusive,
+                                    timeout=lock_wait_seconds()):
+            pid = catalog_lock.holder_pid(self.path)
+            raise self._busy(f" (PID {pid})" if pid else "")
+
+    def _unlock(self) -> None:
+        if self._locked:
+            self._locked = False
+            catalog_lock.release(self.path)
 
     def _fold(self) -> None:
         catalog_log.fold(self.path)
@@ -224,7 +239,15 @@ class Catalog:
             catalog_log.remove_stale_log(self.path, seen)
             seen = catalog_log.stat_log(self.path)
 
-        return self._retrying(connect, None if read_only else remove_stale)
+        if read_only:
+            return self._retrying(connect)
+        self._lock_or_busy(exclusive=True)
+        self._locked = True
+        try:
+            return self._retrying(connect, remove_stale)
+        except BaseException:
+            self._unlock()
+            raise
 
     def _snapshot(self) -> duckdb.DuckDBPyConnection:
         """Every table of the file, copied into memory inside one read-only attach (from a
@@ -243,13 +266,17 @@ class Catalog:
                 source[0] = Path(private[0].name) / self.path.name
 
         try:
-            self._retrying(attach, without_log)
+            self._lock_or_busy(exclusive=False)  # no writer folds while this copies
             try:
-                mem.execute("COPY FROM DATABASE _actdb_file TO memory")
-            except duckdb.Error as e:
-                raise self._open_error(e) from None
+                self._retrying(attach, without_log)
+                try:
+                    mem.execute("COPY FROM DATABASE _actdb_file TO memory")
+                except duckdb.Error as e:
+                    raise self._open_error(e) from None
+                finally:
+                    mem.execute("DETACH _actdb_file")
             finally:
-                mem.execute("DETACH _actdb_file")
+                catalog_lock.release(self.path)
         except BaseException:
             mem.close()
             raise
@@ -263,13 +290,7 @@ class Catalog:
         store = self.store_label
         if _is_lock_conflict(e):
             pid = re.search(r"\(PID (\d+)\)", text)
-            who = f" (PID {pid.group(1)})" if pid else ""
-            return StoreBusyError(
-                f"the catalog of store {store!r} is held open by another process{who} for "
-                f"more than {lock_wait_seconds():g} s (an ingest holds it only while it "
-                "commits; a session opened with read_only=False holds it until closed); "
-                "try again when it has closed it"
-            )
+            return self._busy(f" (PID {pid.group(1)})" if pid else "")
         if "Unique file handle conflict" in text or "different configuration" in text:
             return StoreBusyError(
                 f"the catalog of store {store!r} is held open for writing by this same process "
@@ -281,6 +302,14 @@ class Catalog:
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
         return StoreCorruptError(
             f"the catalog {str(self.path)!r} cannot be read ({first}): the store is damaged"
+        )
+
+    def _busy(self, who: str) -> StoreBusyError:
+        return StoreBusyError(
+            f"the catalog of store {self.store_label!r} is held open by another process{who} "
+            f"for more than {lock_wait_seconds():g} s (an ingest holds it only while it "
+            "commits; a session opened with read_only=False holds it until closed); "
+            "try again when it has closed it"
         )
 
     @contextmanager
@@ -298,6 +327,7 @@ class Catalog:
             finally:
                 con, self._con = self._con, None
                 con.close()  # a local writer's commits stay in the log; others checkpoint
+                self._unlock()
             if self._changed and self._publish is not None:
                 self._changed = False
                 self._publish()

@@ -7,7 +7,8 @@ signal between them), so a kill during a checkpoint left a block whose checksum 
 matched: a store that would not open. Appends to the log are safe (DuckDB replays only
 whole, committed transactions), and a rename is atomic.
 
-The protocol, with the file's DuckDB lock held throughout (no other process can open it):
+The protocol, with the catalog's lock held exclusively throughout (catalog_lock.py: no
+other actdb process can open the file meanwhile, and no reader copies it):
 1. copy the file and its log to `.catalog.duckdb.folding-PID` (+ `.wal`), open the copy
    (DuckDB replays the log), checkpoint it, close it, fsync it;
 2. rename the copy over the file (fault point `catalog_fold` just before);
@@ -83,10 +84,12 @@ def should_fold(path: Path) -> bool:
 
 
 def fold(path: Path) -> None:
-    """Fold the log of `path` into a new file renamed over it. The caller holds the file's
-    DuckDB lock (an open connection to it) and has no transaction in flight."""
+    """Fold the log of `path` into a new file renamed over it. The caller holds the
+    catalog's lock exclusively (catalog_lock.py) and has no transaction in flight."""
     log = log_path(path)
-    if not log.exists():
+    try:
+        copied_log = log.stat()
+    except FileNotFoundError:
         return
     tmp = path.with_name(f".{path.name}.folding-{os.getpid()}")
     tmp_log = log_path(tmp)
@@ -95,15 +98,21 @@ def fold(path: Path) -> None:
     try:
         shutil.copyfile(path, tmp)
         shutil.copyfile(log, tmp_log)
+        made = tmp.stat()
         con = duckdb.connect(str(tmp), config={"threads": 1})
         try:
             con.execute("CHECKPOINT")
+            # What is renamed over the catalog must be this copy, whole: a file that lost
+            # its tables (or was replaced) would pass for an empty store.
+            con.execute("SELECT count(*) FROM meta").fetchall()
         finally:
             con.close()
         if tmp_log.exists():
             raise OSError(f"DuckDB left a log after checkpointing {str(tmp)!r}")
         fd = os.open(tmp, os.O_RDONLY)
         try:
+            if os.fstat(fd).st_ino != made.st_ino:
+                raise OSError(f"{str(tmp)!r} was replaced while the catalog was folded")
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -115,12 +124,19 @@ def fold(path: Path) -> None:
         raise
     fsync_dir(path.parent)
     fault("catalog_folded")
-    log.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+    if _same_file(stat_log(path), copied_log):  # the log folded, not one written since
+        log.unlink(missing_ok=True)
+        fsync_dir(path.parent)
+
+
+def _same_file(now: os.stat_result | None, seen: os.stat_result | None) -> bool:
+    return now is not None and seen is not None and (
+        now.st_ino, now.st_size, now.st_mtime_ns) == (seen.st_ino, seen.st_size, seen.st_mtime_ns)
 
 
 def remove_leftovers(path: Path) -> None:
-    """The copies a killed fold left (the caller holds the file's lock: nobody is folding)."""
+    """The copies a killed fold left (the caller holds the catalog's lock exclusively:
+    nobody is folding)."""
     for p in path.parent.glob(f".{path.name}.folding-*"):
         p.unlink(missing_ok=True)
 
@@ -128,16 +144,9 @@ def remove_leftovers(path: Path) -> None:
 def remove_stale_log(path: Path, seen: os.stat_result | None) -> None:
     """Delete a log DuckDB refused as older than the file, if it is still the one it refused
     (same inode, size and time: no writer has replaced it since)."""
-    log = log_path(path)
-    try:
-        now = log.stat()
-    except FileNotFoundError:
-        return
-    if seen is None or (now.st_ino, now.st_size, now.st_mtime_ns) != (
-            seen.st_ino, seen.st_size, seen.st_mtime_ns):
-        return
-    log.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+    if _same_file(stat_log(path), seen):
+        log_path(path).unlink(missing_ok=True)
+        fsync_dir(path.parent)
 
 
 def stat_log(path: Path) -> os.stat_result | None:

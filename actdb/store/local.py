@@ -209,7 +209,7 @@ class LocalBackend:
             if not (folder / name).is_dir():
                 continue
             for p in sorted((folder / name).iterdir()):
-                if p.name != CATALOG_NAME:
+                if p.name not in (CATALOG_NAME, CATALOG_NAME + ".wal"):  # with its log
                     shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
             fault("shard_removal")
             shutil.rmtree(folder / name, ignore_errors=True)

@@ -138,7 +138,7 @@ def _read_shard(store: Store, name: str) -> _Shard:
         errors = {s: e for s, e in cat.con.execute(
             "SELECT site, max_rel_error FROM sites WHERE max_rel_error IS NOT NULL").fetchall()}
     finally:
-        cat.close(strict=True)  # renamed into place without its log
+        cat.close()
     return _Shard(name=name, plan=plan, finished=finished, model=model, tables=tables,
                   errors=errors)
 
