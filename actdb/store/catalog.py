@@ -7,6 +7,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, fields
@@ -33,8 +34,9 @@ from .records import ModelRecord, SiteRecord
 FORMAT_VERSION = 3
 LOCAL_FORMAT_VERSION = 2
 T = TypeVar("T")
-# How long a reader waits for a commit, or the writer for a reader's snapshot, to let go of
-# DuckDB's file lock before saying who holds it (ACTDB_LOCK_WAIT_S overrides it).
+# How long a reader waits for a commit, or a writer for another writer or a reader's
+# snapshot, to let go of the catalog's lock (catalog_lock.py) before saying who holds it
+# (ACTDB_LOCK_WAIT_S overrides it).
 LOCK_WAIT_S = 30.0
 
 
@@ -122,7 +124,9 @@ class Catalog:
         self._log_only = publish is None
         self._logged = False
         self._swept = False  # the leftovers of a killed fold removed
-        self._locked = False  # this writer holds the catalog's lock (catalog_lock.py)
+        # Set while this writer holds the catalog's lock (catalog_lock.py): gives it back
+        # should the catalog be dropped without being closed.
+        self._lock_release: weakref.finalize[Any, Any] | None = None
         self._lock = threading.RLock()
         self._con: duckdb.DuckDBPyConnection | None = None
         if read_only:
@@ -144,12 +148,16 @@ class Catalog:
     @classmethod
     def create(cls, path: Path, *, version: int = LOCAL_FORMAT_VERSION) -> Catalog:
         cat = cls(path, read_only=False)
-        with cat.transaction():
-            cat.con.execute(SCHEMA)
-            cat.con.execute(
-                "INSERT INTO meta VALUES ('format_version', ?), ('created_by', 'actdb')",
-                [str(version)],
-            )
+        try:
+            with cat.transaction():
+                cat.con.execute(SCHEMA)
+                cat.con.execute(
+                    "INSERT INTO meta VALUES ('format_version', ?), ('created_by', 'actdb')",
+                    [str(version)],
+                )
+        except BaseException:
+            cat.close()
+            raise
         return cat
 
     def close(self, *, strict: bool = False) -> None:
@@ -167,21 +175,32 @@ class Catalog:
                         if strict:
                             raise
             finally:
-                if self._con is not None:
-                    self._con.close()
-                    self._con = None
-                self._unlock()
+                con, self._con = self._con, None
+                try:
+                    if con is not None:
+                        con.close()
+                finally:
+                    self._unlock()
 
     def _lock_or_busy(self, *, exclusive: bool) -> None:
-        if not catalog_lock.acquire(self.path, exclusive=exclusive,
-                                    timeout=lock_wait_seconds()):
+        outcome = catalog_lock.acquire(self.path, exclusive=exclusive,
+                                       timeout=lock_wait_seconds())
+        if outcome is catalog_lock.Outcome.HELD_BY_THIS_THREAD:
+            raise self._held_here()
+        if outcome is catalog_lock.Outcome.BUSY:
+            if catalog_lock.held_here(self.path):
+                raise self._held_here()
             pid = catalog_lock.holder_pid(self.path)
             raise self._busy(f" (PID {pid})" if pid else "")
 
+    def _lock_for_writing(self) -> None:
+        self._lock_or_busy(exclusive=True)
+        self._lock_release = weakref.finalize(self, catalog_lock.release, self.path)
+
     def _unlock(self) -> None:
-        if self._locked:
-            self._locked = False
-            catalog_lock.release(self.path)
+        if self._lock_release is not None:
+            release, self._lock_release = self._lock_release, None
+            release()  # gives the lock back (once: a finalizer runs at most once)
 
     def _fold(self) -> None:
         catalog_log.fold(self.path)
@@ -195,8 +214,9 @@ class Catalog:
 
     def _retrying(self, step: Callable[[], T],
                   stale_log: Callable[[], None] | None = None) -> T:
-        """`step`, retried while another process holds DuckDB's file lock (up to the lock
-        wait), then any failure as one of our errors. When DuckDB refuses the log beside the
+        """`step`, retried while DuckDB's own file lock is held (a process of an actdb
+        without the catalog's lock, or not actdb at all; up to the lock wait), then any
+        failure as one of our errors. When DuckDB refuses the log beside the
         file as written for another checkpoint of it (catalog_log.py), `step` is retried too:
         after `stale_log()` when the log is older than the file, as it is when the file was
         opened across a fold."""
@@ -241,8 +261,7 @@ class Catalog:
 
         if read_only:
             return self._retrying(connect)
-        self._lock_or_busy(exclusive=True)
-        self._locked = True
+        self._lock_for_writing()
         try:
             return self._retrying(connect, remove_stale)
         except BaseException:
@@ -287,21 +306,23 @@ class Catalog:
 
     def _open_error(self, e: duckdb.Error) -> Exception:
         text = str(e)
-        store = self.store_label
         if _is_lock_conflict(e):
             pid = re.search(r"\(PID (\d+)\)", text)
             return self._busy(f" (PID {pid.group(1)})" if pid else "")
         if "Unique file handle conflict" in text or "different configuration" in text:
-            return StoreBusyError(
-                f"the catalog of store {store!r} is held open for writing by this same process "
-                "(a connection opened with read_only=False, or a running ingest); close it "
-                "first"
-            )
+            return self._held_here()
         if "Permission denied" in text or "Read-only" in text:
             return StoreNotWritableError(f"cannot open catalog {str(self.path)!r} for writing")
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
         return StoreCorruptError(
             f"the catalog {str(self.path)!r} cannot be read ({first}): the store is damaged"
+        )
+
+    def _held_here(self) -> StoreBusyError:
+        return StoreBusyError(
+            f"the catalog of store {self.store_label!r} is held open for writing by this same "
+            "process (a connection opened with read_only=False, or a running ingest); close it "
+            "first"
         )
 
     def _busy(self, who: str) -> StoreBusyError:
@@ -326,8 +347,10 @@ class Catalog:
                     self._fold()
             finally:
                 con, self._con = self._con, None
-                con.close()  # a local writer's commits stay in the log; others checkpoint
-                self._unlock()
+                try:
+                    con.close()  # a local writer's commits stay in the log; others checkpoint
+                finally:
+                    self._unlock()
             if self._changed and self._publish is not None:
                 self._changed = False
                 self._publish()

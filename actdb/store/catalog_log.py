@@ -8,7 +8,8 @@ matched: a store that would not open. Appends to the log are safe (DuckDB replay
 whole, committed transactions), and a rename is atomic.
 
 The protocol, with the catalog's lock held exclusively throughout (catalog_lock.py: no
-other actdb process can open the file meanwhile, and no reader copies it):
+other actdb writer opens the file meanwhile, and no actdb reader copies it into its
+snapshot; other programs are not kept out):
 1. copy the file and its log to `.catalog.duckdb.folding-PID` (+ `.wal`), open the copy
    (DuckDB replays the log), checkpoint it, close it, fsync it;
 2. rename the copy over the file (fault point `catalog_fold` just before);
@@ -97,6 +98,7 @@ def fold(path: Path) -> None:
         p.unlink(missing_ok=True)
     try:
         shutil.copyfile(path, tmp)
+        shutil.copymode(path, tmp)  # the folded file is as readable as the one it replaces
         shutil.copyfile(log, tmp_log)
         made = tmp.stat()
         con = duckdb.connect(str(tmp), config={"threads": 1})
