@@ -287,6 +287,55 @@ def test_bf16_candidates_on_spread_scores():
     assert torch.equal(got[1], want.indices)
 
 
+_DELTA = 0.499 * 2.0**-7  # just under half of bfloat16's spacing in [1, 2): rounds down
+
+
+def _rounding_down_together(d: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, and w's rows A and F, built so that bfloat16 gets A nearly as wrong as the bound
+    allows: every x_i and w_Ai rounds down by almost u of itself, and the float32 sum lands
+    on a midpoint of bfloat16 that rounds down, so that rounding it loses u of it too; the F
+    rows are exact in bfloat16, score below A exactly, and above it in bfloat16."""
+    x = torch.full((d,), 1 + _DELTA)  # rounds to 1
+    exact_a = torch.ones(d)
+    exact_a[: d // 2] += 2.0**-7  # sum 64.25 (d = 64), halfway: rounds to even, 64
+    a = exact_a + _DELTA  # rounds to exact_a
+    f = torch.ones(d)
+    f[: d // 2 + 1] += 2.0**-7  # sum 64.258: rounds up to 64.5
+    return x, a, f
+
+
+def test_the_bfloat16_error_bound_holds_where_the_rounding_is_worst():
+    """The margin of topk.py's proof against this machine's own bfloat16 product, on inputs
+    where it is nearly reached (98% of it): a margin too small by 5% in any term fails."""
+    x, a, f = _rounding_down_together()
+    w = torch.stack([a, f])
+    approx = (x.bfloat16() @ w.bfloat16().T).float()  # what topk's candidate product gives
+    s = x.double() @ w.double().T
+    scale = torch.linalg.vector_norm(x) * torch.linalg.vector_norm(w, dim=-1).max()
+    assert float(approx[0]) == 64.0 and float(approx[1]) == 64.5, "not the rounding built"
+    theta = approx[:1]
+    low = float(s[0] - approx[0])  # how far bfloat16 fell below A's score
+    allowed = float(topk.margin(x.shape[0], theta, theta, scale.reshape(1), bias=False)[0])
+    assert 0.95 * allowed < low <= allowed, (low, allowed)
+    with_bias = float(topk.margin(x.shape[0], theta, theta, scale.reshape(1), bias=True)[0])
+    assert 0.95 * with_bias < low <= with_bias, (low, with_bias)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_token_bfloat16_pushes_out_of_the_candidates_is_still_found(bias):
+    """A is the best token, but bfloat16 ranks it below 400 others: more than both rounds of
+    candidates hold, so only the proof's refusal (then float32) finds it."""
+    x, a, f = _rounding_down_together()
+    g = torch.Generator().manual_seed(0)
+    low = torch.rand(600, x.shape[0], generator=g) * 0.5  # far below
+    w = torch.cat([f.expand(400, -1), a[None], low])
+    b = torch.zeros(w.shape[0]) if bias else None
+    assert int(torch.topk((x.bfloat16() @ w.bfloat16().T).float(), 300).indices.eq(400).sum()) == 0
+    vals, ids = topk.topk(x[None], w, b, 1, lowp=torch.bfloat16, transform=None)
+    assert ids.tolist() == [[400]]
+    assert float(vals[0, 0]) == pytest.approx(float(x.double() @ a.double()), rel=1e-6)
+
+
 def test_top_logits_through_bf16_candidates(big, monkeypatch):
     ref, db = big
     monkeypatch.setenv(topk.ENV, "bf16")

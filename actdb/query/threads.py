@@ -14,6 +14,7 @@ fought DuckDB, the read-ahead and the machine's other processes for the cores. S
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -30,6 +31,10 @@ READAHEAD_CHUNKS = 8
 # Below this many floating-point operations an op is done on one thread faster than a pool
 # can be woken and joined (about 10 ms of one core's matrix work).
 FAN_OUT_FLOPS = 5e8
+# /proc/loadavg is read this many times this far apart when deciding (well under 1% of such
+# an op's time).
+_SAMPLES = 3
+_SAMPLE_GAP_S = 0.0002
 
 
 def cores() -> int:
@@ -41,15 +46,41 @@ def cores() -> int:
 
 
 def idle_cores() -> int:
-    """Cores not running anything right now, this process's own thread counted as idle
-    (Linux: /proc/loadavg's count of runnable tasks, which includes the reader itself)."""
+    """Cores that no other process is running anything on right now (Linux: /proc/loadavg's
+    count of runnable tasks, less this process's own). This process's threads are not
+    counted: after a parallel op torch's OpenMP workers spin for a while, and counting them
+    as busy halved the threads of every other vocabulary-wide product on two cores."""
     n = cores()
+    running = n + 1
     try:
-        with open("/proc/loadavg") as f:
-            running = int(f.read().split()[3].split("/")[0])
+        # The fewest of a few samples: a task that runs for an instant is no contention.
+        for i in range(_SAMPLES):
+            if i:
+                time.sleep(_SAMPLE_GAP_S)
+            with open("/proc/loadavg") as f:
+                running = min(running, int(f.read().split()[3].split("/")[0]))
     except (OSError, ValueError, IndexError):
         return n
-    return max(1, min(n, n - (running - 1)))
+    return max(1, min(n, n - max(0, running - _own_running())))
+
+
+def _own_running() -> int:
+    """This process's threads that are runnable now (the caller included)."""
+    count = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 1
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        # the state follows the command, which is in parentheses and may hold spaces
+        if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"R":
+            count += 1
+    return max(1, count)
 
 
 def threads_for(flops: float) -> int:

@@ -3,19 +3,34 @@
 `top_logits` and `nearest_anchors` score every row against every vocabulary row: a matrix
 product [n, d] x [d, V]. Where the device multiplies bfloat16 much faster than float32 (CUDA
 tensor cores; CPUs with AVX-512 BF16 or AMX), candidates come from a bfloat16 product and are
-rescored exactly in float32. The result is the float32 top-k, proven row by row:
+rescored exactly in float32. The result is the float32 top-k, proven row by row.
 
-    Inputs rounded to bfloat16 (unit roundoff u = 2^-8), products accumulated in float32 and
-    the sum rounded to bfloat16 give |approx_t - s_t| <= E = c * ||x|| * max_t ||w_t|| with
-    c = 2 * (3u + d * 2^-23) (Cauchy-Schwarz bounds sum_i |x_i w_ti|; the factor 2 covers
-    libraries that sum in blocks). Take the m best tokens by approx; theta is the m-th approx
-    score and tau the k-th exact score among them. Any token left out scores at most
-    theta + E exactly, so if theta + E < tau the candidates hold the true top k.
+The bound. Write s_t = x . w_t (exact), S = ||x|| * max_t ||w_t||, u = 2^-8 (bfloat16's unit
+roundoff) and g = d * 2^-24 / (1 - d * 2^-24) (a float32 sum of d terms in any order, FMA or
+not, is off by at most g times the sum of their magnitudes). The product rounds x and w to
+bfloat16 (each element off by at most u of itself), multiplies them exactly (8-bit
+significands), sums in float32 and rounds the sum p_t to bfloat16: a_t. So
 
-Rows where the margin does not separate are computed again in float32 over the whole
-vocabulary. Elsewhere (this CPU without BF16 instructions, or ACTDB_LOWP_MATMUL=fp32) the
-float32 product is the only path. ACTDB_LOWP_MATMUL=bf16 forces the candidate path (tests,
-benchmarks).
+    |p_t - s_t| <= (2u + u^2 + g (1 + u)^2) * S                                      (1)
+
+(Cauchy-Schwarz: sum_i |x_i w_ti| <= ||x|| ||w_t||). Take the m best tokens by a; theta is
+the m-th best a. A token t left out has a_t <= theta, and rounding is monotone, so p_t is at
+most theta plus half the gap to the next bfloat16 above theta, at most u |theta|. With a bias
+b (top_logits), a_t + b_t is summed in float32 (then |p_t| <= (1 + 3u) S bounds the
+rounding instead, and the sum is off by at most 2^-24 |theta|). The candidates' float32
+rescores r_c are off by at most g S (+ 2^-23 |r_c| with a bias). So with tau the k-th best
+rescore, every token left out scores below k candidates, and the candidates hold the float32
+top k, when
+
+    theta + u |theta| + (2u + u^2 + g (2 + 2u + u^2)) S + tiny < tau           (no bias)
+    theta + 2^-24 |theta| + 2^-23 |tau| + (3u + 4u^2 + 3g) S + tiny < tau      (bias)
+
+`tiny` covers subnormals flushed to zero (2^-126 a term), S is taken 1 + u larger than its
+float32 value (its own rounding), and the test runs in float64. Rows that fail it are tried
+again with 8 times as many candidates from the same product, then computed in float32 over
+the whole vocabulary. Elsewhere (this CPU without BF16 instructions, or
+ACTDB_LOWP_MATMUL=fp32) the float32 product is the only path. ACTDB_LOWP_MATMUL=bf16 forces
+the candidate path (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -36,7 +51,8 @@ else:
 
 ENV = "ACTDB_LOWP_MATMUL"
 _U = 2.0**-8  # bfloat16 unit roundoff
-_RESCORE_ROWS = 64  # rows rescored at once: [rows, m, d] gathered float32 candidates
+# float32 values of candidate rows gathered at once to rescore them ([rows, m, d]: 27 MiB)
+_RESCORE_FLOATS = 64 * 138 * 768
 # id(w) -> (w itself, weakly; w in low precision; max row norm of w). Tensors compare by
 # value, so they cannot be the keys of a WeakKeyDictionary.
 _LOWP: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, float]] = {}
@@ -64,9 +80,19 @@ def lowp_dtype(device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if device.type == "cpu" and _cpu_has_bf16() else None
 
 
-def margin_factor(d: int) -> float:
-    """c in the bound E = c * ||x|| * max||w|| on a bfloat16 score's error (module doc)."""
-    return 2.0 * (3 * _U + d * 2.0**-23)
+def margin(d: int, theta: torch.Tensor, tau: torch.Tensor, scale: torch.Tensor, *,
+           bias: bool) -> torch.Tensor:
+    """float64 [n]: how far above `theta` (the m-th best bfloat16 score of each row) a token
+    left out can score at most, from `tau` (the k-th best float32 rescore) and `scale`
+    (||x|| * max ||w_t||, float32): the bound in the module's docstring."""
+    g = d * 2.0**-24 / (1 - d * 2.0**-24)
+    s = scale.double() * (1 + _U)
+    tiny = 2.0**-126 * (2 * d + 1 + d**0.5 * (1 + s))
+    theta, tau = theta.double(), tau.double()
+    if bias:
+        return (2.0**-24 * theta.abs() + 2.0**-23 * tau.abs()
+                + (3 * _U + 4 * _U**2 + 3 * g) * s + tiny)
+    return _U * theta.abs() + (2 * _U + _U**2 + g * (2 + 2 * _U + _U**2)) * s + tiny
 
 
 def _lowp_weight(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
@@ -89,18 +115,19 @@ def topk(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int, *,
     taken before it, values after. `lowp`: the candidate dtype, or None for float32 alone.
     """
     n, V = x.shape[0], w.shape[0]
-    m = min(V, max(4 * k, k + 128))
-    if lowp is None or m >= V or n == 0:
-        vals, ids = _exact(x, w, b, k)
-    else:
-        vals, ids = _candidates(x, w, b, k, m, lowp)
+    m = min(V, max(2 * k, k + 32))
+    # The whole product's pool: its candidates, rescoring and checks are vocabulary-wide too.
+    with torch_threads(threads_for(2.0 * n * w.numel())):
+        if lowp is None or m >= V or n == 0:
+            vals, ids = _exact(x, w, b, k)
+        else:
+            vals, ids = _candidates(x, w, b, k, m, lowp)
     return (transform(vals) if transform is not None else vals), ids
 
 
 def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    with torch_threads(threads_for(2.0 * x.shape[0] * w.numel())):
-        scores = x @ w.T  # [n, V]
+    scores = x @ w.T  # [n, V]
     if b is not None:
         scores += b
     return torch.topk(scores, k, dim=-1)
@@ -109,29 +136,42 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int
 def _candidates(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int, m: int,
                 lowp: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     wl, w_max = _lowp_weight(w, lowp)
-    with torch_threads(threads_for(2.0 * x.shape[0] * w.numel())), _full_precision_sums():
-        approx = (x.to(lowp) @ wl.T).float()  # [n, V]
+    with _full_precision_sums():
+        approx = x.to(lowp) @ wl.T  # [n, V], in `lowp`: its values are the a_t of the proof
     if b is not None:
-        approx += b
+        approx = approx.float() + b
+    scale = torch.linalg.vector_norm(x, dim=-1) * w_max
+    vals, ids, unsure = _best_of(approx, x, w, b, k, m, scale)
+    if bool(unsure.any()):  # more candidates from the same product
+        redo = torch.nonzero(unsure).squeeze(-1)
+        m2 = min(w.shape[0], 8 * m)
+        v2, i2, still = _best_of(approx[redo], x[redo], w, b, k, m2, scale[redo])
+        vals[redo], ids[redo] = v2, i2
+        if m2 < w.shape[0] and bool(still.any()):  # then the whole vocabulary in float32
+            last = redo[still]
+            vals[last], ids[last] = _exact(x[last], w, b, k)
+    return vals, ids
+
+
+def _best_of(approx: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+             k: int, m: int, scale: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top k of each row's m best candidates by `approx`, rescored in float32, and the
+    rows where the bound does not prove them the float32 top k (module docstring)."""
     top_approx, cand = torch.topk(approx, m, dim=-1)  # [n, m], descending
-    del approx
-    exact = torch.empty_like(top_approx)
-    for lo in range(0, x.shape[0], _RESCORE_ROWS):
-        hi = lo + _RESCORE_ROWS
+    exact = torch.empty(cand.shape, dtype=x.dtype, device=x.device)
+    step = max(1, _RESCORE_FLOATS // (m * x.shape[1]))
+    for lo in range(0, x.shape[0], step):
+        hi = lo + step
         rows = w[cand[lo:hi]]  # [r, m, d]
         exact[lo:hi] = torch.bmm(rows, x[lo:hi].unsqueeze(-1)).squeeze(-1)
     if b is not None:
         exact += b[cand]
     vals, at = torch.topk(exact, k, dim=-1)  # [n, k]
     ids = torch.gather(cand, 1, at)
-    theta = top_approx[:, -1]  # the best score of any token left out, before its error
-    bound = margin_factor(x.shape[1]) * torch.linalg.vector_norm(x, dim=-1) * w_max
-    bound = bound + 2.0**-22 * theta.abs()  # the float32 bias addition
-    unsure = ~(theta + bound < vals[:, -1])
-    if bool(unsure.any()):
-        redo = torch.nonzero(unsure).squeeze(-1)
-        vals[redo], ids[redo] = _exact(x[redo], w, b, k)
-    return vals, ids
+    theta, tau = top_approx[:, -1], vals[:, -1]
+    safe = theta.double() + margin(x.shape[1], theta, tau, scale, bias=b is not None)
+    return vals, ids, ~(safe < tau.double())
 
 
 class _full_precision_sums:  # noqa: N801 - used as a context manager, like torch's own
