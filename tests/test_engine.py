@@ -311,13 +311,15 @@ def test_the_bfloat16_error_bound_holds_where_the_rounding_is_worst():
     w = torch.stack([a, f])
     approx = (x.bfloat16() @ w.bfloat16().T).float()  # what topk's candidate product gives
     s = x.double() @ w.double().T
-    scale = torch.linalg.vector_norm(x) * torch.linalg.vector_norm(w, dim=-1).max()
+    x_norm = torch.linalg.vector_norm(x.double())
+    w_max = torch.linalg.vector_norm(w.double(), dim=-1).max()
+    scale, norms = (x_norm * w_max).reshape(1), (x_norm + w_max).reshape(1)
     assert float(approx[0]) == 64.0 and float(approx[1]) == 64.5, "not the rounding built"
     theta = approx[:1]
     low = float(s[0] - approx[0])  # how far bfloat16 fell below A's score
-    allowed = float(topk.margin(x.shape[0], theta, theta, scale.reshape(1), bias=False)[0])
+    allowed = float(topk.margin(x.shape[0], theta, theta, scale, norms, bias=False)[0])
     assert 0.95 * allowed < low <= allowed, (low, allowed)
-    with_bias = float(topk.margin(x.shape[0], theta, theta, scale.reshape(1), bias=True)[0])
+    with_bias = float(topk.margin(x.shape[0], theta, theta, scale, norms, bias=True)[0])
     assert 0.95 * with_bias < low <= with_bias, (low, with_bias)
 
 
@@ -334,6 +336,34 @@ def test_a_token_bfloat16_pushes_out_of_the_candidates_is_still_found(bias):
     vals, ids = topk.topk(x[None], w, b, 1, lowp=torch.bfloat16, transform=None)
     assert ids.tolist() == [[400]]
     assert float(vals[0, 0]) == pytest.approx(float(x.double() @ a.double()), rel=1e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_tiny_and_subnormal_rows_still_get_the_exact_top_k(bias):
+    """Found by review: a row of tiny values whose float32 norm underflows to 0 (the bound's
+    scale vanished), and subnormal values that the bfloat16 kernel reads as zero (the
+    absolute term was too small)."""
+    x, a, f = _rounding_down_together()
+    tiny = 2.0**-84  # every x_i still a normal float; ||x||^2 is not
+    w = torch.cat([f[None], torch.full((300, x.shape[0]), 1 - 2.0**-12), a[None]])
+    b = torch.zeros(w.shape[0]) if bias else None
+    _, ids = topk.topk((x * tiny)[None], w, b, 1, lowp=torch.bfloat16, transform=None)
+    assert ids.tolist() == [[301]]
+    xs = torch.full((1, 64), 1.5 * 2.0**-128)  # subnormal
+    ws = torch.ones(1000, 64) * 2.0**55
+    ws[:, 0] = torch.randperm(1000, generator=torch.Generator().manual_seed(0)).float() * 2.0**50
+    b = torch.zeros(ws.shape[0]) if bias else None
+    _, ids = topk.topk(xs, ws, b, 3, lowp=torch.bfloat16, transform=None)
+    assert ids.tolist() == torch.topk(xs.double() @ ws.double().T, 3).indices.tolist()
+
+
+def test_a_weight_changed_in_place_is_converted_again():
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(3, 32, generator=g), torch.randn(400, 32, generator=g)
+    topk.topk(x, w, None, 1, lowp=torch.bfloat16, transform=None)  # caches w in bfloat16
+    w[5] = x.sum(0) * 3  # now every row's best
+    _, ids = topk.topk(x, w, None, 1, lowp=torch.bfloat16, transform=None)
+    assert ids.tolist() == torch.topk(x.double() @ w.double().T, 1).indices.tolist()
 
 
 def test_top_logits_through_bf16_candidates(big, monkeypatch):

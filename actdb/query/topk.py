@@ -6,8 +6,9 @@ tensor cores; CPUs with AVX-512 BF16 or AMX), candidates come from a bfloat16 pr
 rescored exactly in float32. The result is the float32 top-k, proven row by row.
 
 The bound. Write s_t = x . w_t (exact), S = ||x|| * max_t ||w_t||, u = 2^-8 (bfloat16's unit
-roundoff) and g = d * 2^-24 / (1 - d * 2^-24) (a float32 sum of d terms in any order, FMA or
-not, is off by at most g times the sum of their magnitudes). The product rounds x and w to
+roundoff) and g = d * 2^-23 / (1 - d * 2^-23) (a float32 sum of d terms in any order, FMA or
+not, is off by at most g times the sum of their magnitudes; 2^-23, not 2^-24, because GPU
+tensor cores may truncate while they accumulate). The product rounds x and w to
 bfloat16 (each element off by at most u of itself), multiplies them exactly (8-bit
 significands), sums in float32 and rounds the sum p_t to bfloat16: a_t. So
 
@@ -25,8 +26,11 @@ top k, when
     theta + u |theta| + (2u + u^2 + g (2 + 2u + u^2)) S + tiny < tau           (no bias)
     theta + 2^-24 |theta| + 2^-23 |tau| + (3u + 4u^2 + 3g) S + tiny < tau      (bias)
 
-`tiny` covers subnormals flushed to zero (2^-126 a term), S is taken 1 + u larger than its
-float32 value (its own rounding), and the test runs in float64. Rows that fail it are tried
+`tiny` = 2^-126 (4d + 2 + sqrt(d) (1 + u) (||x|| + max ||w_t||)) covers subnormal inputs,
+products and sums flushed to zero (oneDNN's bfloat16 kernel reads subnormal inputs as zero);
+the norms are computed in float64 (in float32 the norm of a tiny row underflows to 0), S is
+taken 1 + u larger for their rounding, and the test runs in float64. The bound needs g well
+below u: rows of width 2^15 or more rank in float32. Rows that fail it are tried
 again with 8 times as many candidates from the same product, then computed in float32 over
 the whole vocabulary. Elsewhere (this CPU without BF16 instructions, or
 ACTDB_LOWP_MATMUL=fp32) the float32 product is the only path. ACTDB_LOWP_MATMUL=bf16 forces
@@ -55,7 +59,9 @@ _U = 2.0**-8  # bfloat16 unit roundoff
 _RESCORE_FLOATS = 64 * 138 * 768
 # id(w) -> (w itself, weakly; w in low precision; max row norm of w). Tensors compare by
 # value, so they cannot be the keys of a WeakKeyDictionary.
-_LOWP: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, float]] = {}
+_LOWP: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor, float]] = {}
+# The bound needs d * 2^-23 well below u (the module docstring): wider rows rank in float32.
+MAX_LOWP_WIDTH = 1 << 15
 
 
 @functools.cache
@@ -80,14 +86,17 @@ def lowp_dtype(device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if device.type == "cpu" and _cpu_has_bf16() else None
 
 
-def margin(d: int, theta: torch.Tensor, tau: torch.Tensor, scale: torch.Tensor, *,
-           bias: bool) -> torch.Tensor:
+def margin(d: int, theta: torch.Tensor, tau: torch.Tensor, scale: torch.Tensor,
+           norms: torch.Tensor, *, bias: bool) -> torch.Tensor:
     """float64 [n]: how far above `theta` (the m-th best bfloat16 score of each row) a token
-    left out can score at most, from `tau` (the k-th best float32 rescore) and `scale`
-    (||x|| * max ||w_t||, float32): the bound in the module's docstring."""
-    g = d * 2.0**-24 / (1 - d * 2.0**-24)
+    left out can score at most, from `tau` (the k-th best float32 rescore), `scale`
+    (||x|| * max ||w_t||) and `norms` (||x|| + max ||w_t||), both computed in float64: the
+    bound in the module's docstring."""
+    if d >= MAX_LOWP_WIDTH:
+        raise ValueError(f"no bfloat16 bound for rows of width {d} (at most {MAX_LOWP_WIDTH})")
+    g = d * 2.0**-23 / (1 - d * 2.0**-23)
     s = scale.double() * (1 + _U)
-    tiny = 2.0**-126 * (2 * d + 1 + d**0.5 * (1 + s))
+    tiny = 2.0**-126 * (4 * d + 2 + d**0.5 * (1 + _U) * norms.double())
     theta, tau = theta.double(), tau.double()
     if bias:
         return (2.0**-24 * theta.abs() + 2.0**-23 * tau.abs()
@@ -96,14 +105,16 @@ def margin(d: int, theta: torch.Tensor, tau: torch.Tensor, scale: torch.Tensor, 
 
 
 def _lowp_weight(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
-    """w in `dtype` and the largest row norm of w, kept while w lives (weights are cached)."""
+    """w in `dtype` and the largest row norm of w (in float64: a float32 norm of tiny rows
+    underflows to 0), kept while w lives and is not changed in place (weights are cached)."""
     hit = _LOWP.get(id(w))
-    if hit is None or hit[0]() is not w or hit[1].dtype != dtype:
-        for key in [key for key, (ref, _, _) in _LOWP.items() if ref() is None]:
+    if hit is None or hit[0]() is not w or hit[1] != w._version or hit[2].dtype != dtype:
+        for key in [key for key, (ref, _, _, _) in _LOWP.items() if ref() is None]:
             del _LOWP[key]
-        hit = (weakref.ref(w), w.to(dtype), float(torch.linalg.vector_norm(w, dim=-1).max()))
+        norm = float(torch.linalg.vector_norm(w, dim=-1, dtype=torch.float64).max())
+        hit = (weakref.ref(w), w._version, w.to(dtype), norm)
         _LOWP[id(w)] = hit
-    return hit[1], hit[2]
+    return hit[2], hit[3]
 
 
 def topk(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int, *,
@@ -116,6 +127,8 @@ def topk(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int, *,
     """
     n, V = x.shape[0], w.shape[0]
     m = min(V, max(2 * k, k + 32))
+    if x.shape[1] >= MAX_LOWP_WIDTH:
+        lowp = None
     # The whole product's pool: its candidates, rescoring and checks are vocabulary-wide too.
     with torch_threads(threads_for(2.0 * n * w.numel())):
         if lowp is None or m >= V or n == 0:
@@ -140,12 +153,13 @@ def _candidates(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int
         approx = x.to(lowp) @ wl.T  # [n, V], in `lowp`: its values are the a_t of the proof
     if b is not None:
         approx = approx.float() + b
-    scale = torch.linalg.vector_norm(x, dim=-1) * w_max
-    vals, ids, unsure = _best_of(approx, x, w, b, k, m, scale)
+    x_norm = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64)
+    scale, norms = x_norm * w_max, x_norm + w_max
+    vals, ids, unsure = _best_of(approx, x, w, b, k, m, scale, norms)
     if bool(unsure.any()):  # more candidates from the same product
         redo = torch.nonzero(unsure).squeeze(-1)
         m2 = min(w.shape[0], 8 * m)
-        v2, i2, still = _best_of(approx[redo], x[redo], w, b, k, m2, scale[redo])
+        v2, i2, still = _best_of(approx[redo], x[redo], w, b, k, m2, scale[redo], norms[redo])
         vals[redo], ids[redo] = v2, i2
         if m2 < w.shape[0] and bool(still.any()):  # then the whole vocabulary in float32
             last = redo[still]
@@ -154,7 +168,7 @@ def _candidates(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int
 
 
 def _best_of(approx: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-             k: int, m: int, scale: torch.Tensor
+             k: int, m: int, scale: torch.Tensor, norms: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The top k of each row's m best candidates by `approx`, rescored in float32, and the
     rows where the bound does not prove them the float32 top k (module docstring)."""
@@ -170,7 +184,7 @@ def _best_of(approx: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Te
     vals, at = torch.topk(exact, k, dim=-1)  # [n, k]
     ids = torch.gather(cand, 1, at)
     theta, tau = top_approx[:, -1], vals[:, -1]
-    safe = theta.double() + margin(x.shape[1], theta, tau, scale, bias=b is not None)
+    safe = theta.double() + margin(x.shape[1], theta, tau, scale, norms, bias=b is not None)
     return vals, ids, ~(safe < tau.double())
 
 
