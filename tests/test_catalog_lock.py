@@ -13,28 +13,16 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
+from test_catalog_log import _column, _commit
 
 from actdb.errors import StoreBusyError
 from actdb.store import catalog_lock, catalog_log
 from actdb.store.catalog import Catalog
 
 
-def _commit(cat: Catalog, first: int, n: int) -> None:
-    with cat.transaction():
-        cat._insert_table("prompts", pa.table({
-            "prompt_id": pa.array(range(first, first + n), pa.int64()),
-            "text": [f"prompt {i}" for i in range(first, first + n)],
-            "n_tokens": pa.array([3] * n, pa.int32())}))
-
-
 def _ids(path: Path) -> list[int]:
-    reader = Catalog(path, read_only=True)
-    try:
-        return [r[0] for r in reader.all("SELECT prompt_id FROM prompts ORDER BY prompt_id")]
-    finally:
-        reader.close()
+    return _column(path, "prompt_id")
 
 
 @pytest.fixture()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -34,12 +35,17 @@ def _commit(cat: Catalog, first: int, n: int) -> None:
         cat._insert_table("prompts", _prompts(first, n))
 
 
-def _texts(path: Path) -> list[str]:
+def _column(path: Path, name: str) -> list[Any]:
+    """Column `name` of the committed prompts, in prompt order, through a reader."""
     reader = Catalog(path, read_only=True)
     try:
-        return [r[0] for r in reader.all("SELECT text FROM prompts ORDER BY prompt_id")]
+        return [r[0] for r in reader.all(f"SELECT {name} FROM prompts ORDER BY prompt_id")]
     finally:
         reader.close()
+
+
+def _texts(path: Path) -> list[str]:
+    return _column(path, "text")
 
 
 @pytest.fixture()

@@ -57,8 +57,8 @@ ENV = "ACTDB_LOWP_MATMUL"
 _U = 2.0**-8  # bfloat16 unit roundoff
 # float32 values of candidate rows gathered at once to rescore them ([rows, m, d]: 27 MiB)
 _RESCORE_FLOATS = 64 * 138 * 768
-# id(w) -> (w itself, weakly; w in low precision; max row norm of w). Tensors compare by
-# value, so they cannot be the keys of a WeakKeyDictionary.
+# id(w) -> (w itself, weakly; w's version when converted; w in low precision; max row norm
+# of w). Tensors compare by value, so they cannot be the keys of a WeakKeyDictionary.
 _LOWP: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor, float]] = {}
 # The bound needs d * 2^-23 well below u (the module docstring): wider rows rank in float32.
 MAX_LOWP_WIDTH = 1 << 15
