@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -364,6 +365,40 @@ def test_a_weight_changed_in_place_is_converted_again():
     w[5] = x.sum(0) * 3  # now every row's best
     _, ids = topk.topk(x, w, None, 1, lowp=torch.bfloat16, transform=None)
     assert ids.tolist() == torch.topk(x.double() @ w.double().T, 1).indices.tolist()
+
+
+def test_full_precision_sums_stay_on_until_the_last_thread_leaves():
+    """cuBLAS's reduced-precision switch is process-wide: one thread leaving the guard must
+    not turn it back on while another thread's product still runs under it."""
+    flag = torch.backends.cuda.matmul
+    saved = flag.allow_bf16_reduced_precision_reduction
+    flag.allow_bf16_reduced_precision_reduction = True
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def a() -> None:
+        with topk._full_precision_sums():
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def b() -> None:
+        a_in.wait(5)
+        with topk._full_precision_sums():
+            b_in.set()
+            a_out.wait(5)
+            seen.append(flag.allow_bf16_reduced_precision_reduction)  # a has left by now
+
+    try:
+        threads_ = [threading.Thread(target=f) for f in (a, b)]
+        for t in threads_:
+            t.start()
+        for t in threads_:
+            t.join(10)
+        assert seen == [False]
+        assert flag.allow_bf16_reduced_precision_reduction is True  # restored by the last
+    finally:
+        flag.allow_bf16_reduced_precision_reduction = saved
 
 
 def test_top_logits_through_bf16_candidates(big, monkeypatch):

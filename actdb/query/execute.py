@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -166,10 +165,16 @@ def _stored_field_udf(src: VectorSource, name: str) -> Callable[[pa.Array], pa.A
     return udf
 
 
-@functools.cache
-def _sqltype(name: str) -> duckdb.sqltypes.DuckDBPyType:
-    """DuckDB's type object for `name`, parsed once (about 1 ms each: 80 a connection)."""
-    return duckdb.sqltype(name)
+_TYPES: dict[str, duckdb.sqltypes.DuckDBPyType] = {}
+
+
+def _sqltype(con: duckdb.DuckDBPyConnection, name: str) -> duckdb.sqltypes.DuckDBPyType:
+    """DuckDB's type object for `name`, parsed once a process, by `con`: the module-level
+    `duckdb.sqltype` opens DuckDB's default connection first (15-30 ms of a `SELECT 1`)."""
+    t = _TYPES.get(name)
+    if t is None:
+        t = _TYPES[name] = con.sqltype(name)
+    return t
 
 
 def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox
@@ -182,7 +187,7 @@ def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox
         if fn.kernel is not None:
             con.create_function(
                 fn.udf_name(session), _make_udf(fn, src, box, bulk),
-                [_sqltype(t) for t in fn.udf_params()], _sqltype(fn.returns),
+                [_sqltype(con, t) for t in fn.udf_params()], _sqltype(con, fn.returns),
                 type=PythonUDFType.ARROW, null_handling=FunctionNullHandling.SPECIAL,
                 side_effects=False,
             )
@@ -190,7 +195,7 @@ def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox
     for name in ("norm", "mean"):
         con.create_function(
             f"_actdb_stored_{name}_{session}", _stored_field_udf(src, name),
-            [_sqltype("BIGINT")], _sqltype("DOUBLE"), type=PythonUDFType.ARROW,
+            [_sqltype(con, "BIGINT")], _sqltype(con, "DOUBLE"), type=PythonUDFType.ARROW,
             null_handling=FunctionNullHandling.SPECIAL, side_effects=False,
         )
     # The store's (model, site, head) streams with the numbers handles carry (handles.py).

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -190,11 +191,25 @@ def _best_of(approx: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Te
 
 class _full_precision_sums:  # noqa: N801 - used as a context manager, like torch's own
     """On CUDA, keep cuBLAS from reducing bfloat16 products in bfloat16 (the bound assumes
-    float32 sums)."""
+    float32 sums). The setting is process-wide: the first thread in turns it off and the
+    last one out restores it, so one thread's exit never turns it back on under another's
+    product."""
+
+    _lock = threading.Lock()
+    _inside = 0
+    _before = False
 
     def __enter__(self) -> None:
-        self.before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        cls = type(self)
+        with cls._lock:
+            if cls._inside == 0:
+                cls._before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+            cls._inside += 1
 
     def __exit__(self, *exc: object) -> None:
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = self.before
+        cls = type(self)
+        with cls._lock:
+            cls._inside -= 1
+            if cls._inside == 0:
+                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = cls._before
