@@ -427,7 +427,7 @@ try:
     cli(["query", sys.argv[1], "SELECT 41 + 1 AS answer"], prog_name="actdb")
 except SystemExit as e:
     assert not e.code, e.code
-heavy = ("torch", "transformers", "matplotlib", "pandas", "zarr", "pyarrow.compute",
+heavy = ("torch", "transformers", "matplotlib", "pandas", "zarr", "pyarrow.compute", "obstore",
          "actdb.plot.data", "actdb.plot.figures", "actdb.ingest")
 print(json.dumps(sorted(m for m in heavy if m in sys.modules
                         and type(sys.modules[m]).__name__ == "module")))

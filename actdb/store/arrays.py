@@ -32,12 +32,13 @@ from ..lazy import lazy_module, load
 from . import durable
 from .catalog import LOCAL_FORMAT_VERSION
 from .chunks import RawLayout, crc32c, raw_layout
-from .objects import Objects
 from .shards import ObjectChunks, ShardedChunks, object_layout
 
 if TYPE_CHECKING:
     import zarr
     import zarr.codecs
+
+    from .objects import Objects  # obstore: imported by a remote store alone
 else:
     # imported when the group is first opened: a query that reads no vector (`SELECT 1`,
     # `actdb info`) never pays for it (0.3 s of CPU)

@@ -92,11 +92,18 @@ class Backend(Protocol):
         """Release what the backend holds (working copies, downloaded files)."""
 
 
+SCHEME = "s3://"
+
+
+def is_remote(location: str | os.PathLike[str]) -> bool:
+    """Whether a store location names object storage (`s3://bucket/prefix`). Decided here,
+    not in objects.py: a local store never imports the object-storage client."""
+    return isinstance(location, str) and location.startswith(SCHEME)
+
+
 def open_backend(location: str | os.PathLike[str],
                  storage_options: Mapping[str, Any] | None = None) -> Backend:
     """The backend for a store location: `s3://bucket/prefix` or a local path."""
-    from .objects import is_remote
-
     if is_remote(location):
         from .remote import S3Backend
 

@@ -15,15 +15,10 @@ from obstore.exceptions import AlreadyExistsError, PreconditionError
 from obstore.store import S3Store
 
 from ..errors import StoreFormatError, StoreNotFoundError, StoreStorageError
+from .backend import SCHEME, is_remote
 
-SCHEME = "s3://"
 # storage_options keys that configure the HTTP client rather than S3 itself.
 _CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "timeout"}
-
-
-def is_remote(location: str | os.PathLike[str]) -> bool:
-    """Whether a store location names object storage (`s3://bucket/prefix`)."""
-    return isinstance(location, str) and location.startswith(SCHEME)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,10 +26,11 @@ import numpy as np
 
 from .chunks import CRC_BYTES, ChunkFormat, crc32c
 from .faults import fault
-from .objects import Objects
 
 if TYPE_CHECKING:
     import zarr
+
+    from .objects import Objects  # obstore: imported by a remote store alone
 
 _EMPTY = 2**64 - 1
 
