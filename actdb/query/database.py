@@ -63,7 +63,7 @@ class Database:
         spec = device if device in ("auto", "cpu") else resolve_device(device)
         # Statements are parsed and their trees serialized on a connection of their own, which
         # holds no data: checking a query never runs anything next to the store.
-        self._parser = duckdb.connect(":memory:")
+        self._parser = duckdb.connect(":memory:", config=sandbox.CONNECT_CONFIG)
         sandbox.lock(self._parser)
         self.store = Store(path, read_only=read_only, storage_options=storage_options)
         self.con = self.store.catalog.con
