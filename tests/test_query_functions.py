@@ -25,6 +25,7 @@ from query_reference import (
 from tiny_models import load_tiny_model
 
 import actdb
+from actdb.query import vectors
 
 FAMILIES = ("gpt2", "llama", "gemma", "bert")
 PROMPT_SUBSET = (0, 2, 3)  # short, shortest, longest (the longest spans several chunks)
@@ -326,6 +327,19 @@ def test_scalar_functions(family, reference, database):
            "logit": {"rtol": LOGIT_RTOL, "atol": LOGIT_ATOL}}
     for k, (w, kind) in want.items():
         close(col(rows, k), w, **tol[kind], what=f"{family} {cols[k]}")
+
+
+@pytest.mark.parametrize("family", ("gpt2", "llama"))
+def test_scalar_functions_in_small_blocks(family, reference, family_store, monkeypatch):
+    """The same checks with vectors converted 3 rows at a time (Group.x_blocks): block edges
+    fall inside chunks, groups and the rows of each argument value (`token_id` varies by
+    row). A connection of its own: a shared one may answer from windows it computed before."""
+    monkeypatch.setattr(vectors, "_SCRATCH_FLOATS", 3 * 64)
+    db = actdb.connect(family_store(family), device="cpu")
+    try:
+        test_scalar_functions(family, reference, lambda _: db)
+    finally:
+        db.close()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

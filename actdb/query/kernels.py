@@ -65,6 +65,30 @@ def _final_normed(src: VectorSource, g: Group) -> torch.Tensor:
     return src.apply_view(g.model, g.site, "final_norm", g.x, g.mean if g.view == "raw" else None)
 
 
+def _final_normed_blocks(src: VectorSource, g: Group) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """`_final_normed` by blocks of rows (Group.x_blocks)."""
+    mean = g.mean if g.view == "raw" else None
+    for a, b, x in g.x_blocks():
+        if g.view == "final_norm":
+            yield a, b, x
+        else:
+            yield a, b, src.apply_view(g.model, g.site, "final_norm", x,
+                                       mean[a:b] if mean is not None else None)
+
+
+def _block_rows(combos: dict[tuple[Any, ...], np.ndarray], a: int, b: int
+                ) -> Iterator[tuple[tuple[Any, ...], slice | torch.Tensor, np.ndarray]]:
+    """For each combination of argument values (`_per_value`: sorted positions in the group)
+    with rows among the group's rows [a, b): (its values, its rows within the block, their
+    positions in the group)."""
+    for key, pos in combos.items():
+        lo, hi = np.searchsorted(pos, (a, b))
+        if lo == hi:
+            continue
+        at = pos[lo:hi]
+        yield key, (slice(None) if hi - lo == b - a else torch.from_numpy(at - a)), at
+
+
 def _to_logits(model: Any, pre: torch.Tensor) -> torch.Tensor:
     """The model's own transform after its LM head (measured at ingest): a scale, then a
     soft-cap. `pre` is W_U . final_norm(v) + b_U."""
@@ -145,40 +169,54 @@ def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: A
                 if bool(zero.any()):
                     cos = torch.where(zero & (g.norm[pos] == 0), torch.nan, cos)
             else:
-                u, ok = _unit(g.x)
-                cos = torch.where(ok[pos], u[pos] @ anchor, torch.nan)
+                for lo, hi, x in g.x_blocks():
+                    for _, rows, at in _block_rows({(): pos}, lo, hi):
+                        u, ok = _unit(x[rows])
+                        out[g.index[at]] = torch.where(ok, u @ anchor, torch.nan).cpu().numpy()
+                continue
             out[g.index[pos]] = cos.cpu().numpy()
 
 
 def dim_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg) -> None:
     for g in src.groups(h):
-        u, ok = _unit(g.x)
-        for (dv,), pos in _per_value([dim], g.index).items():
-            c = u[pos, _check_dim(g, int(dv))]
-            out[g.index[pos]] = torch.where(ok[pos], c, torch.nan).double().cpu().numpy()
+        combos = _per_value([dim], g.index)
+        dims = {key: _check_dim(g, int(key[0])) for key in combos}
+        for a, b, x in g.x_blocks():
+            u, ok = _unit(x)
+            for key, rows, at in _block_rows(combos, a, b):
+                c = torch.where(ok[rows], u[rows, dims[key]], torch.nan)
+                out[g.index[at]] = c.double().cpu().numpy()
 
 
 def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg,
                         token: Arg, ttype: Arg, anchors: Arg) -> None:
     for g in _lm_groups(src, h):
         _require_width("anchor_contribution", g, g.model.d_model, "d_model")
-        u, ok = _unit(g.x)
-        for (dv, t, ty, a), pos in _per_value([dim, token, ttype, anchors], g.index).items():
+        combos = _per_value([dim, token, ttype, anchors], g.index)
+        args = {}
+        for dv, t, ty, a in combos:
             d = _check_dim(g, int(dv))
             anchor = src.anchors(g.model, a or None)[src.resolve_token(g.model, t, ty)]
-            val = u[pos, d] * anchor[d]
-            out[g.index[pos]] = torch.where(ok[pos], val, torch.nan).double().cpu().numpy()
+            args[(dv, t, ty, a)] = (d, anchor[d])
+        for lo, hi, x in g.x_blocks():
+            u, ok = _unit(x)
+            for key, rows, at in _block_rows(combos, lo, hi):
+                d, weight = args[key]
+                val = torch.where(ok[rows], u[rows, d] * weight, torch.nan)
+                out[g.index[at]] = val.double().cpu().numpy()
 
 
 def logit(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: Arg) -> None:
     for g in _lm_groups(src, h):
         w, b = src.unembed(g.model)
         _require_width("logit", g, w.shape[1], "the LM head's width")
-        hn = _final_normed(src, g)
-        for (t, ty), pos in _per_value([token, ttype], g.index).items():
-            tid = src.resolve_token(g.model, t, ty)
-            val = hn[pos] @ w[tid] + (b[tid] if b is not None else 0.0)
-            out[g.index[pos]] = _to_logits(g.model, val).double().cpu().numpy()
+        combos = _per_value([token, ttype], g.index)
+        tids = {key: src.resolve_token(g.model, *key) for key in combos}
+        for lo, hi, hn in _final_normed_blocks(src, g):
+            for key, rows, at in _block_rows(combos, lo, hi):
+                tid = tids[key]
+                val = hn[rows] @ w[tid] + (b[tid] if b is not None else 0.0)
+                out[g.index[at]] = _to_logits(g.model, val).double().cpu().numpy()
 
 
 def logit_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg,
@@ -186,11 +224,13 @@ def logit_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: A
     for g in _lm_groups(src, h):
         w, _ = src.unembed(g.model)
         _require_width("logit_contribution", g, w.shape[1], "the LM head's width")
-        hn = _final_normed(src, g)
-        for (dv, t, ty), pos in _per_value([dim, token, ttype], g.index).items():
-            d = _check_dim(g, int(dv))
-            tid = src.resolve_token(g.model, t, ty)
-            out[g.index[pos]] = (hn[pos, d] * w[tid, d]).double().cpu().numpy()
+        combos = _per_value([dim, token, ttype], g.index)
+        args = {(dv, t, ty): (_check_dim(g, int(dv)), src.resolve_token(g.model, t, ty))
+                for dv, t, ty in combos}
+        for lo, hi, hn in _final_normed_blocks(src, g):
+            for key, rows, at in _block_rows(combos, lo, hi):
+                d, tid = args[key]
+                out[g.index[at]] = (hn[rows, d] * w[tid, d]).double().cpu().numpy()
 
 
 def uniform_angle(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:
@@ -200,9 +240,12 @@ def uniform_angle(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:
             cos = g.mean.double() * math.sqrt(g.site.d) / torch.where(n > 0, n, 1.0)
             ok = n > 0
         else:
-            n = torch.linalg.vector_norm(g.x, dim=-1)
-            ok = n > 0
-            cos = g.x.sum(-1) / (torch.where(ok, n, 1.0) * math.sqrt(g.x.shape[-1]))
+            for a, b, x in g.x_blocks():
+                n = torch.linalg.vector_norm(x, dim=-1)
+                ok = n > 0
+                cos = x.sum(-1) / (torch.where(ok, n, 1.0) * math.sqrt(x.shape[-1]))
+                out[g.index[a:b]] = torch.where(ok, _degrees(cos.double()), torch.nan).cpu().numpy()
+            continue
         out[g.index] = torch.where(ok, _degrees(cos.double()), torch.nan).cpu().numpy()
 
 
@@ -210,17 +253,23 @@ def rotation_angle(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:
     for g in src.groups(h):
         if g.view != "raw":
             raise QueryError("rotation_angle takes a raw vec (the norm's input), not a view")
-        y = src.site_output(g.model, g.site, g.x, g.mean, g.heads)
-        ux, okx = _unit(g.x)
-        uy, oky = _unit(y)
-        cos = (ux * uy).sum(-1)
-        out[g.index] = torch.where(okx & oky, _degrees(cos), torch.nan).double().cpu().numpy()
+        mean = g.mean
+        for a, b, x in g.x_blocks():
+            y = src.site_output(g.model, g.site, x, mean[a:b], g.heads[a:b])
+            ux, okx = _unit(x)
+            uy, oky = _unit(y)
+            cos = (ux * uy).sum(-1)
+            angle = torch.where(okx & oky, _degrees(cos), torch.nan)
+            out[g.index[a:b]] = angle.double().cpu().numpy()
 
 
 def vec_norm(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:
     for g in src.groups(h):
-        n = g.norm if g.view == "raw" else torch.linalg.vector_norm(g.x, dim=-1)
-        out[g.index] = n.double().cpu().numpy()
+        if g.view == "raw":
+            out[g.index] = g.norm.double().cpu().numpy()
+            continue
+        for a, b, x in g.x_blocks():
+            out[g.index[a:b]] = torch.linalg.vector_norm(x, dim=-1).double().cpu().numpy()
 
 
 def _gather(src: VectorSource, h: np.ndarray, name: str) -> torch.Tensor:

@@ -156,6 +156,17 @@ class Group:
         """float16 [n, d]: the stored unit direction of x."""
         return self._field("direction")
 
+    def x_blocks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """`x` by blocks of consecutive rows: (start, end, float32 [end - start, d]). On the
+        CPU each block is converted from the stored float16 in a scratch buffer that stays in
+        the core's cache (VectorSource.x_blocks), so the float32 copy of a whole window never
+        exists; a block is valid until the next one is asked for. Elsewhere, or when `x` is
+        held already, one block of every row."""
+        if "x" in self._cache or self.src.device.type != "cpu":
+            yield 0, len(self.rows), self.x
+            return
+        yield from self.src.x_blocks(self)
+
     @property
     def x(self) -> torch.Tensor:
         """float32 [n, d]: the vector with the group's view applied."""
@@ -280,6 +291,30 @@ class VectorSource:
                 block.copy_(piece[i : i + m])
                 torch.mm(block, w, out=out[a + i : a + i + m])
         return out
+
+    def x_blocks(self, g: Group) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """`Group.x_blocks` on the CPU: each block of stored directions converted to float32
+        in this thread's scratch buffer, times its norms, then the group's view applied. The
+        same float32 operations as `Group.x`, row by row, in blocks of 1 MiB: a scan of
+        `dim_contribution` converted and scaled 200 MB arrays a window before."""
+        d = g.site.d
+        step = max(1, _SCRATCH_FLOATS // d)
+        scratch = getattr(self._local, "x_scratch", None)
+        if scratch is None or scratch.numel() < step * d:
+            scratch = self._local.x_scratch = torch.empty(step * d)
+        norm = g.norm
+        mean = g.mean if g.view != "raw" else None
+        for a, b, part in self._pieces(g.model, g.site, "direction", g.rows, g.heads):
+            piece = torch.from_numpy(part)
+            for i in range(0, b - a, step):
+                lo, m = a + i, min(step, b - a - i)
+                x = scratch[: m * d].view(m, d)
+                x.copy_(piece[i : i + m])
+                x.mul_(norm[lo : lo + m].unsqueeze(-1))
+                if mean is not None:
+                    x = self.apply_view(g.model, g.site, g.view, x, mean[lo : lo + m],
+                                        g.heads[lo : lo + m])
+                yield lo, lo + m, x
 
     def _pieces(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
                 heads: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
