@@ -625,6 +625,66 @@ def contention(scan: ScanData, repeats: int) -> Result:
     return r
 
 
+# -- 12. other functions over a full scan -----------------------------------------------------
+
+# (label, SQL expression): functions that need the whole float32 vector (its unit, a view)
+FUNCTION_SCANS = (
+    ("dim_contribution", "dim_contribution(vec, 5)"),
+    ("anchor_contribution", f"anchor_contribution(vec, 5, '{TOKEN}')"),
+    ("rotation_angle", "rotation_angle(vec)"),
+    ("dim_contribution of a view", "dim_contribution(normed(vec), 5)"),
+    ("cosine_to_anchor of a view", f"cosine_to_anchor(normed(vec), '{TOKEN}')"),
+)
+
+
+def function_scans(scan: ScanData, repeats: int) -> Result:
+    """Workload 2's scan with functions that need each whole vector in float32, and the
+    NumPy float16 memmap baseline of `dim_contribution` (unit(x)[:, 5])."""
+    db = actdb.connect(scan.store, device=DEVICE)
+    times, values = {}, {}
+    for label, expr in FUNCTION_SCANS:
+        query = f"SELECT avg({expr}) FROM acts"
+
+        def run(query: str = query) -> float:
+            db.drop_caches()
+            return db.sql(query).fetchall()[0][0]
+
+        values[label] = run()
+        times[label] = timed(run, repeats, warmup=False)
+    db.close()
+
+    def numpy_dim() -> float:
+        mm = np.load(scan.npy, mmap_mode="r")
+        total = 0.0
+        for lo in range(0, len(mm), 65536):
+            x = np.asarray(mm[lo : lo + 65536], dtype=np.float32)
+            total += float((x[:, 5] / np.linalg.norm(x, axis=1)).sum())
+        return total / len(mm)
+
+    reference = numpy_dim()
+    t_numpy = timed(numpy_dim, repeats)
+    r = Result(
+        title="12. Other functions over a full scan",
+        what=(f"`SELECT avg(f) FROM acts` over the {scan.n_vectors:,} vectors of workload 2 for "
+              "functions that need each whole vector in float32 (its unit, or a view: "
+              "`normed` is the site's output); each vector is converted from float16, scaled "
+              "by its norm and transformed block by block in the core's cache "
+              "(`Group.x_blocks`). Baseline: NumPy over the float16 `.npy` memory map of "
+              "workload 2, 65,536 rows a block, for `dim_contribution`."),
+    )
+    for label, expr in FUNCTION_SCANS:
+        r.figure(f"`{expr}`", f"{times[label]:.2f} s, {scan.n_vectors / times[label] / 1e6:.2f} "
+                              f"M rows/s (mean {values[label]:.6g})")
+    r.figure("NumPy unit(x)[:, 5]", f"{t_numpy:.2f} s, {scan.n_vectors / t_numpy / 1e6:.2f} "
+                                    f"M rows/s (mean {reference:.6g})")
+    ours = values["dim_contribution"]
+    r.figure("mean dim_contribution (actdb, NumPy)",
+             f"{ours:.6f}, {reference:.6f} (spread {abs(ours - reference):.1e})")
+    ratio = t_numpy / times["dim_contribution"]
+    r.ratio("dim_contribution actdb / NumPy rows/s", ratio, ">= 1.5", ratio >= 1.5)
+    return r
+
+
 # -- 9. start-up -----------------------------------------------------------------------------
 
 _START = """
