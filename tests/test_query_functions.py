@@ -342,6 +342,39 @@ def test_scalar_functions_in_small_blocks(family, reference, family_store, monke
         db.close()
 
 
+@pytest.mark.parametrize("family", ("gpt2", "llama"))
+def test_a_rows_value_does_not_depend_on_the_rows_computed_with_it(family, family_store,
+                                                                    monkeypatch):
+    """Bit for bit, not within a tolerance: each row's value from a full scan in 1 MiB blocks
+    equals the value from a query of its prompt alone in 3-row blocks, and of its row alone
+    (a BLAS product's rounding changes with its number of rows: dots.py). `top_logits`
+    reports the same values as `logit` of its tokens. Fresh connections: a shared one may
+    answer from windows it computed before."""
+    exprs = ("cosine_to_anchor(vec, ' the')", "cosine_to_anchor(vec, token_id)",
+             "cosine_to_anchor(normed(vec), ' of')", "logit(vec, ' the')",
+             "logit(vec, token_id)", "logit(normed(vec), 7)", "rotation_angle(vec)",
+             "cosine(vec, final_norm(vec))", "dim_contribution(vec, 5)",
+             "cosine_to(vec, [i * 0.5 - 15 FOR i IN range(64)])",
+             "project(normed(vec), [1 - i % 3 FOR i IN range(64)])",
+             "[e.logit FOR e IN top_logits(vec, 3)]")
+    q = (f"SELECT prompt_id, position, site, {', '.join(exprs)} FROM acts {{}} "
+         f"ORDER BY prompt_id, position, site")
+    store = family_store(family)
+    with actdb.connect(store, device="cpu") as db:
+        whole = db.sql(q.format("")).fetchall()
+    monkeypatch.setattr(vectors, "_SCRATCH_FLOATS", 3 * 64)
+    with actdb.connect(store, device="cpu") as db:
+        alone = [row for p in range(len(PROMPTS))
+                 for row in db.sql(q.format(f"WHERE prompt_id = {p}")).fetchall()]
+        assert alone == whole
+        for row in whole[::7]:
+            where = f"WHERE prompt_id = {row[0]} AND position = {row[1]} AND site = '{row[2]}'"
+            assert db.sql(q.format(where)).fetchall() == [row]
+        pairs = db.sql("SELECT e.logit, logit(vec, e.token_id) FROM "
+                       "(SELECT vec, unnest(top_logits(vec, 4)) AS e FROM acts)").fetchall()
+        assert len(pairs) > 100 and all(a == b for a, b in pairs)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_list_functions(family, reference, database):
     ref, db = reference(family), database(family)

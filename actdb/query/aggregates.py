@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from ..errors import QueryError
 from ..lazy import lazy_module
+from .dots import row_dots
 from .kernels import Arg, _unit
 from .vectors import VectorSource
 
@@ -81,9 +82,9 @@ def _against(src: VectorSource, h: np.ndarray, out: np.ndarray, direction: pa.Ar
         du, dok = _unit(dv)
         if unit_v:
             u, ok = _unit(g.x)
-            val = torch.where(ok & dok, (u * du).sum(-1), torch.nan)
+            val = torch.where(ok & dok, row_dots(u, du), torch.nan)
         else:
-            val = torch.where(dok, (g.x * du).sum(-1), torch.nan)
+            val = torch.where(dok, row_dots(g.x, du), torch.nan)
         out[g.index] = val.double().cpu().numpy()
 
 

@@ -17,6 +17,7 @@ import pyarrow as pa
 from ..errors import QueryError
 from ..lazy import lazy_module
 from . import topk
+from .dots import row_dots
 from .threads import threads_for, torch_threads
 from .vectors import OFF_STREAM_ROLES, Group, VectorSource
 
@@ -163,7 +164,7 @@ def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: A
                 # The stored direction is x / ||x|| already, so no norm to divide by; a zero
                 # vector's direction is all zeros, so only rows whose cosine comes out exactly
                 # 0 need their norm read to tell NULL from a true 0.
-                cos = src.project(g, anchor.unsqueeze(-1))[:, 0]  # [n]
+                cos = src.project(g, anchor)  # [n]
                 cos = cos if len(pos) == len(g.index) else cos[pos]
                 zero = cos == 0
                 if bool(zero.any()):
@@ -172,7 +173,8 @@ def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: A
                 for lo, hi, x in g.x_blocks():
                     for _, rows, at in _block_rows({(): pos}, lo, hi):
                         u, ok = _unit(x[rows])
-                        out[g.index[at]] = torch.where(ok, u @ anchor, torch.nan).cpu().numpy()
+                        cos = torch.where(ok, row_dots(u, anchor), torch.nan)
+                        out[g.index[at]] = cos.cpu().numpy()
                 continue
             out[g.index[pos]] = cos.cpu().numpy()
 
@@ -215,7 +217,7 @@ def logit(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: 
         for lo, hi, hn in _final_normed_blocks(src, g):
             for key, rows, at in _block_rows(combos, lo, hi):
                 tid = tids[key]
-                val = hn[rows] @ w[tid] + (b[tid] if b is not None else 0.0)
+                val = row_dots(hn[rows], w[tid]) + (b[tid] if b is not None else 0.0)
                 out[g.index[at]] = _to_logits(g.model, val).double().cpu().numpy()
 
 
@@ -258,7 +260,7 @@ def rotation_angle(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:
             y = src.site_output(g.model, g.site, x, mean[a:b], g.heads[a:b])
             ux, okx = _unit(x)
             uy, oky = _unit(y)
-            cos = (ux * uy).sum(-1)
+            cos = row_dots(ux, uy)
             angle = torch.where(okx & oky, _degrees(cos), torch.nan)
             out[g.index[a:b]] = angle.double().cpu().numpy()
 
@@ -291,7 +293,7 @@ def cosine(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) -
         )
     ua, oka = _unit(a)
     ub, okb = _unit(b)
-    cos = (ua * ub).sum(-1)
+    cos = row_dots(ua, ub)
     out[:] = torch.where(oka & okb, cos, torch.nan).double().cpu().numpy()
 
 
@@ -340,7 +342,9 @@ def _topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
             with torch_threads(threads_for(2.0 * block.shape[0] * w.numel())):
                 scores = block @ w.T  # [block, V]
             scores = _to_logits(model, scores + b if b is not None else scores)
-            vals, ids = torch.topk(scores, k, dim=-1)
+            pre, ids = topk.rescored(block, w, b, torch.topk(scores, k, dim=-1).indices)
+            vals, order = torch.sort(_to_logits(model, pre), dim=-1, descending=True, stable=True)
+            ids = torch.gather(ids, 1, order)
         else:
             vals, ids = topk.topk(block, w, b, k, lowp=lowp, transform=(
                 None if model is None else lambda v: _to_logits(model, v)))

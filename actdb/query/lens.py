@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import QueryError
 from ..lazy import lazy_module
+from .dots import row_dots
 from .kernels import Arg, _final_normed, _lm_groups, _per_value, _require_width, _to_logits
 from .vectors import VectorSource
 
@@ -134,7 +135,7 @@ def logit_diff(src: VectorSource, h: np.ndarray, out: np.ndarray, t1: Arg, ty1: 
     for model, rows, hn in lens.by_model():
         w, b = src.unembed(model)
         a, c = _token_ids(src, model, rows, t1, ty1), _token_ids(src, model, rows, t2, ty2)
-        pre = torch.stack([(hn * w[a]).sum(-1), (hn * w[c]).sum(-1)])  # [2, m]
+        pre = torch.stack([row_dots(hn, w[a]), row_dots(hn, w[c])])  # [2, m]
         if b is not None:
             pre = pre + torch.stack([b[a], b[c]])
         lg = _to_logits(model, pre)

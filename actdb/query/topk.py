@@ -47,6 +47,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..lazy import lazy_module
+from .dots import row_dots
 from .threads import threads_for, torch_threads
 
 if TYPE_CHECKING:
@@ -144,7 +145,19 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int
     scores = x @ w.T  # [n, V]
     if b is not None:
         scores += b
-    return torch.topk(scores, k, dim=-1)
+    return rescored(x, w, b, torch.topk(scores, k, dim=-1).indices)
+
+
+def rescored(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ids: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) [n, k], best first: tokens `ids` scored by `row_dots` (dots.py), so a
+    value equals `logit(vec, token)` bit for bit whatever rows the product held (a BLAS
+    product's rounding changes with its number of rows)."""
+    vals = row_dots(w[ids], x.unsqueeze(1), overwrite=True)  # [n, k]
+    if b is not None:
+        vals += b[ids]
+    vals, order = torch.sort(vals, dim=-1, descending=True, stable=True)
+    return vals, torch.gather(ids, 1, order)
 
 
 def _candidates(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int, m: int,
@@ -178,8 +191,8 @@ def _best_of(approx: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Te
     step = max(1, _RESCORE_FLOATS // (m * x.shape[1]))
     for lo in range(0, x.shape[0], step):
         hi = lo + step
-        rows = w[cand[lo:hi]]  # [r, m, d]
-        exact[lo:hi] = torch.bmm(rows, x[lo:hi].unsqueeze(-1)).squeeze(-1)
+        rows = w[cand[lo:hi]]  # [r, m, d], a gathered copy
+        exact[lo:hi] = row_dots(rows, x[lo:hi].unsqueeze(1), overwrite=True)
     if b is not None:
         exact += b[cand]
     vals, at = torch.topk(exact, k, dim=-1)  # [n, k]
