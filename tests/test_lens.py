@@ -266,6 +266,53 @@ def test_mean_vector_spectrum_and_directions(reference, family_store):
                                atol=5e-3)
 
 
+def test_aggregates_with_many_lists_in_small_blocks(reference, family_store, monkeypatch):
+    """Lists that share a site (GROUP BY prompt: one after another; GROUP BY position % 2:
+    interleaved) and directions that differ by row, with vectors converted 3 rows at a time
+    so that blocks cut through lists (aggregates._Moments, _against)."""
+    from actdb.query import vectors
+
+    monkeypatch.setattr(vectors, "_SCRATCH_FLOATS", 3 * 64)
+    ref = reference("gpt2")
+    with actdb.connect(family_store("gpt2"), device="cpu") as db:
+        module = dict(db.sql("SELECT site, module FROM sites").fetchall())["blocks.1.ln1"]
+        groups = {}
+        for key in ("prompt_id", "position % 2"):
+            groups[key] = fetch(db, f"""
+                SELECT {key} AS k, mean_vector(list(vec)) AS m, spectrum(list(vec), 3) AS s,
+                       list(prompt_id) AS p, list(position) AS pos
+                FROM acts WHERE site = 'blocks.1.ln1' GROUP BY ALL ORDER BY k""")
+        per_row = fetch(db, """
+            SELECT prompt_id, position,
+                   cosine_to(vec, list_transform(range(64), lambda i: (i * (position + 1)) % 7 - 3))
+                       AS c,
+                   project(vec, list_transform(range(64), lambda i: (i + prompt_id) % 5 - 2))
+                       AS pr
+            FROM acts WHERE site = 'blocks.1.ln1' ORDER BY prompt_id, position""")
+    x = ref.sites[module].x
+    assert len(groups["prompt_id"]) == len(PROMPTS) and len(groups["position % 2"]) == 2
+    for rows in groups.values():
+        for r in rows:
+            xr = x[ref.rows(r["p"], r["pos"])]
+            np.testing.assert_allclose(r["m"], xr.mean(0), rtol=2e-3,
+                                       atol=2e-3 * np.abs(xr).max())
+            if len(xr) < 2:
+                assert r["s"] is None
+                continue
+            want = np.linalg.eigvalsh(np.cov(xr.T))[::-1][:3]
+            np.testing.assert_allclose(r["s"], want, rtol=5e-3, atol=1e-3 * want[0])
+    xr = x[ref.rows([r["prompt_id"] for r in per_row], [r["position"] for r in per_row])]
+    i = np.arange(64)
+    dc = np.array([(i * (r["position"] + 1)) % 7 - 3 for r in per_row], dtype=float)
+    dp = np.array([(i + r["prompt_id"]) % 5 - 2 for r in per_row], dtype=float)
+    np.testing.assert_allclose(
+        [r["c"] for r in per_row],
+        (xr * dc).sum(-1) / np.linalg.norm(xr, axis=-1) / np.linalg.norm(dc, axis=-1), atol=2e-3)
+    np.testing.assert_allclose([r["pr"] for r in per_row],
+                               (xr * dp).sum(-1) / np.linalg.norm(dp, axis=-1),
+                               rtol=2e-3, atol=2e-3 * np.abs(xr).max())
+
+
 def test_spectrum_and_mean_vector_edge_cases(family_store):
     with actdb.connect(family_store("qwen3"), device="cpu") as db:
         one = db.sql("SELECT spectrum(list(vec)), mean_vector(list(vec)) FROM acts "

@@ -8,6 +8,7 @@ difference of two `mean_vector`s); a constant one arrives repeated, row by row.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from ..errors import QueryError
 from ..lazy import lazy_module
 from .dots import row_dots
 from .kernels import Arg, _unit
+from .threads import threads_for, torch_threads
 from .vectors import VectorSource
 
 if TYPE_CHECKING:
@@ -43,7 +45,9 @@ class HandleLists:
 
 
 class Directions:
-    """One FLOAT[] direction per batch row."""
+    """One FLOAT[] direction per batch row. A constant direction (a literal, a parameter, a
+    scalar subquery) arrives repeated row by row; it is then kept once (`same`) and
+    broadcast, so that no [rows, d] copy of it is made or normalised row by row."""
 
     def __init__(self, column: pa.Array | pa.ChunkedArray, device: torch.device) -> None:
         if isinstance(column, pa.ChunkedArray):
@@ -52,9 +56,18 @@ class Directions:
         self.values = pc.list_flatten(column).to_numpy(zero_copy_only=False)
         self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
         self.device = device
+        n, first = len(self.lengths), int(self.lengths[0]) if len(self.lengths) else 0
+        self.same = bool(
+            n and not column.null_count and np.all(self.lengths == first)
+            and len(self.values) == n * first
+            and np.array_equal(self.values.reshape(n, first), np.broadcast_to(
+                self.values[:first], (n, first)), equal_nan=False))
 
     def rows(self, index: np.ndarray, d: int, name: str, where: str) -> torch.Tensor:
-        """float32 [len(index), d]: the directions of these rows; their width must be d."""
+        """float32 [len(index), d], or [1, d] when every row holds the same direction: the
+        directions of these rows; their width must be d."""
+        if self.same:
+            index = index[:1]
         bad = self.lengths[index] != d
         if np.any(bad):
             have = int(self.lengths[index][bad][0])
@@ -78,14 +91,18 @@ def _against(src: VectorSource, h: np.ndarray, out: np.ndarray, direction: pa.Ar
              name: str, *, unit_v: bool) -> None:
     dirs = Directions(direction, src.device)
     for g in src.groups(h):
-        dv = dirs.rows(g.index, g.x.shape[-1], name, _where(g))
-        du, dok = _unit(dv)
-        if unit_v:
-            u, ok = _unit(g.x)
-            val = torch.where(ok & dok, row_dots(u, du), torch.nan)
-        else:
-            val = torch.where(dok, row_dots(g.x, du), torch.nan)
-        out[g.index] = val.double().cpu().numpy()
+        unit_dir: tuple[torch.Tensor, torch.Tensor] | None = None
+        for a, b, x in g.x_blocks():
+            if unit_dir is None:
+                unit_dir = _unit(dirs.rows(g.index, x.shape[-1], name, _where(g)))
+            du, dok = unit_dir
+            d_block, ok_block = (du, dok) if du.shape[0] == 1 else (du[a:b], dok[a:b])
+            if unit_v:
+                u, ok = _unit(x)
+                val = torch.where(ok & ok_block, row_dots(u, d_block), torch.nan)
+            else:
+                val = torch.where(ok_block, row_dots(x, d_block), torch.nan)
+            out[g.index[a:b]] = val.double().cpu().numpy()
 
 
 def cosine_to(src: VectorSource, h: np.ndarray, out: np.ndarray, direction: pa.Array) -> None:
@@ -100,7 +117,12 @@ def project(src: VectorSource, h: np.ndarray, out: np.ndarray, direction: pa.Arr
 
 
 class _Moments:
-    """Per batch row: the count, sum and (optionally) sum of outer products, in float64."""
+    """Per batch row: the count, sum and (optionally) sum of outer products, in float64.
+
+    Each group's vectors come in blocks of 1 MiB (Group.x_blocks), so a float64 copy of a
+    whole group never exists: per block, the sums of the rows of every owner at once
+    (index_add_), and each owner's outer products from its rows of the block (a [d, d]
+    product, on more than one core when it is large and a core is idle: threads.py)."""
 
     def __init__(self, src: VectorSource, lists: HandleLists, name: str, *, second: bool):
         self.count: dict[int, int] = {}
@@ -110,20 +132,50 @@ class _Moments:
         if not len(lists.handles):
             return
         for g in src.groups(lists.handles):
-            owners = lists.owner[g.index]
-            x = g.x.double()  # [m, d]
-            for r in np.unique(owners):
-                r = int(r)
-                have = width.setdefault(r, (x.shape[-1], _where(g)))
-                if have[0] != x.shape[-1]:
-                    raise QueryError(f"{name} needs vectors of one width; one list holds "
-                                     f"width {have[0]} ({have[1]}) and width {x.shape[-1]} "
-                                     f"({_where(g)})")
-                xr = x[torch.from_numpy(np.nonzero(owners == r)[0]).to(x.device)]
-                self.count[r] = self.count.get(r, 0) + xr.shape[0]
-                self.total[r] = self.total.get(r, 0) + xr.sum(0)
-                if second:
-                    self.gram[r] = self.gram.get(r, 0) + xr.T @ xr  # [d, d]
+            owners, inverse = np.unique(lists.owner[g.index], return_inverse=True)
+            total = gram = None
+            for a, b, x in g.x_blocks():
+                d = x.shape[-1]
+                if total is None:
+                    for r in owners.tolist():
+                        have = width.setdefault(r, (d, _where(g)))
+                        if have[0] != d:
+                            raise QueryError(
+                                f"{name} needs vectors of one width; one list holds width "
+                                f"{have[0]} ({have[1]}) and width {d} ({_where(g)})")
+                    total = torch.zeros((len(owners), d), dtype=torch.float64, device=x.device)
+                    if second:
+                        gram = torch.zeros((len(owners), d, d), dtype=torch.float64,
+                                           device=x.device)
+                x64 = x.double()
+                inv = inverse[a:b]
+                total.index_add_(0, torch.from_numpy(inv).to(x.device), x64)
+                if gram is not None:
+                    for i, rows in _runs_of(inv):
+                        xr = x64[rows]
+                        with torch_threads(threads_for(2.0 * xr.shape[0] * d * d)):
+                            gram[i] += xr.T @ xr  # [d, d]
+            assert total is not None
+            counts = np.bincount(inverse, minlength=len(owners))
+            for i, r in enumerate(owners.tolist()):
+                self.count[r] = self.count.get(r, 0) + int(counts[i])
+                self.total[r] = self.total.get(r, 0) + total[i]
+                if gram is not None:
+                    self.gram[r] = self.gram.get(r, 0) + gram[i]
+
+
+def _runs_of(inv: np.ndarray) -> Iterator[tuple[int, slice | torch.Tensor]]:
+    """(owner, its rows) for each owner in a block: a slice when they are consecutive (a
+    list of one prompt's or one site's rows), else their positions."""
+    if len(inv) and inv[0] == inv[-1] and np.all(inv == inv[0]):
+        yield int(inv[0]), slice(None)
+        return
+    order = np.argsort(inv, kind="stable")
+    cuts = np.flatnonzero(np.diff(inv[order])) + 1
+    for part in np.split(order, cuts):
+        lo, hi = int(part[0]), int(part[-1]) + 1
+        rows = slice(lo, hi) if hi - lo == len(part) else torch.from_numpy(part)
+        yield int(inv[part[0]]), rows
 
 
 def mean_vector(src: VectorSource, lists: pa.Array, out: list[Any]) -> None:
