@@ -29,6 +29,11 @@ else:
     pc = lazy_module("pyarrow.compute")  # 0.1 s to import: when a function first runs
 
 
+# float64 [d, d] sums of outer products that `spectrum` holds at once: a batch of up to 2,048
+# lists (GROUP BY prompt) is taken a few lists at a time (d = 768: 28; d = 4,096: one)
+_GRAM_BYTES = 128 << 20
+
+
 class HandleLists:
     """A batch of handle lists: `handles` flat (NULL entries dropped), `owner[j]` the batch
     row that handle j belongs to."""
@@ -42,6 +47,13 @@ class HandleLists:
         keep = ~flat.is_null().to_numpy(zero_copy_only=False)
         self.handles = flat.to_numpy(zero_copy_only=False)[keep].astype(np.int64)
         self.owner = owner[keep].astype(np.int64)
+
+    def owned_by(self, lo: int, hi: int) -> HandleLists:
+        """The handles of batch rows lo..hi - 1 (their row numbers kept)."""
+        part = object.__new__(HandleLists)
+        take = (self.owner >= lo) & (self.owner < hi)
+        part.n, part.handles, part.owner = self.n, self.handles[take], self.owner[take]
+        return part
 
 
 class Directions:
@@ -117,23 +129,27 @@ def project(src: VectorSource, h: np.ndarray, out: np.ndarray, direction: pa.Arr
 
 
 class _Moments:
-    """Per batch row: the count, sum and (optionally) sum of outer products, in float64.
+    """Per batch row: the count, the sum and (`second`) what the covariance needs, in float64.
 
     Each group's vectors come in blocks of 1 MiB (Group.x_blocks), so a float64 copy of a
     whole group never exists: per block, the sums of the rows of every owner at once
-    (index_add_), and each owner's outer products from its rows of the block (a [d, d]
-    product, on more than one core when it is large and a core is idle: threads.py)."""
+    (index_add_). With `second`, a list of more vectors than dimensions sums its outer
+    products (`gram`: one [d, d] product per owner run, on more than one core when large and
+    a core is idle: threads.py); a shorter list keeps its vectors (`rows`), whose covariance
+    has at most n - 1 nonzero eigenvalues, found from an [n, n] matrix (`spectrum`)."""
 
     def __init__(self, src: VectorSource, lists: HandleLists, name: str, *, second: bool):
         self.count: dict[int, int] = {}
         self.total: dict[int, torch.Tensor] = {}
         self.gram: dict[int, torch.Tensor] = {}
+        self.rows: dict[int, list[torch.Tensor]] = {}
         width: dict[int, tuple[int, str]] = {}
         if not len(lists.handles):
             return
+        sizes = np.bincount(lists.owner, minlength=lists.n)
         for g in src.groups(lists.handles):
             owners, inverse = np.unique(lists.owner[g.index], return_inverse=True)
-            total = gram = None
+            total = None
             for a, b, x in g.x_blocks():
                 d = x.shape[-1]
                 if total is None:
@@ -144,24 +160,25 @@ class _Moments:
                                 f"{name} needs vectors of one width; one list holds width "
                                 f"{have[0]} ({have[1]}) and width {d} ({_where(g)})")
                     total = torch.zeros((len(owners), d), dtype=torch.float64, device=x.device)
-                    if second:
-                        gram = torch.zeros((len(owners), d, d), dtype=torch.float64,
-                                           device=x.device)
                 x64 = x.double()
                 inv = inverse[a:b]
                 total.index_add_(0, torch.from_numpy(inv).to(x.device), x64)
-                if gram is not None:
-                    for i, rows in _runs_of(inv):
-                        xr = x64[rows]
+                if second:
+                    for i, at in _runs_of(inv):
+                        r = int(owners[i])
+                        xr = x64[at]
+                        if sizes[r] <= d:
+                            self.rows.setdefault(r, []).append(
+                                xr.clone() if isinstance(at, slice) else xr)
+                            continue
                         with torch_threads(threads_for(2.0 * xr.shape[0] * d * d)):
-                            gram[i] += xr.T @ xr  # [d, d]
+                            gram = self.gram.get(r)
+                            self.gram[r] = xr.T @ xr if gram is None else gram.addmm_(xr.T, xr)
             assert total is not None
             counts = np.bincount(inverse, minlength=len(owners))
             for i, r in enumerate(owners.tolist()):
                 self.count[r] = self.count.get(r, 0) + int(counts[i])
                 self.total[r] = self.total.get(r, 0) + total[i]
-                if gram is not None:
-                    self.gram[r] = self.gram.get(r, 0) + gram[i]
 
 
 def _runs_of(inv: np.ndarray) -> Iterator[tuple[int, slice | torch.Tensor]]:
@@ -189,14 +206,23 @@ def spectrum(src: VectorSource, lists: pa.Array, out: list[Any], k: Arg) -> None
     """Eigenvalues of the sample covariance (divided by n - 1), largest first; NULL below 2
     vectors. k = 0 (the default) keeps all of them."""
     hl = HandleLists(lists)
-    m = _Moments(src, hl, "spectrum", second=True)
-    for r, n in m.count.items():
-        kv = int(k.values[k.codes[r]])
-        if kv < 0:
-            raise QueryError(f"spectrum: k must be at least 1, got {kv}")
-        if n < 2:
-            continue
-        mu = m.total[r] / n
-        cov = (m.gram[r] - n * torch.outer(mu, mu)) / (n - 1)
-        vals = torch.linalg.eigvalsh(cov).flip(0)  # largest first
-        out[r] = vals[: kv or None].cpu().numpy()
+    d = max((s.d for s in src.sites.values()), default=1)
+    per = max(1, _GRAM_BYTES // (8 * d * d))  # lists whose [d, d] sums are held at once
+    for lo in range(0, hl.n, per):
+        m = _Moments(src, hl.owned_by(lo, lo + per), "spectrum", second=True)
+        for r, n in m.count.items():
+            kv = int(k.values[k.codes[r]])
+            if kv < 0:
+                raise QueryError(f"spectrum: k must be at least 1, got {kv}")
+            if n < 2:
+                continue
+            mu = m.total[r] / n
+            if r in m.rows:  # n <= d: the nonzero eigenvalues of Xc^T Xc are those of Xc Xc^T
+                xc = torch.cat(m.rows[r]) - mu
+                vals = torch.linalg.eigvalsh(xc @ xc.T / (n - 1))
+                vals = torch.cat([vals, vals.new_zeros(xc.shape[1] - n)])
+                vals = torch.sort(vals, descending=True).values
+            else:
+                cov = (m.gram[r] - n * torch.outer(mu, mu)) / (n - 1)
+                vals = torch.linalg.eigvalsh(cov).flip(0)  # largest first
+            out[r] = vals[: kv or None].cpu().numpy()
