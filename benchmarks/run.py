@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
             results.append(workloads.nearest(scan, repeats))
             results.append(workloads.contention(scan, repeats))
             results.append(workloads.function_scans(scan, repeats))
+            results.append(workloads.aggregates(scan, repeats))
             results.append(workloads.start_up(scan, repeats))
             results.append(workloads.memory(scan))
             results.append(workloads.storage(scan))

@@ -685,6 +685,84 @@ def function_scans(scan: ScanData, repeats: int) -> Result:
     return r
 
 
+# -- 13. vector aggregates ------------------------------------------------------------------
+
+
+def aggregates(scan: ScanData, repeats: int) -> Result:
+    """`mean_vector` per site and `spectrum` per prompt and of one whole site, against NumPy
+    over the same stored vectors (read from the Zarr arrays directly), float64."""
+    db = actdb.connect(scan.store, device=DEVICE)
+    site = scan.sites()[0]
+    runs = db.sql("SELECT prompt_id, row_start, n_tokens FROM prompt_runs ORDER BY prompt_id"
+                  ).fetchall()
+    n_prompts = min(len(runs), 256)
+    queries = {
+        "mean": "SELECT site, mean_vector(list(vec)) FROM acts GROUP BY site ORDER BY site",
+        "prompts": (f"SELECT prompt_id, spectrum(list(vec), 5) FROM acts WHERE site = '{site}' "
+                    f"AND prompt_id < {n_prompts} GROUP BY prompt_id ORDER BY prompt_id"),
+        "site": f"SELECT spectrum(list(vec), 5) FROM acts WHERE site = '{site}'",
+    }
+    times, answers = {}, {}
+    for key, query in queries.items():
+        def run(query: str = query) -> list[Any]:
+            db.drop_caches()
+            return db.sql(query).fetchall()
+
+        answers[key] = run()
+        times[key] = timed(run, repeats, warmup=False)
+    db.close()
+
+    group = scan._group()
+
+    def x_of(name: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        hi = scan.scale.scan_tokens if hi is None else hi
+        d16 = group[f"models/0/acts/{name}/direction"]
+        norm = group[f"models/0/acts/{name}/norm"]
+        return np.asarray(d16[lo:hi], np.float32) * np.asarray(norm[lo:hi])[:, None]
+
+    def numpy_means() -> list[np.ndarray]:
+        return [np.mean(x_of(name), axis=0, dtype=np.float64) for name in sorted(scan.sites())]
+
+    def eig5(x: np.ndarray) -> np.ndarray:
+        return np.linalg.eigvalsh(np.cov(x.astype(np.float64).T))[::-1][:5]
+
+    def numpy_prompts() -> list[np.ndarray]:
+        return [eig5(x_of(site, lo, lo + n)) for _, lo, n in runs[:n_prompts]]
+
+    def numpy_site() -> np.ndarray:
+        return eig5(x_of(site))
+
+    want = {"mean": numpy_means(), "prompts": numpy_prompts(), "site": numpy_site()}
+    t_numpy = {"mean": timed(numpy_means, repeats), "prompts": timed(numpy_prompts, repeats),
+               "site": timed(numpy_site, 1, warmup=False)}
+    spread = {
+        "mean": max(float(np.max(np.abs(np.asarray(got, np.float64) - w) / np.abs(w).max()))
+                    for (_, got), w in zip(answers["mean"], want["mean"], strict=True)),
+        "prompts": max(float(np.max(np.abs(np.asarray(got, np.float64) - w) / w[0]))
+                       for (_, got), w in zip(answers["prompts"], want["prompts"], strict=True)),
+        "site": float(np.max(np.abs(np.asarray(answers["site"][0][0], np.float64)
+                                    - want["site"]) / want["site"][0])),
+    }
+    r = Result(
+        title="13. Vector aggregates",
+        what=(f"`mean_vector(list(vec))` of each of {len(want['mean'])} sites "
+              f"({scan.scale.scan_tokens:,} vectors each), `spectrum(list(vec), 5)` of each of "
+              f"{n_prompts} prompts (fewer vectors than dimensions: an [n, n] eigenproblem) and "
+              f"of one whole site (a [d, d] one, d = {scan.scale.d}), against NumPy float64 over "
+              "the same stored vectors read from the Zarr arrays; spreads relative to the "
+              "largest value"),
+    )
+    labels = {"mean": "mean_vector per site", "prompts": "spectrum per prompt",
+              "site": "spectrum of a site"}
+    for key, label in labels.items():
+        r.figure(f"{label} (actdb, NumPy)", f"{times[key]:.2f} s, {t_numpy[key]:.2f} s "
+                                            f"(spread {spread[key]:.1e})")
+    for key, label in labels.items():
+        ratio = t_numpy[key] / times[key]
+        r.ratio(f"{label}: actdb / NumPy speed", ratio, "(information)", True)
+    return r
+
+
 # -- 9. start-up -----------------------------------------------------------------------------
 
 _START = """
