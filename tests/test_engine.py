@@ -25,6 +25,7 @@ from test_query_functions import (
     Rows,
     check_topk,
     close,
+    close_vectors,
     col,
     fetch,
     token_id,
@@ -102,6 +103,37 @@ def test_aggregates_in_bulk(big):
         close(g["c"], (unit(x[m]) @ a).mean(), atol=COS_TOL, what=f"avg {g['site']}")
         close(g["mx"], np.linalg.norm(x[m], axis=-1).max(), rtol=REL_TOL, what="max")
         close(g["s"], unit(x[m])[:, 5].sum(), atol=COS_TOL * m.sum() ** 0.5, what="sum")
+
+
+def test_list_results_from_windows_exact_rows_and_nulls(big):
+    """List results are built as Arrow blocks (lists.py): rows answered from windows, rows
+    computed exactly (a sparse second site in the same calls) and NULL arguments, put back
+    in their places."""
+    ref, db = big
+    walked, sparse = _site(db, "pre_mlp"), _site(db, "final")
+    q = (f"SELECT prompt_id, position, site, "
+         f"top_dims(CASE WHEN position % 3 = 0 THEN NULL ELSE vec END, 2) AS a, "
+         f"CASE WHEN position % 3 = 0 THEN NULL ELSE top_dims(vec, 2) END AS b, "
+         f"to_list(vec) AS l FROM acts "
+         f"WHERE site = '{walked}' OR (site = '{sparse}' AND position = 1)")
+    before = dict(db.stats)
+    rows = fetch(db, q)
+    assert db.stats["rows_bulk"] > before["rows_bulk"], db.stats
+    assert db.stats["rows_exact"] > before["rows_exact"], db.stats
+    assert {r["site"] for r in rows} == {walked, sparse}
+    x = Rows(ref, db, rows).x
+    close_vectors(np.array([r["l"] for r in rows]), x, what="to_list(vec)")
+    u = unit(x)
+    for r, ur in zip(rows, u, strict=True):
+        assert r["a"] == r["b"]
+        if r["position"] % 3 == 0:
+            assert r["a"] is None
+            continue
+        dims = [e["dim"] for e in r["a"]]
+        # the two largest |contributions| (float16 storage may swap near-ties)
+        close(np.abs(ur[dims]), np.sort(np.abs(ur))[::-1][:2], atol=COS_TOL, what="top_dims")
+        close(np.array([e["contribution"] for e in r["a"]]), ur[dims], atol=COS_TOL,
+              what="top_dims")
 
 
 def test_list_functions_in_bulk(big):

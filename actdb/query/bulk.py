@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from ..lazy import lazy_module
 from . import handles as H
+from .lists import ListResults
 from .vectors import VectorSource
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ Broadcast = Callable[[pa.Array, int], Any]
 @dataclass(kw_only=True)
 class _Window:
     lo: int  # first row
-    values: Any  # float64 [n] (NaN = NULL) or a list of n results
+    values: Any  # float64 [n] (NaN = NULL) or an Arrow array of n list results
 
     def __len__(self) -> int:
         return len(self.values)
@@ -61,9 +62,9 @@ class BulkEvaluator:
     """One tensor function with exactly one vec argument, evaluated for a DuckDB session."""
 
     def __init__(self, src: VectorSource, kernel: Kernel, *, scalar: bool, vec_at: int,
-                 convert: Convert, broadcast: Broadcast, max_rows: int,
-                 cache_rows: int) -> None:
-        self.src, self.kernel, self.scalar = src, kernel, scalar
+                 convert: Convert, broadcast: Broadcast, list_type: pa.DataType | None,
+                 max_rows: int, cache_rows: int) -> None:
+        self.src, self.kernel, self.scalar, self.list_type = src, kernel, scalar, list_type
         self.vec_at, self.convert, self.broadcast = vec_at, convert, broadcast
         self.max_rows, self.cache_rows = max_rows, cache_rows
         self._windows: OrderedDict[tuple[Any, ...], _Window] = OrderedDict()
@@ -74,7 +75,7 @@ class BulkEvaluator:
         self.rows_exact = 0  # rows computed as asked
 
     def evaluate(self, arrays: tuple[pa.Array, ...]) -> Any:
-        """Results for one call's rows (no NULLs among them): float64 [n] or a list of n."""
+        """Results for one call's rows (no NULLs among them): float64 [n] or ListResults."""
         handles = arrays[self.vec_at].to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         rest = [a for i, a in enumerate(arrays) if i != self.vec_at]
         key = _constant_key(rest)
@@ -86,7 +87,7 @@ class BulkEvaluator:
 
     def _evaluate(self, handles: np.ndarray, rest: list[pa.Array], key: tuple[Any, ...]) -> Any:
         n = len(handles)
-        out: Any = np.full(n, np.nan) if self.scalar else [None] * n
+        out: Any = np.full(n, np.nan) if self.scalar else ListResults(n)
         streams = handles >> H.STREAM_SHIFT  # stream, view and tag bits: one walk each
         first, last = int(streams.min()), int(streams.max())
         if first == last:
@@ -107,8 +108,7 @@ class BulkEvaluator:
                 else:
                     out[at] = window.values[local]
             else:
-                for j, i in enumerate(np.arange(n) if at is None else at):
-                    out[i] = window.values[local[j]]
+                out.put(np.arange(n) if at is None else at, window.values.take(pa.array(local)))
             self.rows_bulk += len(h)
         if exact:
             at = np.concatenate(exact) if len(exact) > 1 else exact[0]
@@ -116,8 +116,7 @@ class BulkEvaluator:
             if self.scalar:
                 out[at] = sub
             else:
-                for j, i in enumerate(at):
-                    out[i] = sub[j]
+                out.put(at, sub.arrow(self.list_type))
         return out
 
     def _window(self, stream: int, h: np.ndarray, key: tuple[Any, ...],
@@ -163,9 +162,9 @@ class BulkEvaluator:
     def _compute(self, stream: int, lo: int, hi: int, rest: list[pa.Array]) -> _Window:
         m = hi - lo
         handles = (np.int64(stream) << H.STREAM_SHIFT) | np.arange(lo, hi, dtype=np.int64)
-        out: Any = np.full(m, np.nan) if self.scalar else [None] * m
+        out: Any = np.full(m, np.nan) if self.scalar else ListResults(m)
         self.kernel(self.src, handles, out, *[self.broadcast(a.slice(0, 1), m) for a in rest])
-        return _Window(lo=lo, values=out)
+        return _Window(lo=lo, values=out if self.scalar else out.arrow(self.list_type))
 
     def _remember(self, wkey: tuple[Any, ...], window: _Window) -> None:
         old = self._windows.pop(wkey, None)
@@ -179,7 +178,7 @@ class BulkEvaluator:
     def _exact(self, handles: np.ndarray, rest: list[pa.Array]) -> Any:
         """The kernel over exactly these rows (their handles are checked as they decode)."""
         self.rows_exact += len(handles)
-        out: Any = np.full(len(handles), np.nan) if self.scalar else [None] * len(handles)
+        out: Any = np.full(len(handles), np.nan) if self.scalar else ListResults(len(handles))
         args = [self.convert(a) for a in rest]
         vecs: list[Any] = [handles]
         self.kernel(self.src, *vecs, out, *args)

@@ -17,6 +17,7 @@ from . import handles as H
 from .bulk import BulkEvaluator
 from .functions import ANCHORS, DIRECTION, FUNCTIONS, TOKEN, VEC, VECS, TensorFunction
 from .kernels import Arg
+from .lists import ListResults
 from .threads import torch_threads
 from .vectors import VectorSource
 
@@ -99,7 +100,8 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
         # A function of one vector and constant-able arguments: bulk-evaluated (bulk.py).
         evaluator = BulkEvaluator(
             src, kernel, scalar=scalar, vec_at=kinds.index(VEC), convert=Arg.of,
-            broadcast=Arg.repeat, max_rows=BULK_ROWS if scalar else BULK_LIST_ROWS,
+            broadcast=Arg.repeat, list_type=None if scalar else out_type,
+            max_rows=BULK_ROWS if scalar else BULK_LIST_ROWS,
             cache_rows=BULK_CACHE_ROWS if scalar else BULK_LIST_CACHE_ROWS,
         )
         bulk.append(evaluator)
@@ -117,7 +119,7 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
             else:
                 rest.append(Arg.of(a))
         n = len(arrays[0])
-        out: Any = np.full(n, np.nan) if scalar else [None] * n
+        out: Any = np.full(n, np.nan) if scalar else ListResults(n)
         kernel(src, *vecs, out, *rest)
         return out
 
@@ -140,11 +142,10 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
                 return pa.array(np.where(null, 0, sub).astype(np.int64), mask=null)
             return pa.array(sub, type=pa.float64(), mask=null)
         if keep is not None:
-            full_list: list[Any] = [None] * n
-            for j, i in enumerate(keep):
-                full_list[i] = sub[j]
-            sub = full_list
-        return pa.array(sub, type=out_type)
+            lists = ListResults(n)
+            lists.put(keep, sub.arrow(out_type))
+            sub = lists
+        return sub.arrow(out_type)
 
     return _with_arity(udf, len(kinds))
 

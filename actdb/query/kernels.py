@@ -18,6 +18,7 @@ from ..errors import QueryError
 from ..lazy import lazy_module
 from . import topk
 from .dots import row_dots
+from .lists import ListResults, float_lists, struct_lists
 from .threads import threads_for, torch_threads
 from .vectors import OFF_STREAM_ROLES, Group, VectorSource
 
@@ -302,35 +303,35 @@ def angle(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) ->
     out[:] = np.degrees(np.arccos(np.clip(out, -1.0, 1.0)))
 
 
-# -- list kernels: return one Python list (or None) per row ----------------------------------
+# -- list kernels: fill a ListResults (lists.py) with Arrow blocks of rows ------------------
 
 
-def nearest_anchors(src: VectorSource, h: np.ndarray, out: list[Any], k: Arg,
+def nearest_anchors(src: VectorSource, h: np.ndarray, out: ListResults, k: Arg,
                     anchors: Arg) -> None:
     for g in _lm_groups(src, h):
         _require_width("nearest_anchors", g, g.model.d_model, "d_model")
         u, ok = _unit(g.x)
-        strings = src.token_strings(g.model)
+        tokens = src.token_column(g.model)
         for (kv, a), pos in _per_value([k, anchors], g.index).items():
             a_set = src.anchors(g.model, a or None)
             kk = _check_k("nearest_anchors", kv, a_set.shape[0])
-            _topk_rows(u[pos], a_set, None, kk, g.index[pos], ok[pos], out, strings, "cosine")
+            _topk_rows(u[pos], a_set, None, kk, g.index[pos], ok[pos], out, tokens, "cosine")
 
 
-def top_logits(src: VectorSource, h: np.ndarray, out: list[Any], k: Arg) -> None:
+def top_logits(src: VectorSource, h: np.ndarray, out: ListResults, k: Arg) -> None:
     for g in _lm_groups(src, h):
         w, b = src.unembed(g.model)
         _require_width("top_logits", g, w.shape[1], "the LM head's width")
         hn = _final_normed(src, g)
-        strings = src.token_strings(g.model)
+        tokens = src.token_column(g.model)
         for (kv,), pos in _per_value([k], g.index).items():
             kk = _check_k("top_logits", kv, w.shape[0])
             ok = torch.ones(len(pos), dtype=torch.bool, device=hn.device)
-            _topk_rows(hn[pos], w, b, kk, g.index[pos], ok, out, strings, "logit", g.model)
+            _topk_rows(hn[pos], w, b, kk, g.index[pos], ok, out, tokens, "logit", g.model)
 
 
 def _topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
-               index: np.ndarray, ok: torch.Tensor, out: list[Any], strings: list[str | None],
+               index: np.ndarray, ok: torch.Tensor, out: ListResults, tokens: pa.Array,
                label: str, model: Any = None) -> None:
     lowp = topk.lowp_dtype(x.device)
     # The logit transform keeps ranks (so ranks are taken before it) unless its scale is not
@@ -348,33 +349,33 @@ def _topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
         else:
             vals, ids = topk.topk(block, w, b, k, lowp=lowp, transform=(
                 None if model is None else lambda v: _to_logits(model, v)))
-        vals_l, ids_l = vals.double().cpu().tolist(), ids.cpu().tolist()
-        oks = ok[lo : lo + _BLOCK].cpu().tolist()
-        for j, (vs, ts, good) in enumerate(zip(vals_l, ids_l, oks, strict=True)):
-            out[index[lo + j]] = [
-                {"token_id": t, "token": strings[t] if t < len(strings) else None, label: v}
-                for t, v in zip(ts, vs, strict=True)
-            ] if good else None
+        flat = ids.cpu().numpy().astype(np.int64).reshape(-1)
+        # an LM head may have more rows than the vocabulary has strings: those are NULL
+        strings = tokens.take(pa.array(flat, mask=flat >= len(tokens)))
+        out.put(index[lo : lo + block.shape[0]], struct_lists(k, {
+            "token_id": pa.array(flat), "token": strings,
+            label: pa.array(vals.double().cpu().numpy().reshape(-1)),
+        }, ok[lo : lo + block.shape[0]].cpu().numpy()))
 
 
-def top_dims(src: VectorSource, h: np.ndarray, out: list[Any], k: Arg) -> None:
+def top_dims(src: VectorSource, h: np.ndarray, out: ListResults, k: Arg) -> None:
     for g in src.groups(h):
-        u, ok = _unit(g.x)
-        for (kv,), pos in _per_value([k], g.index).items():
-            kk = _check_k("top_dims", kv, u.shape[-1])
-            c = u[pos]
-            _, dims = torch.topk(c.abs(), kk, dim=-1)
-            vals = torch.gather(c, 1, dims).double().cpu().tolist()
-            dims_l, oks = dims.cpu().tolist(), ok[pos].cpu().tolist()
-            for j, (ds, vs, good) in enumerate(zip(dims_l, vals, oks, strict=True)):
-                out[g.index[pos[j]]] = [
-                    {"dim": d, "contribution": v} for d, v in zip(ds, vs, strict=True)
-                ] if good else None
+        combos = _per_value([k], g.index)
+        for a, b, x in g.x_blocks():
+            u, ok = _unit(x)
+            for key, rows, at in _block_rows(combos, a, b):
+                c, kk = u[rows], _check_k("top_dims", key[0], x.shape[-1])
+                _, dims = torch.topk(c.abs(), kk, dim=-1)
+                vals = torch.gather(c, 1, dims)
+                out.put(g.index[at], struct_lists(kk, {
+                    "dim": pa.array(dims.cpu().numpy().astype(np.int64).reshape(-1)),
+                    "contribution": pa.array(vals.double().cpu().numpy().reshape(-1)),
+                }, ok[rows].cpu().numpy()))
 
 
-def to_list(src: VectorSource, h: np.ndarray, out: list[Any]) -> None:
+def to_list(src: VectorSource, h: np.ndarray, out: ListResults) -> None:
     for g in src.groups(h):
-        rows = g.x.cpu().numpy()
-        for j, i in enumerate(g.index):
-            out[i] = rows[j]
+        for a, b, x in g.x_blocks():
+            out.put(g.index[a:b], float_lists(x.cpu().numpy()))  # copied: x is a scratch
+
 

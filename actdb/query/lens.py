@@ -19,6 +19,7 @@ from ..errors import QueryError
 from ..lazy import lazy_module
 from .dots import row_dots
 from .kernels import Arg, _final_normed, _lm_groups, _per_value, _require_width, _to_logits
+from .lists import ListResults, float_lists
 from .vectors import VectorSource
 
 if TYPE_CHECKING:
@@ -161,7 +162,7 @@ def next_residual_site(src: VectorSource, model: Any, site: Any) -> Any:
     return chain[at + 1] if at + 1 < len(chain) else None
 
 
-def delta(src: VectorSource, h: np.ndarray, out: list[Any]) -> None:
+def delta(src: VectorSource, h: np.ndarray, out: ListResults) -> None:
     """x at the next residual site minus x here, same token; NULL where there is none."""
     for g in src.groups(h):
         if g.view != "raw":
@@ -174,6 +175,4 @@ def delta(src: VectorSource, h: np.ndarray, out: list[Any]) -> None:
                  .to(src.device).float()
                  * torch.from_numpy(src.field(g.model, nxt, "norm", g.rows, g.heads))
                  .to(src.device).unsqueeze(-1))
-        rows = (there - here).cpu().numpy()
-        for j, i in enumerate(g.index):
-            out[i] = rows[j]
+        out.put(g.index, float_lists((there - here).cpu().numpy()))

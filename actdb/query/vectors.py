@@ -10,6 +10,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 
 from .. import norms
 from ..errors import QueryError, TokenError
@@ -528,6 +529,19 @@ class VectorSource:
         return out
 
     # -- tokens ----------------------------------------------------------------------------
+
+    def token_column(self, model: ModelRecord) -> pa.Array:
+        """Each token id's string as one Arrow array (NULL where the vocabulary has none)."""
+        column = self._vocab_column[model.model_id]
+        if not isinstance(column, pa.Array):
+            with self._lock:
+                column = self._vocab_column[model.model_id]
+                if not isinstance(column, pa.Array):
+                    column = column.combine_chunks()
+                    if not len(column):
+                        column = pa.array([], pa.string())
+                    self._vocab_column[model.model_id] = column
+        return column
 
     def token_strings(self, model: ModelRecord) -> list[str | None]:
         """Each token id's string (None where the vocabulary has none)."""
