@@ -208,8 +208,10 @@ def test_damaged_vectors_are_found(copied: str) -> None:
         else:
             assert all(any(FOUND[how] in p for p in full) for how in DAMAGE.values())
         assert len(full) == 3 and len(quick) == 2
-        reads = {"list_sum(to_list(vec))": "direction", "norm": "norm", "mean": "mean"}
-        for column, field in reads.items():  # each reads one array
+        # each reads one array (a raw cosine reads the stored direction alone; `to_list`
+        # would read the norm too, which is damaged as well)
+        reads = {"cosine_to_anchor(vec, 5)": "direction", "norm": "norm", "mean": "mean"}
+        for column, field in reads.items():
             # (the `norm` and `mean` columns' reader reports it as a QueryError on main)
             with pytest.raises(actdb.ActdbError, match=f"'models/0/acts/final/{field}'.*"
                                                         "the store is damaged"):
