@@ -44,8 +44,8 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _ingest_in_process(store: Path, model: str) -> None:
-    actdb.ingest(store, model=model, prompts=PROMPTS, batch_size=1, device="cpu", name="m",
+def _ingest_in_process(store: Path, model: str, prompts: list[str] = PROMPTS) -> None:
+    actdb.ingest(store, model=model, prompts=prompts, batch_size=1, device="cpu", name="m",
                  chunk_tokens=8)
 
 
@@ -119,6 +119,17 @@ def test_kill_at_each_point_then_resume(
             assert committed < len(PROMPTS)
     if point.startswith("chunk_write"):
         assert _partials(store), "the kill mid-write should leave a temporary file"
+    _resume_and_compare(store, str(model_dir("gpt2")), reference)
+
+
+@pytest.mark.parametrize("split", [1, 7, 13, 17])
+def test_an_ingest_stopped_after_any_prompt_resumes_to_the_same_store(
+    tmp_path: Path, model_dir: Callable[[str], Path], reference: dict[str, object], split: int,
+) -> None:
+    """Where a run stops decides nothing stored: the logit check's recorded worst error
+    included (its sample is chosen by prompt id, not by the batch's place in this run)."""
+    store = tmp_path / "s.actdb"
+    _ingest_in_process(store, str(model_dir("gpt2")), PROMPTS[:split])
     _resume_and_compare(store, str(model_dir("gpt2")), reference)
 
 

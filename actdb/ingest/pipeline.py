@@ -40,8 +40,10 @@ from .sites import FoundSite, find_sites
 # Batches are buffered to at least this many token rows before a write and commit: fewer
 # DuckDB transactions and partial-chunk rewrites (a crash loses at most this much work).
 _FLUSH_TOKENS = 2048
-# Every this many batches (and the first), logits are recomputed from the store and compared
-# with the model's: the LM head runs on a few positions only, so the ingest stays fast.
+# About one batch in this many, logits are recomputed from the store and compared with the
+# model's: the LM head runs on a few positions only, so the ingest stays fast. The sample is
+# chosen by prompt id (see `_logit_sampled`), so a killed ingest that is resumed, or an ingest
+# split into shards, records the same worst error as one uninterrupted run.
 _LOGIT_CHECK_EVERY = 16
 
 
@@ -162,6 +164,10 @@ def ingest(
             )
         reg = _register(st, loaded, found, n_layers, model_name, sites, limit, chunk_tokens,
                         transform)
+        # The model's very first batch is part of the recorded sample; a resumed run (its
+        # first batch committed, the error with it) or a later shard does not add its own.
+        first_recorded = reg.record.logit_max_rel_error is None and (
+            shard_of is None or shard_of[0] == 0)
         work = _plan_work(st, reg.record.model, prompt_list, ids, truncated)
         records = [f.record for f in found]
         if shard_of is not None:
@@ -173,6 +179,7 @@ def ingest(
                     tokens_written=0, sites=len(found), bytes_stored=0, seconds=0.0,
                     note=nothing_to_do(st.location, reg.record.model, shard_of))
             reg, work = _enter_shard(st, reg, records, work, shard_of)
+            first_recorded = first_recorded and reg.record.logit_max_rel_error is None
         record = reg.record
         per_token = sum(_bytes_per_token(s) for s in records)
         tokens_todo = sum(len(w.ids) for w in work)
@@ -188,7 +195,8 @@ def ingest(
             recorded = LogitTransform(scale=reg.record.logit_scale,
                                       softcap=reg.record.logit_softcap, error=0.0)
             check = LogitCheck(final, head, recorded, loaded.device)
-        errors = _run(st, loaded, reg, found, work, batch_size, progress, check)
+        errors = _run(st, loaded, reg, found, work, batch_size, progress, check,
+                      first_recorded)
         if shard_of is not None:
             with st.backend.writing("the shard catalog"):
                 mark_finished(st.commits)
@@ -199,6 +207,14 @@ def ingest(
         bytes_stored=plan.bytes_estimate,
         seconds=time.perf_counter() - started, max_rel_error=errors,
     )
+
+
+def _logit_sampled(batch: list[Work], batch_size: int) -> bool:
+    """Whether `batch` is in the logit check's recorded sample: it holds a prompt whose id
+    is a multiple of `_LOGIT_CHECK_EVERY * batch_size` (about one batch in
+    `_LOGIT_CHECK_EVERY` when ids run in order), whichever run or shard meets it."""
+    every = _LOGIT_CHECK_EVERY * batch_size
+    return any(w.prompt_id % every == 0 for w in batch)
 
 
 def _enter_shard(st: Store, reg: _Registration, records: list[SiteRecord], work: list[Work],
@@ -456,6 +472,7 @@ def _drained(committer: ThreadPoolExecutor) -> Iterator[ThreadPoolExecutor]:
 def _run(
     st: Store, loaded: LoadedModel, reg: _Registration, found: list[FoundSite],
     work: list[Work], batch_size: int, progress: bool, check: LogitCheck | None,
+    first_recorded: bool,
 ) -> dict[str, float]:
     record, token_str = reg.record, reg.token_str
     records = [f.record for f in found]
@@ -519,9 +536,12 @@ def _run(
             mask = inputs["attention_mask"].bool()
             sink.start(mask)
             logit_error = None
-            # The first batch and a sample after also run the LM head, at a few positions,
-            # so that logits recomputed from the store are compared with the model's own.
-            checked = check is not None and (i // batch_size) % _LOGIT_CHECK_EVERY == 0
+            # The first batch of every run (a guard before anything is stored) and a sample
+            # also run the LM head, at a few positions, so that logits recomputed from the
+            # store are compared with the model's own. Only the sample (and the model's very
+            # first batch) is recorded: what a run checks beyond it must not change the store.
+            recorded = _logit_sampled(batch, batch_size) or (i == 0 and first_recorded)
+            checked = check is not None and (i == 0 or recorded)
             with torch.no_grad():
                 if check is not None and checked:
                     positions = check.positions(mask.shape[1])
@@ -543,7 +563,7 @@ def _run(
                         f"fields differ from the model's own by {logit_error:.3g} (relative), "
                         f"more than {LOGIT_LIMIT}; nothing of this batch was stored"
                     )
-            pending.append((batch, sink.out, sink.errors, logit_error))
+            pending.append((batch, sink.out, sink.errors, logit_error if recorded else None))
             n = sum(len(w.ids) for w in batch)
             buffered += n
             if buffered >= max(record.chunk_tokens, _FLUSH_TOKENS) or i + batch_size >= len(work):
