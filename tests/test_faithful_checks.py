@@ -21,6 +21,7 @@ from tiny_models import build_family_tokenizer
 from torch import nn
 
 import actdb
+from actdb import norms
 from actdb.errors import IngestError, ModelLoadError
 from actdb.ingest.probe import measure_norm
 
@@ -199,3 +200,30 @@ def test_a_version_1_store_reads_gemma_gains_as_raw_weights(
                      "AND site = 'final' AND position = 2 ORDER BY a.model").fetchall()
     assert [m for m, _ in pair] == ["again", "gemma"]
     np.testing.assert_allclose(pair[0][1], pair[1][1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(7, 16), (5, 3, 8)])
+def test_split_is_the_float64_direction_norm_and_mean_in_a_new_buffer(
+        shape: tuple[int, ...]) -> None:
+    """norms.split, which the ingest runs on every norm input, against NumPy float64: rows with
+    a zero or a NaN norm give an all-zero direction; the direction is a new tensor (the ingest
+    overwrites it with the rebuilt vector, which must never touch the model's activation)."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3)) * 40 + 3
+    x[1] = 0.0
+    x[2, ..., 0] = float("nan")
+    before = x.clone()
+    direction, norm, mean = norms.split(x)
+    ref = x.double().numpy()
+    ref_norm = np.linalg.norm(ref, axis=-1)
+    np.testing.assert_allclose(norm[3:].double().numpy(), ref_norm[3:], rtol=1e-6)
+    np.testing.assert_allclose(mean[3:].double().numpy(), ref.mean(-1)[3:], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(direction[3:].double().numpy(),
+                               ref[3:] / ref_norm[3:, ..., None], rtol=1e-6, atol=1e-7)
+    assert torch.all(direction[:3][~(norm[:3] > 0)] == 0)  # zero and NaN norms
+    assert torch.all(direction[0] != 0)
+    assert direction.data_ptr() != x.data_ptr() and torch.equal(
+        torch.nan_to_num(x), torch.nan_to_num(before))
+    # all norms nonzero: the fast path, the same values bit for bit
+    y = x[3:].clone()
+    ok = norms.split(y)[0]
+    assert torch.equal(ok, direction[3:]) and torch.equal(y, before[3:])

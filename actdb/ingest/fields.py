@@ -33,6 +33,7 @@ class SiteSink:
             for f in found
         }
         self.mask = torch.zeros(0, dtype=torch.bool)
+        self._no_padding = False
         self.out: dict[str, ActBatch] = {}
         self.errors: dict[str, float] = {}
         self._heads: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -40,6 +41,7 @@ class SiteSink:
     def start(self, mask: torch.Tensor) -> None:
         """A new forward pass over a batch whose real tokens are `mask` [B, T]."""
         self.mask = mask
+        self._no_padding = bool(mask.all())
         self.out, self.errors, self._heads = {}, {}, {}
 
     @torch.no_grad()
@@ -62,15 +64,20 @@ class SiteSink:
         b, t = self.mask.shape
         # Under a device_map the module may live on another device than the batch's mask.
         x, y = x.to(self.mask.device), y.to(self.mask.device)
-        x = x.reshape(b, t, *x.shape[-(2 if s.n_heads else 1):])[self.mask].float()
-        y = y.reshape(b, t, *y.shape[-(2 if s.n_heads else 1):])[self.mask].float()
+        shape = (b * t, *x.shape[-(2 if s.n_heads else 1):])
+        if self._no_padding:  # every position is a real token: views, not gathered copies
+            x, y = x.reshape(shape).float(), y.reshape(shape).float()
+        else:
+            x = x.reshape(b, t, *shape[1:])[self.mask].float()
+            y = y.reshape(b, t, *shape[1:])[self.mask].float()
         direction, norm, mean = norms.split(x)  # [n, (h,) d], [n, (h)], [n, (h)]
         direction16 = direction.half()
         gain, bias = self.params[s.site]
-        rebuilt = direction16.float() * norm.unsqueeze(-1)
+        # the vector rebuilt from what is stored, in the direction's buffer (a pass fewer)
+        rebuilt = direction.copy_(direction16).mul_(norm.unsqueeze(-1))
         y_hat = norms.apply(bool(s.centered), rebuilt, gain=gain, bias=bias, eps=s.eps)
-        err = torch.linalg.vector_norm(y_hat - y, dim=-1) / (
-            torch.linalg.vector_norm(y, dim=-1) + 1e-6)
+        err = torch.linalg.vector_norm(y_hat.sub_(y), dim=-1).div_(  # y_hat is a new tensor
+            torch.linalg.vector_norm(y, dim=-1).add_(1e-6))
         worst = float(err.max()) if err.numel() else 0.0
         if not worst <= FAITHFULNESS_LIMIT:
             raise IngestError(
