@@ -317,6 +317,32 @@ def test_aggregates_with_many_lists_in_small_blocks(reference, family_store, mon
                                rtol=2e-3, atol=2e-3 * np.abs(xr).max())
 
 
+def test_lists_with_null_entries_skip_them(reference, family_store):
+    """NULL handles in a list (a CASE without ELSE, an outer join) are skipped, and every other
+    handle keeps its exact row: lists of one real vector among NULLs, and of several."""
+    ref = reference("gpt2")
+    with actdb.connect(family_store("gpt2"), device="cpu") as db:
+        module = dict(db.sql("SELECT site, module FROM sites").fetchall())["blocks.1.ln1"]
+        rows = fetch(db, """
+            SELECT prompt_id AS p,
+                   mean_vector(list(CASE WHEN position = 3 THEN vec END)) AS one,
+                   mean_vector(list(CASE WHEN position % 2 = 1 THEN vec END)) AS odd,
+                   spectrum(list(CASE WHEN position % 2 = 1 THEN vec END), 2) AS s_odd,
+                   list(position) FILTER (WHERE position % 2 = 1) AS pos_odd
+            FROM acts WHERE site = 'blocks.1.ln1' AND n_tokens > 5
+            GROUP BY prompt_id ORDER BY prompt_id""")
+    x = ref.sites[module].x
+    assert len(rows) >= 3
+    for r in rows:
+        x3 = x[ref.rows([r["p"]], [3])][0]
+        np.testing.assert_allclose(r["one"], x3, rtol=2e-3, atol=2e-3 * np.abs(x3).max())
+        xo = x[ref.rows([r["p"]] * len(r["pos_odd"]), r["pos_odd"])]
+        np.testing.assert_allclose(r["odd"], xo.mean(0), rtol=2e-3,
+                                   atol=2e-3 * np.abs(xo).max())
+        want = np.linalg.eigvalsh(np.cov(xo.T))[::-1][:2]
+        np.testing.assert_allclose(r["s_odd"], want, rtol=5e-3, atol=1e-3 * want[0])
+
+
 def test_spectrum_and_mean_vector_edge_cases(family_store):
     with actdb.connect(family_store("qwen3"), device="cpu") as db:
         one = db.sql("SELECT spectrum(list(vec)), mean_vector(list(vec)) FROM acts "

@@ -45,7 +45,9 @@ class HandleLists:
         owner = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
         flat = pc.list_flatten(column)
         keep = ~flat.is_null().to_numpy(zero_copy_only=False)
-        self.handles = flat.to_numpy(zero_copy_only=False)[keep].astype(np.int64)
+        # NULLs dropped in Arrow: an int64 column with NULLs comes to NumPy as float64, which
+        # holds a handle (about 2^62) only to the nearest 1,024 rows
+        self.handles = pc.drop_null(flat).to_numpy(zero_copy_only=False).astype(np.int64)
         self.owner = owner[keep].astype(np.int64)
 
     def owned_by(self, lo: int, hi: int) -> HandleLists:
