@@ -766,3 +766,27 @@ def test_two_connections_open_at_once(family_store, database):
             second.close()
     finally:
         first.close()
+
+
+def test_vectors_out_of_sql_never_leave_a_row_unfilled(family_store, tmp_path):
+    """final_norm(vec) is NULL at q_norm/k_norm sites: db.vectors, export and dataset refuse
+    such rows with one sentence (they once returned whatever memory held there), and vectors
+    of two widths in one dataset are refused whichever batches they fall in."""
+    off = ("SELECT final_norm(vec) AS vec FROM acts WHERE model = 'qwen3' AND prompt_id = 0 "
+           "AND position = 0 AND role IN ('k_norm', 'pre_attn') ORDER BY site, head")
+    on = off.replace("'k_norm', 'pre_attn'", "'pre_attn'")
+    with actdb.connect(family_store("qwen3"), device="cpu") as db:
+        for call in (lambda: db.vectors(off), lambda: db.export(off, tmp_path / "x.npy"),
+                     lambda: list(db.dataset(off, batch_size=2))):
+            with pytest.raises(actdb.QueryError, match="final_norm"):
+                call()
+        want = np.array([r[0] for r in db.sql(on.replace("final_norm(vec) AS vec",
+                                                         "to_list(final_norm(vec))")).fetchall()])
+        np.testing.assert_allclose(db.vectors(on).numpy(), want, rtol=1e-6, atol=1e-6)
+        db.export(on, tmp_path / "on.npy")
+        np.testing.assert_allclose(np.load(tmp_path / "on.npy"), want, rtol=1e-6, atol=1e-6)
+        mixed = ("SELECT vec FROM acts WHERE model = 'qwen3' AND prompt_id = 0 AND position < 2 "
+                 "AND role IN ('k_norm', 'pre_attn') ORDER BY role, site, head")
+        assert len(db.sql(mixed).fetchall()) > 4  # more than two batches of 2
+        with pytest.raises(actdb.QueryError, match="different widths"):
+            list(db.dataset(mixed, batch_size=2))

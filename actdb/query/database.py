@@ -146,21 +146,7 @@ class Database:
             raise QueryError(f"column {column!r} holds NULL handles")
         handles = col.to_numpy().astype(np.int64)
         with torch_threads(1):
-            return self._gather(handles)
-
-    def _gather(self, handles: np.ndarray) -> torch.Tensor:
-        """[N, d]: the vectors of the handles, views applied."""
-        out: torch.Tensor | None = None
-        for g in self.source.groups(handles):
-            if out is None:
-                out = torch.empty((len(handles), g.x.shape[-1]), device=self.device)
-            if g.x.shape[-1] != out.shape[-1]:
-                raise QueryError(
-                    f"vectors() rows have different widths ({out.shape[-1]} and "
-                    f"{g.x.shape[-1]}); select one site width at a time"
-                )
-            out[torch.from_numpy(g.index).to(self.device)] = g.x
-        return out if out is not None else torch.empty((0, 0))
+            return self.source.gather(handles, self.device, "vectors() rows")
 
     def register(self, name: str, table: TableLike) -> None:
         """Add a named, read-only table that queries can join, e.g. labels for prompts.

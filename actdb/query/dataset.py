@@ -85,15 +85,8 @@ class VectorDataset(IterableDataset[Batch]):
             if handles.null_count:
                 raise QueryError(f"column {self.vec!r} holds NULL handles; filter them out")
             h = handles.to_numpy(zero_copy_only=False).astype(np.int64)
-            x: torch.Tensor | None = None
-            for g in db.source.groups(h):
-                if x is None:
-                    x = torch.empty((len(h), g.x.shape[-1]), device=db.device)
-                if g.x.shape[-1] != x.shape[-1]:
-                    raise QueryError(f"the selected vectors have different widths "
-                                     f"({x.shape[-1]} and {g.x.shape[-1]}); select one width")
-                x[torch.from_numpy(g.index).to(x.device)] = g.x
-            if x is not None:
+            if len(h):
+                x = db.source.gather(h, db.device, "the dataset's vectors")
                 yield x, {c: _column(batch.column(c)) for c in self.columns}
 
     def _batches(self, db: Database, rng: np.random.Generator, info: Any) -> Iterator[Batch]:
@@ -103,6 +96,9 @@ class VectorDataset(IterableDataset[Batch]):
         for x, cols in self._blocks(db, info):
             if buf_x is None:
                 buf_x, buf_c = x, cols
+            elif x.shape[1] != buf_x.shape[1]:
+                raise QueryError(f"the dataset's vectors have different widths "
+                                 f"({buf_x.shape[1]} and {x.shape[1]}); select one width")
             else:
                 buf_x = torch.cat([buf_x, x])
                 buf_c = {c: _concat(buf_c[c], v) for c, v in cols.items()}

@@ -137,15 +137,13 @@ def _with_vectors(db: Database, result: Result, vec: str, rows_per_batch: int
         if col.null_count:
             raise QueryError(f"column {vec!r} holds NULL handles; filter them out to export")
         handles = col.to_numpy(zero_copy_only=False).astype(np.int64)
-        x = np.empty((len(handles), width or 0), np.float32)
-        for g in db.source.groups(handles):
-            if width is None:
-                width = int(g.x.shape[-1])
-                x = np.empty((len(handles), width), np.float32)
-            if g.x.shape[-1] != width:
-                raise QueryError(f"the selected vectors have different widths ({width} and "
-                                 f"{g.x.shape[-1]}); export one site width at a time")
-            x[g.index] = g.x.float().cpu().numpy()
+        if not len(handles):
+            continue
+        x = db.source.gather(handles, "cpu", "the exported vectors").numpy()
+        if width is not None and x.shape[1] != width:
+            raise QueryError(f"the exported vectors have different widths ({width} and "
+                             f"{x.shape[1]}); export one site width at a time")
+        width = x.shape[1]
         yield batch.drop_columns([vec]), x
 
 

@@ -401,6 +401,29 @@ class VectorSource:
             yield a - lo, b - lo, (part[np.arange(b - a), heads[a - lo : b - lo]] if site.n_heads
                                    else part)
 
+    def gather(self, handles: np.ndarray, device: torch.device | str, what: str
+               ) -> torch.Tensor:
+        """float32 [n, d] on `device`: the vectors of `handles` (no NULLs), views applied, in
+        their order; [0, 0] for none. `what` names the rows in errors. A QueryError when they
+        have different widths, or when a row's vector is NULL (`final_norm` of a vector off
+        the residual stream): never a row left unfilled."""
+        out: torch.Tensor | None = None
+        filled = 0
+        for g in self.groups(handles):
+            if out is None:
+                out = torch.empty((len(handles), g.x.shape[-1]), device=device)
+            if g.x.shape[-1] != out.shape[-1]:
+                raise QueryError(f"{what} have different widths ({out.shape[-1]} and "
+                                 f"{g.x.shape[-1]}); select one site width at a time")
+            out[torch.from_numpy(g.index).to(out.device)] = g.x.to(out.device)
+            filled += len(g.index)
+        if filled != len(handles):
+            raise QueryError(
+                f"{what} include final_norm(vec) of {len(handles) - filled} rows at q_norm, "
+                "k_norm or inner sites, which is NULL (those vectors never meet the final "
+                "norm); filter them out, e.g. WHERE role NOT IN ('q_norm', 'k_norm', 'inner')")
+        return out if out is not None else torch.empty((0, 0), device=device)
+
     def groups(self, handles: np.ndarray) -> Iterator[Group]:
         """Split a batch of handles by (model, site, view); fields are read when first used.
         A value that is not a handle of this store is a QueryError (handles.Codec)."""
