@@ -168,6 +168,13 @@ def test_lens_is_null_off_the_residual_stream(family_store):
     assert off and on
     assert all(v is None for r in off for v in r[1:7])
     assert all(v is not None for r in on for v in r[1:7])
+    # a target off the stream: NULL too, whether or not the call holds any row on it
+    with actdb.connect(family_store("qwen3"), device="cpu") as db:
+        for where in ("t.role = 'k_norm'", "t.role IN ('k_norm', 'final')"):
+            kl = db.sql("SELECT t.role, kl_to(a.vec, t.vec) FROM acts a JOIN acts t "
+                        "USING (prompt_id, position) WHERE a.site = 'final' AND a.prompt_id = 0 "
+                        f"AND {where}").fetchall()
+            assert kl and all((v is None) == (role == "k_norm") for role, v in kl), kl
 
 
 def test_lens_bad_token_and_doc_bounds(family_store):

@@ -121,6 +121,8 @@ def kl_to(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) ->
     for mid, hv_all in v.hn.items():
         model = src.model(mid)
         rows = np.nonzero((v.model_id == mid) & both)[0]
+        if not len(rows):  # every target off the residual stream: NULL
+            continue
         at = torch.from_numpy(rows).to(src.device)
         hv, ht = hv_all[at], target.hn[mid][at]
         for (lo, hi, lv), (_, _, lt) in zip(v.logits(model, hv), target.logits(model, ht),
