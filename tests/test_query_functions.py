@@ -790,3 +790,26 @@ def test_vectors_out_of_sql_never_leave_a_row_unfilled(family_store, tmp_path):
         assert len(db.sql(mixed).fetchall()) > 4  # more than two batches of 2
         with pytest.raises(actdb.QueryError, match="different widths"):
             list(db.dataset(mixed, batch_size=2))
+
+
+def test_cosine_pairs_rows_of_different_widths_in_one_call(family_store):
+    """A self-join across layers over sites of two widths (the residual stream and per-head
+    k_norm) in one call: each row is the cosine of its own pair, equal to the same query per
+    width and to float64 NumPy; a NULL vector (final_norm of a k_norm row) gives NULL."""
+    pairs = ("FROM acts a JOIN acts b ON a.prompt_id = b.prompt_id AND a.position = b.position "
+             "AND a.role = b.role AND b.layer = a.layer + 1 AND a.head IS NOT DISTINCT FROM "
+             "b.head WHERE a.prompt_id < 3 AND a.role IN ({roles})")
+    q = ("SELECT a.role, cosine(a.vec, b.vec) AS c, to_list(a.vec) AS x, to_list(b.vec) AS y "
+         + pairs + " ORDER BY a.role, a.prompt_id, a.position, a.layer, a.head")
+    with actdb.connect(family_store("qwen3"), device="cpu") as db:
+        mixed = db.sql(q.format(roles="'k_norm', 'pre_attn'")).fetchall()
+        alone = (db.sql(q.format(roles="'k_norm'")).fetchall()
+                 + db.sql(q.format(roles="'pre_attn'")).fetchall())
+        nulls = db.sql("SELECT cosine(a.vec, final_norm(b.vec)) "
+                       + pairs.format(roles="'k_norm'")).fetchall()
+    assert {r[0] for r in mixed} == {"k_norm", "pre_attn"}
+    assert [r[1] for r in mixed] == [r[1] for r in alone]
+    for _, c, x, y in mixed:
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert abs(c - x @ y / np.linalg.norm(x) / np.linalg.norm(y)) < 1e-6
+    assert nulls and all(v is None for (v,) in nulls)

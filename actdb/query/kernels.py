@@ -275,27 +275,38 @@ def vec_norm(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:
             out[g.index[a:b]] = torch.linalg.vector_norm(x, dim=-1).double().cpu().numpy()
 
 
-def _gather(src: VectorSource, h: np.ndarray, name: str) -> torch.Tensor:
-    parts: list[tuple[np.ndarray, torch.Tensor]] = [(g.index, g.x) for g in src.groups(h)]
-    widths = {x.shape[-1] for _, x in parts}
-    if len(widths) > 1:
-        raise QueryError(f"{name} needs two vectors of the same width; got widths {sorted(widths)}")
-    x = torch.zeros((len(h), widths.pop() if widths else 0), device=src.device)
-    for index, part in parts:
-        x[torch.from_numpy(index).to(src.device)] = part
-    return x
+def _by_width(src: VectorSource, h: np.ndarray) -> tuple[np.ndarray, dict[int, torch.Tensor]]:
+    """Each row's width (0 where its vector is NULL: final_norm off the residual stream) and,
+    for each width, float32 [len(h), width] holding the rows of that width (zeros elsewhere):
+    one call may pair rows of sites of different widths (a self-join across layers)."""
+    widths = np.zeros(len(h), dtype=np.int64)
+    parts: dict[int, torch.Tensor] = {}
+    for g in src.groups(h):
+        x = g.x
+        w = int(x.shape[-1])
+        if w not in parts:
+            parts[w] = torch.zeros((len(h), w), device=src.device)
+        parts[w][torch.from_numpy(g.index).to(src.device)] = x
+        widths[g.index] = w
+    return widths, parts
 
 
 def cosine(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) -> None:
-    a, b = _gather(src, h1, "cosine"), _gather(src, h2, "cosine")
-    if a.shape[-1] != b.shape[-1]:
+    """Row by row; NULL where either vector is zero or NULL."""
+    wa, xa = _by_width(src, h1)
+    wb, xb = _by_width(src, h2)
+    bad = np.nonzero((wa > 0) & (wb > 0) & (wa != wb))[0]
+    if len(bad):
+        i = int(bad[0])
         raise QueryError(
-            f"cosine needs two vectors of the same width; got {a.shape[-1]} and {b.shape[-1]}"
-        )
-    ua, oka = _unit(a)
-    ub, okb = _unit(b)
-    cos = row_dots(ua, ub)
-    out[:] = torch.where(oka & okb, cos, torch.nan).double().cpu().numpy()
+            f"cosine needs two vectors of the same width; got {wa[i]} and {wb[i]}")
+    for w in sorted(set(xa) & set(xb)):
+        rows = np.nonzero((wa == w) & (wb == w))[0]
+        at = torch.from_numpy(rows).to(src.device)
+        ua, oka = _unit(xa[w][at])
+        ub, okb = _unit(xb[w][at])
+        cos = row_dots(ua, ub)
+        out[rows] = torch.where(oka & okb, cos, torch.nan).double().cpu().numpy()
 
 
 def angle(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) -> None:
