@@ -193,3 +193,28 @@ def test_ingest_stops_at_the_limits(tmp_path: Path, model_dir: Callable[[str], P
         rows, sites = db.sql("SELECT n_rows, n_sites FROM models").fetchall()[0]
         assert rows <= 5  # the commits that fit, if any (batches commit a chunk at a time)
         assert db.sql("SELECT count(*) FROM acts").fetchall()[0][0] == rows * sites
+
+
+def test_a_handle_of_another_store_is_refused(family_store: Callable[[str], Path],
+                                              model_dir: Callable[[str], Path],
+                                              tmp_path: Path) -> None:
+    """Two stores of the same model and prompts, open in one process: a handle of one is not a
+    handle of the other (it used to read the other store's row at the same stream and row).
+    The same store opened twice agrees on its handles (workers of a cluster query do too)."""
+    from conftest import PROMPTS
+
+    other = tmp_path / "other.actdb"
+    actdb.ingest(other, model=str(model_dir("gpt2")), prompts=PROMPTS, device="cpu",
+                 name="gpt2", batch_size=2)
+    pick = ("SELECT vec FROM acts WHERE prompt_id = 0 AND position = 1 "
+            "AND site = 'blocks.1.ln1'")
+    with actdb.connect(family_store("gpt2"), device="cpu") as a, \
+            actdb.connect(other, device="cpu") as b, \
+            actdb.connect(family_store("gpt2"), device="cpu") as a2:
+        assert a.source.codec.salt != b.source.codec.salt
+        (hb,), = b.sql(pick).fetchall()
+        (ha,), = a.sql(pick).fetchall()
+        with pytest.raises(QueryError, match="is not a vec handle of this store"):
+            a.sql("SELECT vec_norm($h::BIGINT)", params={"h": hb}).fetchall()
+        (mine,), = a.sql("SELECT vec_norm(vec) FROM (" + pick + ")").fetchall()
+        assert a2.sql("SELECT vec_norm($h::BIGINT)", params={"h": ha}).fetchall() == [(mine,)]

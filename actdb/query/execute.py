@@ -211,7 +211,8 @@ def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox
             "INSERT INTO _actdb_streams SELECT unnest($1), unnest($2), unnest($3), unnest($4)",
             [[names[s.model_id] for s in streams],
              [src.site(s.model_id, s.site_id).site for s in streams],
-             [s.head if s.head >= 0 else None for s in streams], list(range(len(streams)))],
+             [s.head if s.head >= 0 else None for s in streams],
+             [src.codec.code(i) for i in range(len(streams))]],
         )
     handle = H.encode_sql('t."row"', "h.stream")
     con.execute(f"""

@@ -3,7 +3,9 @@
 Bits, low to high (docs/FORMAT.md, "Handles"):
     0-37   row: the token row in the model's arrays (store/limits.py: ROW_BITS)
     38-57  stream: a (model, site, head) triple of the store (store/limits.py: STREAM_BITS),
-           numbered 0, 1, ... in (model_id, site_id, head) order when the store is opened
+           numbered 0, 1, ... in (model_id, site_id, head) order when the store is opened,
+           plus the store's salt (modulo 2^20): a number drawn from the store's models, so
+           that a handle of another store opened in the same process names no stream here
     58-59  view: raw, normalized, normed, final_norm
     60-62  tag 0b101; bit 63 (the sign) is 0
 A handle is a plain integer in SQL, so DuckDB joins, filters and sorts rows that carry one
@@ -59,7 +61,7 @@ class Codec:
     """The store's streams, numbered: turns handles into (model, site, head, row, view) and
     refuses any value that is not a handle of this store."""
 
-    def __init__(self, streams: Iterable[Stream]) -> None:
+    def __init__(self, streams: Iterable[Stream], salt: int = 0) -> None:
         ordered = sorted(streams, key=lambda s: (s.model_id, s.site_id, s.head))
         if len(ordered) > MAX_STREAMS:
             raise QueryError(f"the store holds {len(ordered)} (model, site, head) streams, more "
@@ -69,11 +71,21 @@ class Codec:
         self._site = np.array([s.site_id for s in ordered], dtype=np.int64)
         self._head = np.array([s.head for s in ordered], dtype=np.int64)
         self._rows = np.array([s.n_rows for s in ordered], dtype=np.int64)
+        self.salt = salt & STREAM_MASK
+
+    def code(self, index: int) -> int:
+        """The stream bits that handles of stream `index` carry."""
+        return (index + self.salt) & STREAM_MASK
+
+    def stream(self, bits: int) -> Stream:
+        """The stream named by a handle shifted right by STREAM_SHIFT (view and tag bits are
+        ignored); the handle must have been decoded (checked) already."""
+        return self.streams[((bits & STREAM_MASK) - self.salt) & STREAM_MASK]
 
     def decode(self, h: np.ndarray) -> Decoded:
         """Fields of a batch of handles; a QueryError naming the first value that is not one."""
         h = np.asarray(h).astype(np.int64, copy=False)
-        stream = (h >> STREAM_SHIFT) & STREAM_MASK
+        stream = ((h >> STREAM_SHIFT) - self.salt) & STREAM_MASK
         row = h & ROW_MASK
         bad_tag = (h >> TAG_SHIFT) != TAG  # also every negative value
         known = stream < len(self.streams)
@@ -94,8 +106,9 @@ class Codec:
                     f"acts.vec); {_ADVICE}")
         if not known:
             return (f"{value} is not a vec handle of this store: it names no model, site and "
-                    f"head of the store; {_ADVICE}")
-        stream = self.streams[(value >> STREAM_SHIFT) & STREAM_MASK]
+                    f"head of the store (a handle of another store, or changed by arithmetic); "
+                    f"{_ADVICE}")
+        stream = self.stream(value >> STREAM_SHIFT)
         return (f"{value} is not a vec handle of this store: row {row} is past the "
                 f"{stream.n_rows} rows stored for its model; {_ADVICE}")
 

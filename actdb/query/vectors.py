@@ -196,11 +196,11 @@ class VectorSource:
         for m in self.models.values():
             for s in store.catalog.sites(m.model):
                 self.sites[(m.model_id, s.site_id)] = s
-        self.codec = H.Codec(
+        self.codec = H.Codec((
             H.Stream(model_id=mid, site_id=sid, head=head, n_rows=self.models[mid].n_rows)
             for (mid, sid), s in self.sites.items()
             for head in (range(s.n_heads) if s.n_heads else (-1,))
-        )
+        ), salt=_salt(store))
         self._weights: dict[tuple[object, ...], torch.Tensor | None] = {}
         self._vocab: dict[int, dict[str, list[int]]] = {}
         self._tokens: dict[int, list[str | None]] = {}
@@ -618,6 +618,18 @@ class VectorSource:
 
         tok = AutoTokenizer.from_pretrained(str(folder))
         return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _salt(store: Store) -> int:
+    """The store's handle salt (handles.py): drawn from its models' names and registration
+    times, so two stores (even of the same models) number their streams differently, while
+    every session and worker on one store agrees."""
+    import hashlib
+
+    rows = store.catalog.con.execute(
+        "SELECT model, created_at::VARCHAR FROM models ORDER BY model_id").fetchall()
+    digest = hashlib.sha256(repr(rows).encode()).digest()
+    return int.from_bytes(digest[:4], "little")
 
 
 def _segments(runs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
