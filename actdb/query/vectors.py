@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -624,8 +625,6 @@ def _salt(store: Store) -> int:
     """The store's handle salt (handles.py): drawn from its models' names and registration
     times, so two stores (even of the same models) number their streams differently, while
     every session and worker on one store agrees."""
-    import hashlib
-
     rows = store.catalog.con.execute(
         "SELECT model, created_at::VARCHAR FROM models ORDER BY model_id").fetchall()
     digest = hashlib.sha256(repr(rows).encode()).digest()
