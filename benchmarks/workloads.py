@@ -314,8 +314,9 @@ def _scan_profile(ours: ActdbScan, times: dict[str, float], rate: dict[str, floa
     total = cum(lambda f, n: n == "submit" and "duckdb" in f)
     # Chunk reads: those made on the query's thread plus waits for the read-ahead thread's.
     reads = cum(lambda f, n: f.endswith("vectors.py") and n == "get")
-    compute = cum(lambda f, n: "copy_" in n or "torch.mm" in n or n == "<built-in method mm>",
-                  tot=True)
+    # the compiled kernel (actdb/_native.c), or torch's conversion and product without it
+    compute = cum(lambda f, n: "f16_dots" in n or "copy_" in n or "mul_" in n
+                  or "built-in method sum" in n, tot=True)
     udf = cum(lambda f, n: f.endswith("execute.py") and n == "udf")
     calls = sum(st[1] for (f, _, n), st in stats.items() if f.endswith("execute.py") and n == "udf")
     glue = max(udf - reads - compute, 0.0)
@@ -325,8 +326,8 @@ def _scan_profile(ours: ActdbScan, times: dict[str, float], rate: dict[str, floa
         f"Targets missed in this run. Where the time goes (one scan under cProfile, "
         f"{total:.2f} s with profiling): reading "
         f"chunk files or waiting for the read-ahead thread {reads / total:.0%}, "
-        f"float16-to-float32 conversion and the matrix "
-        f"product {compute / total:.0%}, per-batch Python work in the UDF (argument "
+        f"float16-to-float32 conversion and the dot "
+        f"products {compute / total:.0%}, per-batch Python work in the UDF (argument "
         f"decoding, grouping, chunk bookkeeping) {glue / total:.0%}, DuckDB itself (the "
         f"join that makes `acts`, calling {calls} UDF batches of at most 2,048 rows, the "
         f"aggregate) {outside / total:.0%}.",

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 else:
     torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
+try:  # the compiled scan kernel (actdb/_native.c), built at install when a C compiler is there
+    from .. import _native
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _native = None  # type: ignore[assignment]
+
 INT_TYPES = {"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT",
              "UINTEGER", "UBIGINT", "UHUGEINT"}
 ANCHOR_SETS = ("unembed", "embed", "unembed_folded")
@@ -272,17 +277,26 @@ class VectorSource:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def project(self, g: Group, v: torch.Tensor) -> torch.Tensor:
-        """float32 [n]: the group's stored unit directions dotted with `v` [d] (dots.py).
+        """float32 [n]: the group's stored unit directions dotted with `v` [d], each row
+        reduced on its own in an order fixed by d (dots.py).
 
-        On the CPU each chunk's piece is converted to float32 and multiplied by `v` in a small
-        scratch buffer that stays in cache, then summed row by row: the
-        float32 copy of a batch never travels to main memory (measured: a third less time on
-        a full scan than converting the batch).
+        On the CPU, each chunk's float16 piece goes through the compiled kernel
+        (`actdb._native.f16_dots`): converted in registers and multiplied-added in one pass,
+        with the GIL released so the read-ahead thread runs beside it (a full scan's product
+        3x faster than torch's three passes). Without the compiled module, torch converts
+        each piece to float32 in a small scratch buffer that stays in cache, multiplies and
+        sums row by row (the same values up to float32 rounding).
         """
         if self.device.type != "cpu":
             return row_dots(g.direction.float(), v)
         n, d = len(g.rows), g.site.d
         out = torch.empty(n)
+        if _native is not None:
+            vv = np.ascontiguousarray(v.numpy(), dtype=np.float32)
+            res = out.numpy()
+            for a, b, part in self._pieces(g.model, g.site, "direction", g.rows, g.heads):
+                _native.f16_dots(np.ascontiguousarray(part), vv, res[a:b])
+            return out
         scratch = getattr(self._local, "scratch", None)
         step = max(1, _SCRATCH_FLOATS // d)
         if scratch is None or scratch.numel() < step * d:

@@ -1,0 +1,493 @@
+/* actdb._native: the full scan's inner loops, compiled.
+
+   read_chunks(paths, buf, tail, check): the chunk files of a run read into their places in
+   one buffer and their CRC-32C checked, with the GIL released for the whole run (below).
+
+   f16_dots(x, v, out): out[i] = sum_j float(x[i, j]) * v[j] for a C-contiguous float16 matrix
+   x [n, d], a float32 vector v [d] and a float32 vector out [n], in one pass over x (the
+   float16 values converted in registers, never written out as float32), with the GIL
+   released.
+
+   Each row is reduced on its own, in an order fixed by d alone: 32 float32 partial sums
+   (lane k takes the elements j = k mod 32 of the row's first d - d mod 32, each step one fused
+   multiply-add), added pairwise (16 + 16, 8 + 8, 4 + 4, 2 + 2, 1 + 1), then the remaining
+   d mod 32 products added in order with fused multiply-adds. A row's value therefore never
+   depends on the rows computed with it (docs/ENGINE.md, "A row's value does not depend on its
+   neighbours"), and the portable C path computes exactly the AVX2 path's operations, so both
+   give the same bits (tests/test_native.py checks it).
+
+   Python 3.11's C API, no NumPy headers: arguments are buffers. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <sys/uio.h>
+#include <unistd.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define ACTDB_X86 1
+#include <immintrin.h>
+#endif
+
+/* IEEE binary16 -> binary32, exact for every value (subnormals, infinities, NaN payloads). */
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {
+        /* subnormal: normalise the mantissa */
+        int e = -1;
+        do {
+            man <<= 1;
+            e++;
+        } while ((man & 0x400u) == 0);
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static float finish(float *acc, const uint16_t *row, const float *v, Py_ssize_t body,
+                    Py_ssize_t d) {
+    for (int w = 16; w >= 1; w /= 2) {
+        for (int k = 0; k < w; k++) {
+            acc[k] = acc[k] + acc[k + w];
+        }
+    }
+    float s = acc[0];
+    for (Py_ssize_t j = body; j < d; j++) {
+        s = fmaf(half_to_float(row[j]), v[j], s);
+    }
+    return s;
+}
+
+static void dots_portable(const uint16_t *x, const float *v, float *out, Py_ssize_t n,
+                          Py_ssize_t d) {
+    Py_ssize_t body = d - d % 32;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint16_t *row = x + i * d;
+        float acc[32] = {0};
+        for (Py_ssize_t j = 0; j < body; j += 32) {
+            for (int k = 0; k < 32; k++) {
+                acc[k] = fmaf(half_to_float(row[j + k]), v[j + k], acc[k]);
+            }
+        }
+        out[i] = finish(acc, row, v, body, d);
+    }
+}
+
+#ifdef ACTDB_X86
+__attribute__((target("avx2,fma,f16c")))
+static void dots_avx2(const uint16_t *x, const float *v, float *out, Py_ssize_t n,
+                      Py_ssize_t d) {
+    Py_ssize_t body = d - d % 32;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint16_t *row = x + i * d;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        for (Py_ssize_t j = 0; j < body; j += 32) {
+            __m256 x0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + j)));
+            __m256 x1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + j + 8)));
+            __m256 x2 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + j + 16)));
+            __m256 x3 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + j + 24)));
+            a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(v + j), a0);
+            a1 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(v + j + 8), a1);
+            a2 = _mm256_fmadd_ps(x2, _mm256_loadu_ps(v + j + 16), a2);
+            a3 = _mm256_fmadd_ps(x3, _mm256_loadu_ps(v + j + 24), a3);
+        }
+        float acc[32];
+        _mm256_storeu_ps(acc, a0);
+        _mm256_storeu_ps(acc + 8, a1);
+        _mm256_storeu_ps(acc + 16, a2);
+        _mm256_storeu_ps(acc + 24, a3);
+        out[i] = finish(acc, row, v, body, d);
+    }
+}
+#endif
+
+
+/* -- CRC-32C (Castagnoli), as Zarr's crc32c codec and the crc32c package compute it ----------
+
+   With SSE4.2, three streams of the crc32 instruction over three consecutive blocks, joined by
+   shifting the earlier streams' CRCs over the later blocks' lengths (a linear map over GF(2),
+   tabulated at import); without it, a table a byte. The method is Mark Adler's (crc32c.c,
+   zlib licence). tests/test_native.py checks both paths against the crc32c package. */
+
+#define CRC_POLY 0x82f63b78u
+#define CRC_LONG 8192
+#define CRC_SHORT 256
+
+static uint32_t crc_table[256];
+static uint32_t crc_long[4][256], crc_short[4][256];
+static int crc_hw = 0;
+
+static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
+    uint32_t sum = 0;
+    while (vec) {
+        if (vec & 1) {
+            sum ^= *mat;
+        }
+        vec >>= 1;
+        mat++;
+    }
+    return sum;
+}
+
+static void gf2_square(uint32_t *square, const uint32_t *mat) {
+    for (int n = 0; n < 32; n++) {
+        square[n] = gf2_times(mat, mat[n]);
+    }
+}
+
+/* The operator that appends `len` zero bytes to a CRC (len a power of two at least 1). */
+static void crc_zeros_op(uint32_t *even, size_t len) {
+    uint32_t odd[32];
+    uint32_t row = 1;
+    odd[0] = CRC_POLY; /* one zero bit */
+    for (int n = 1; n < 32; n++) {
+        odd[n] = row;
+        row <<= 1;
+    }
+    gf2_square(even, odd); /* two zero bits */
+    gf2_square(odd, even); /* four zero bits */
+    /* odd: one zero byte's operator minus one squaring; square until len is consumed */
+    do {
+        gf2_square(even, odd);
+        len >>= 1;
+        if (len == 0) {
+            return;
+        }
+        gf2_square(odd, even);
+        len >>= 1;
+    } while (len);
+    memcpy(even, odd, sizeof odd);
+}
+
+static void crc_zeros(uint32_t zeros[4][256], size_t len) {
+    uint32_t op[32];
+    crc_zeros_op(op, len);
+    for (uint32_t n = 0; n < 256; n++) {
+        zeros[0][n] = gf2_times(op, n);
+        zeros[1][n] = gf2_times(op, n << 8);
+        zeros[2][n] = gf2_times(op, n << 16);
+        zeros[3][n] = gf2_times(op, n << 24);
+    }
+}
+
+static uint32_t crc_shift(uint32_t zeros[4][256], uint32_t crc) {
+    return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^ zeros[2][(crc >> 16) & 0xff] ^
+           zeros[3][crc >> 24];
+}
+
+static void crc_init(void) {
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++) {
+            c = c & 1 ? (c >> 1) ^ CRC_POLY : c >> 1;
+        }
+        crc_table[n] = c;
+    }
+    crc_zeros(crc_long, CRC_LONG);
+    crc_zeros(crc_short, CRC_SHORT);
+}
+
+static uint32_t crc32c_portable(const unsigned char *p, size_t len) {
+    uint32_t crc = 0xffffffffu;
+    while (len--) {
+        crc = crc_table[(crc ^ *p++) & 0xff] ^ (crc >> 8);
+    }
+    return crc ^ 0xffffffffu;
+}
+
+#ifdef ACTDB_X86
+__attribute__((target("sse4.2")))
+static uint32_t crc32c_sse42(const unsigned char *next, size_t len) {
+    uint64_t crc0 = 0xffffffffu, crc1, crc2;
+    uint64_t word;
+    while (len && ((uintptr_t)next & 7) != 0) {
+        crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
+        len--;
+    }
+    for (size_t block = CRC_LONG; block >= CRC_SHORT; block = CRC_SHORT) {
+        uint32_t (*zeros)[256] = block == CRC_LONG ? crc_long : crc_short;
+        while (len >= 3 * block) {
+            const unsigned char *end = next + block;
+            crc1 = 0;
+            crc2 = 0;
+            do {
+                memcpy(&word, next, 8);
+                crc0 = _mm_crc32_u64(crc0, word);
+                memcpy(&word, next + block, 8);
+                crc1 = _mm_crc32_u64(crc1, word);
+                memcpy(&word, next + 2 * block, 8);
+                crc2 = _mm_crc32_u64(crc2, word);
+                next += 8;
+            } while (next < end);
+            crc0 = crc_shift(zeros, (uint32_t)crc0) ^ crc1;
+            crc0 = crc_shift(zeros, (uint32_t)crc0) ^ crc2;
+            next += 2 * block;
+            len -= 3 * block;
+        }
+        if (block == CRC_SHORT) {
+            break;
+        }
+    }
+    while (len >= 8) {
+        memcpy(&word, next, 8);
+        crc0 = _mm_crc32_u64(crc0, word);
+        next += 8;
+        len -= 8;
+    }
+    while (len) {
+        crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
+        len--;
+    }
+    return (uint32_t)crc0 ^ 0xffffffffu;
+}
+#endif
+
+static uint32_t crc32c_of(const unsigned char *p, size_t len, int portable) {
+#ifdef ACTDB_X86
+    if (crc_hw && !portable) {
+        return crc32c_sse42(p, len);
+    }
+#endif
+    return crc32c_portable(p, len);
+}
+
+static PyObject *py_crc32c(PyObject *self, PyObject *args) {
+    Py_buffer b;
+    int portable = 0;
+    if (!PyArg_ParseTuple(args, "y*|p", &b, &portable)) {
+        return NULL;
+    }
+    uint32_t crc;
+    Py_BEGIN_ALLOW_THREADS
+    crc = crc32c_of((const unsigned char *)b.buf, (size_t)b.len, portable);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(crc);
+}
+
+/* -- reading a run of chunk files -----------------------------------------------------------
+
+   read_chunks(paths, buf, nbytes, crc, check) -> list: file i's first `nbytes` bytes into
+   buf[i * nbytes:], then up to 5 more bytes (its 4-byte CRC-32C when `crc`, and one byte that
+   shows a file too long). For each file, the number of bytes it held (None: no such file) or,
+   when its size is right and `check` holds and its CRC-32C differs from the stored one, -1.
+   Any other error opening or reading a file is an OSError naming it. The GIL is released
+   for the whole run: one call where a run of 16 chunks took about 150 Python steps. */
+
+static PyObject *py_read_chunks(PyObject *self, PyObject *args) {
+    PyObject *paths;
+    Py_buffer buf;
+    Py_ssize_t nbytes;
+    int crc, check;
+    if (!PyArg_ParseTuple(args, "O!w*npp", &PyList_Type, &paths, &buf, &nbytes, &crc,
+                          &check)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t count = PyList_GET_SIZE(paths);
+    const char **names = NULL;
+    long long *got = NULL;
+    int *errs = NULL;
+    if (nbytes <= 0 || buf.len < count * nbytes) {
+        PyErr_SetString(PyExc_ValueError, "read_chunks: the buffer is smaller than the run");
+        goto done;
+    }
+    names = PyMem_Calloc((size_t)count + 1, sizeof *names);
+    got = PyMem_Calloc((size_t)count + 1, sizeof *got);
+    errs = PyMem_Calloc((size_t)count + 1, sizeof *errs);
+    if (names == NULL || got == NULL || errs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *p = PyList_GET_ITEM(paths, i);
+        if (!PyBytes_Check(p)) {
+            PyErr_SetString(PyExc_TypeError, "read_chunks: paths must be bytes");
+            goto done;
+        }
+        names[i] = PyBytes_AS_STRING(p);
+    }
+    Py_ssize_t failed = -1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        unsigned char tail[5];
+        unsigned char *data = (unsigned char *)buf.buf + i * nbytes;
+        int fd = open(names[i], O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            if (errno == ENOENT) {
+                got[i] = -2; /* missing */
+                continue;
+            }
+            errs[i] = errno;
+            failed = i;
+            break;
+        }
+        struct iovec iov[2] = {{data, (size_t)nbytes}, {tail, sizeof tail}};
+        long long total = 0;
+        ssize_t r = 0;
+        /* preadv may return fewer bytes than asked for (signals): read on until end of file */
+        for (;;) {
+            long long want = (long long)nbytes + (long long)sizeof tail;
+            if (total >= want) {
+                break;
+            }
+            if (total < nbytes) {
+                iov[0].iov_base = data + total;
+                iov[0].iov_len = (size_t)(nbytes - total);
+                iov[1].iov_base = tail;
+                iov[1].iov_len = sizeof tail;
+                r = preadv(fd, iov, 2, (off_t)total);
+            } else {
+                r = pread(fd, tail + (total - nbytes), (size_t)(want - total), (off_t)total);
+            }
+            if (r < 0 && errno == EINTR) {
+                continue;
+            }
+            if (r <= 0) {
+                break;
+            }
+            total += r;
+        }
+        int saved = errno;
+        close(fd);
+        if (r < 0) {
+            errs[i] = saved;
+            failed = i;
+            break;
+        }
+        got[i] = total;
+        if (crc && check && total == nbytes + 4) {
+            uint32_t stored = (uint32_t)tail[0] | (uint32_t)tail[1] << 8 |
+                              (uint32_t)tail[2] << 16 | (uint32_t)tail[3] << 24;
+            if (crc32c_of(data, (size_t)nbytes, 0) != stored) {
+                got[i] = -1;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (failed >= 0) {
+        errno = errs[failed];
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, PyList_GET_ITEM(paths, failed));
+        goto done;
+    }
+    result = PyList_New(count);
+    if (result == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *v = got[i] == -2 ? Py_NewRef(Py_None) : PyLong_FromLongLong(got[i]);
+        if (v == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, v);
+    }
+done:
+    PyMem_Free(names);
+    PyMem_Free(got);
+    PyMem_Free(errs);
+    PyBuffer_Release(&buf);
+    return result;
+}
+
+typedef void (*dots_fn)(const uint16_t *, const float *, float *, Py_ssize_t, Py_ssize_t);
+
+static dots_fn chosen = dots_portable;
+static const char *chosen_name = "portable";
+
+static int check(Py_buffer *b, Py_ssize_t itemsize, const char *what) {
+    if (!PyBuffer_IsContiguous(b, 'C')) {
+        PyErr_Format(PyExc_ValueError, "f16_dots: %s is not C-contiguous", what);
+        return -1;
+    }
+    if (b->itemsize != itemsize || b->len % itemsize != 0) {
+        PyErr_Format(PyExc_ValueError, "f16_dots: %s has items of %zd bytes, not %zd", what,
+                     b->itemsize, itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *f16_dots(PyObject *self, PyObject *args) {
+    Py_buffer x, v, out;
+    int portable = 0;
+    if (!PyArg_ParseTuple(args, "y*y*w*|p", &x, &v, &out, &portable)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (check(&x, 2, "x") || check(&v, 4, "v") || check(&out, 4, "out")) {
+        goto done;
+    }
+    Py_ssize_t d = v.len / 4, n = out.len / 4;
+    if (d == 0 || x.len / 2 != n * d) {
+        PyErr_Format(PyExc_ValueError, "f16_dots: x holds %zd values, not %zd rows of %zd",
+                     x.len / 2, n, d);
+        goto done;
+    }
+    dots_fn fn = portable ? dots_portable : chosen;
+    Py_BEGIN_ALLOW_THREADS
+    fn((const uint16_t *)x.buf, (const float *)v.buf, (float *)out.buf, n, d);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"f16_dots", f16_dots, METH_VARARGS,
+     "f16_dots(x, v, out, portable=False): out[i] = sum_j x[i, j] * v[j], x float16 [n, d] "
+     "C-contiguous, v float32 [d], out float32 [n]; each row reduced on its own in a fixed "
+     "order; the GIL released. portable=True runs the plain C path (tests)."},
+    {"crc32c", py_crc32c, METH_VARARGS,
+     "crc32c(data, portable=False): the CRC-32C of a buffer's bytes, the GIL released."},
+    {"read_chunks", py_read_chunks, METH_VARARGS,
+     "read_chunks(paths, buf, nbytes, crc, check): a run of chunk files read into `buf`, "
+     "their sizes (None: missing; -1: right size, wrong CRC-32C) in a list."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_native", "actdb's compiled scan kernel (see _native.c).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    crc_init();
+#ifdef ACTDB_X86
+    __builtin_cpu_init();
+    crc_hw = __builtin_cpu_supports("sse4.2");
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        /* F16C has no __builtin_cpu_supports name in older compilers; every x86 CPU with
+           AVX2 and FMA has it (Haswell, Zen). */
+        chosen = dots_avx2;
+        chosen_name = "avx2";
+    }
+#endif
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && (PyModule_AddStringConstant(m, "PATH", chosen_name) < 0 ||
+                      PyModule_AddStringConstant(m, "CRC_PATH", crc_hw ? "sse4.2" : "portable")
+                          < 0)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

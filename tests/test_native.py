@@ -1,0 +1,186 @@
+"""The compiled scan kernels (actdb/_native.c) against independent references: float64 NumPy
+for the row dot products, the crc32c package for the checksums, and the Python read path
+(with its own sentences for every kind of damage) for the run reads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+
+import actdb
+from actdb.errors import StoreCorruptError
+from actdb.store import chunks
+from actdb.store.chunks import RawLayout
+
+if os.environ.get("ACTDB_ALLOW_NO_NATIVE") == "1":  # a machine with no C compiler
+    _native = pytest.importorskip("actdb._native")
+else:
+    # built by `make setup` (pyproject.toml's ext-modules); without it every scan silently
+    # takes the slower torch and Python paths, so its absence is a failure here
+    from actdb import _native
+
+
+@pytest.mark.parametrize("d", [1, 7, 31, 32, 33, 64, 100, 768])
+def test_f16_dots_match_float64_and_the_portable_path_bit_for_bit(d: int) -> None:
+    rng = np.random.default_rng(d)
+    n = 301
+    x = (rng.standard_normal((n, d)) * rng.choice([1e-3, 1.0, 30.0], (n, 1))).astype(np.float16)
+    v = rng.standard_normal(d).astype(np.float32)
+    out = np.empty(n, np.float32)
+    _native.f16_dots(x, v, out)
+    ref = x.astype(np.float64) @ v.astype(np.float64)
+    # fused multiply-adds into 32 partial sums: at most about d roundings of float32 each
+    bound = d * 2.0**-24 * (np.abs(x.astype(np.float64)) @ np.abs(v.astype(np.float64)))
+    assert np.all(np.abs(out - ref) <= bound + 1e-30)
+    portable = np.empty(n, np.float32)
+    _native.f16_dots(x, v, portable, True)
+    assert out.tobytes() == portable.tobytes()
+
+
+def test_a_rows_dot_does_not_depend_on_the_rows_computed_with_it() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((200, 768)).astype(np.float16)
+    v = rng.standard_normal(768).astype(np.float32)
+    whole = np.empty(200, np.float32)
+    _native.f16_dots(x, v, whole)
+    for lo, hi in ((0, 1), (5, 8), (17, 24), (3, 200), (199, 200)):
+        part = np.empty(hi - lo, np.float32)
+        _native.f16_dots(x[lo:hi], v, part)
+        assert part.tobytes() == whole[lo:hi].tobytes()
+
+
+def test_every_float16_value_is_converted_exactly() -> None:
+    """Subnormals, infinities and NaN included: a width-1 dot with 1.0 is the value itself
+    (NaN stays NaN)."""
+    x = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(-1, 1)
+    out = np.empty(len(x), np.float32)
+    for portable in (False, True):
+        _native.f16_dots(x, np.ones(1, np.float32), out, portable)
+        # NumPy's conversion is exact; a sum starts from +0, so -0 comes out +0
+        with np.errstate(invalid="ignore"):
+            ref = x[:, 0].astype(np.float32) + np.float32(0)
+        nan = np.isnan(ref)
+        assert np.array_equal(np.isnan(out), nan)
+        assert out[~nan].tobytes() == ref[~nan].tobytes()
+
+
+def test_f16_dots_refuse_wrong_shapes() -> None:
+    x = np.zeros((4, 8), np.float16)
+    with pytest.raises(ValueError, match="not 5 rows of 8"):
+        _native.f16_dots(x, np.zeros(8, np.float32), np.empty(5, np.float32))
+    with pytest.raises(ValueError, match="items of 4 bytes, not 2"):
+        _native.f16_dots(x.astype(np.float32), np.zeros(8, np.float32), np.empty(4, np.float32))
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        _native.f16_dots(x[:, ::2], np.zeros(4, np.float32), np.empty(4, np.float32))
+
+
+def test_crc32c_matches_the_crc32c_package() -> None:
+    rng = np.random.default_rng(1)
+    for n in (0, 1, 7, 8, 9, 255, 256, 767, 768, 769, 3 * 256, 3 * 8192 - 1, 3 * 8192,
+              3 * 8192 + 5, 196_608, 196_611, 1 << 20):
+        data = rng.integers(0, 256, n + 3, dtype=np.uint8)
+        for offset in (0, 1, 3):  # unaligned starts take the byte-wise head
+            part = data[offset : offset + n]
+            expected = crc32c.crc32c(part.tobytes())
+            assert _native.crc32c(part) == expected, (n, offset)
+            assert _native.crc32c(part, True) == expected, (n, offset)
+
+
+def _layout(folder: Path, *, crc: bool, chunks_n: int = 5) -> tuple[RawLayout, np.ndarray]:
+    layout = RawLayout(label="models/0/acts/s/direction", folder=str(folder), tail="/0",
+                       shape=(4, 24), dtype=np.dtype(np.float16), crc=crc)
+    values = np.random.default_rng(2).standard_normal((4 * chunks_n, 24)).astype(np.float16)
+    for i in range(chunks_n):
+        os.makedirs(folder / str(i), exist_ok=True)
+        layout.write(i, values[4 * i : 4 * i + 4])
+    return layout, values
+
+
+def _outcome(layout: RawLayout, first: int, count: int) -> object:
+    try:
+        return layout.read_run(first, count).tobytes()
+    except StoreCorruptError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("crc", [True, False])
+@pytest.mark.parametrize("damage", ["none", "flip", "truncate", "longer", "delete"])
+def test_run_reads_agree_with_the_python_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                crc: bool, damage: str) -> None:
+    """The same bytes when whole, and the same sentence for each kind of damage."""
+    layout, values = _layout(tmp_path, crc=crc)
+    victim = Path(layout.path(3))
+    data = victim.read_bytes()
+    if damage == "flip":
+        victim.write_bytes(data[:10] + bytes([data[10] ^ 1]) + data[11:])
+    elif damage == "truncate":
+        victim.write_bytes(data[:-1])
+    elif damage == "longer":
+        victim.write_bytes(data + b"\0")
+    elif damage == "delete":
+        victim.unlink()
+    native = _outcome(layout, 1, 4)
+    monkeypatch.setattr(chunks, "_native", None)
+    python = _outcome(layout, 1, 4)
+    assert native == python
+    if damage == "none":
+        assert native == values[4:20].tobytes()
+    elif damage == "flip" and not crc:  # format 1: no checksum to find it, the byte read
+        assert isinstance(native, bytes) and native != values[4:20].tobytes()
+    else:
+        assert isinstance(native, str) and "chunk 3 of array" in native
+        if damage == "flip":
+            assert "fails its checksum" in native
+
+
+def test_run_reads_name_an_unreadable_file(tmp_path: Path) -> None:
+    layout, _ = _layout(tmp_path, crc=True)
+    os.replace(layout.path(2), tmp_path / "elsewhere")
+    os.makedirs(layout.path(2))  # a folder where the chunk file was: EISDIR, not ENOENT
+    with pytest.raises(OSError, match=r"/2/0"):
+        layout.read_run(0, 5)
+
+
+class _Counting:
+    """actdb._native with its calls counted."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> object:
+        fn = getattr(_native, name)
+
+        def counted(*args: object) -> object:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args)
+
+        return counted
+
+
+def test_a_scan_through_the_kernels_matches_the_torch_path(family_store, monkeypatch) -> None:
+    """A full scan of `cosine_to_anchor` over runs of chunks (the kernel and the run reads)
+    against the same query through torch and the Python reader: float32 rounding apart."""
+    from actdb.query import vectors
+
+    monkeypatch.setattr(vectors, "RUN_CHUNKS", 2)  # the tiny store's chunks make runs
+    spy = _Counting()
+    monkeypatch.setattr(vectors, "_native", spy)
+    monkeypatch.setattr(chunks, "_native", spy)
+    q = ("SELECT prompt_id, position, site, cosine_to_anchor(vec, ' the') FROM acts "
+         "ORDER BY ALL")
+    with actdb.connect(family_store("gpt2"), device="cpu") as db:
+        fast = db.sql(q).fetchall()
+    assert spy.calls.get("read_chunks", 0) > 0 and spy.calls.get("f16_dots", 0) > 0
+    monkeypatch.setattr(vectors, "_native", None)
+    monkeypatch.setattr(chunks, "_native", None)
+    with actdb.connect(family_store("gpt2"), device="cpu") as db:
+        slow = db.sql(q).fetchall()
+    assert [r[:3] for r in fast] == [r[:3] for r in slow]
+    a = np.array([np.nan if r[3] is None else r[3] for r in fast])
+    b = np.array([np.nan if r[3] is None else r[3] for r in slow])
+    assert np.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert not np.array_equal(a, b)  # two different reductions: not the same code twice
