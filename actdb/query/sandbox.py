@@ -37,11 +37,6 @@ LOCKDOWN = (
     ("lock_configuration", True),
 )
 _PER_CONNECTION = {"python_enable_replacements"}
-# Given when an in-memory database is opened: DuckDB then skips its extension look-ups at
-# start (12 ms a connection instead of 18-32; `lock` sets them again and locks them).
-CONNECT_CONFIG: dict[str, str | bool | int | float | list[str]] = {
-    "threads": 1, "autoinstall_known_extensions": False,
-    "autoload_known_extensions": False}
 
 # Table functions that compute or describe, and read nothing outside the database.
 TABLE_FUNCTIONS = frozenset({
