@@ -1,6 +1,7 @@
-"""The compiled scan kernels (actdb/_native.c) against independent references: float64 NumPy
-for the row dot products, the crc32c package for the checksums, and the Python read path
-(with its own sentences for every kind of damage) for the run reads."""
+"""The full scan's read and compute path: the compiled kernels (actdb/_native.c) against
+independent references (float64 NumPy for the row dot products, the crc32c package for the
+checksums, the Python read path with its own sentences for every kind of damage for the run
+reads), and the chunk cache's waiting thread helping the read-ahead."""
 
 from __future__ import annotations
 
@@ -184,3 +185,45 @@ def test_a_scan_through_the_kernels_matches_the_torch_path(family_store, monkeyp
     b = np.array([np.nan if r[3] is None else r[3] for r in slow])
     assert np.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
     assert not np.array_equal(a, b)  # two different reductions: not the same code twice
+
+
+def test_a_reader_waiting_for_the_read_ahead_reads_the_farthest_queued_read_itself() -> None:
+    """ChunkCache.get: while the read-ahead thread is busy with the value asked for, the
+    waiting thread takes the read queued farthest ahead and does it (both threads read), and
+    a later get of that key is answered from it, errors included."""
+    import threading
+
+    from actdb.query.vectors import ChunkCache
+
+    cache = ChunkCache(1 << 20)
+    started, release = threading.Event(), threading.Event()
+    ran: dict[str, int] = {}
+
+    def load(name: str, value: int) -> np.ndarray:
+        ran[name] = threading.get_ident()
+        if name == "a":
+            started.set()
+            release.wait(5)  # the read under way while the query's thread asks for it
+        if name == "c":
+            release.set()
+        if name == "bad":
+            raise StoreCorruptError("chunk 9 fails its checksum")
+        return np.full(3, value)
+
+    try:
+        cache.prefetch(("a",), lambda: load("a", 1))
+        assert started.wait(5)
+        cache.prefetch(("b",), lambda: load("b", 2))
+        cache.prefetch(("bad",), lambda: load("bad", 0))
+        cache.prefetch(("c",), lambda: load("c", 3))
+        me = threading.get_ident()
+        assert cache.get(("a",), lambda: load("a", -1), keep=False).tolist() == [1, 1, 1]
+        assert ran["a"] != me and ran["c"] == me  # the farthest queued read, done here
+        assert cache.get(("c",), lambda: load("c", -1)).tolist() == [3, 3, 3]  # not read again
+        assert cache.get(("b",), lambda: load("b", -1)).tolist() == [2, 2, 2]
+        # a second wait took "bad" (or the reader did): its error comes with its value
+        with pytest.raises(StoreCorruptError, match="chunk 9"):
+            cache.get(("bad",), lambda: load("bad", 0))
+    finally:
+        release.set()
+        cache.close()
