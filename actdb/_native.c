@@ -1,7 +1,7 @@
 /* actdb._native: the full scan's inner loops, compiled.
 
-   read_chunks(paths, buf, tail, check): the chunk files of a run read into their places in
-   one buffer and their CRC-32C checked, with the GIL released for the whole run (below).
+   read_chunks(paths, buf, nbytes, crc, check): the chunk files of a run read into their places
+   in one buffer and their CRC-32C checked, with the GIL released for the whole run (below).
 
    f16_dots(x, v, out): out[i] = sum_j float(x[i, j]) * v[j] for a C-contiguous float16 matrix
    x [n, d], a float32 vector v [d] and a float32 vector out [n], in one pass over x (the
@@ -285,29 +285,40 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
 
    read_chunks(paths, buf, nbytes, crc, check) -> list: file i's first `nbytes` bytes into
    buf[i * nbytes:], then up to 5 more bytes (its 4-byte CRC-32C when `crc`, and one byte that
-   shows a file too long). For each file, the number of bytes it held (None: no such file) or,
-   when its size is right and `check` holds and its CRC-32C differs from the stored one, -1.
-   Any other error opening or reading a file is an OSError naming it. The GIL is released
-   for the whole run: one call where a run of 16 chunks took about 150 Python steps. */
+   shows a file too long). For each file in order, the number of bytes it held (None: no such
+   file) or, when its size is right and `check` holds and its CRC-32C differs from the stored
+   one, -1; the list stops at the first file that is missing, of the wrong size or fails its
+   checksum, as the Python reader stops there (chunks.py). Any other error opening or reading
+   a file is an OSError naming it. The GIL is released for the whole run: one call where a
+   run of 16 chunks took about 150 Python steps. */
 
 static PyObject *py_read_chunks(PyObject *self, PyObject *args) {
-    PyObject *paths;
+    PyObject *list;
     Py_buffer buf;
     Py_ssize_t nbytes;
     int crc, check;
-    if (!PyArg_ParseTuple(args, "O!w*npp", &PyList_Type, &paths, &buf, &nbytes, &crc,
+    if (!PyArg_ParseTuple(args, "O!w*npp", &PyList_Type, &list, &buf, &nbytes, &crc,
                           &check)) {
         return NULL;
     }
     PyObject *result = NULL;
-    Py_ssize_t count = PyList_GET_SIZE(paths);
+    /* a tuple of its own: the list may change while the GIL is released, the tuple keeps
+       every path alive */
+    PyObject *paths = PyList_AsTuple(list);
     const char **names = NULL;
     long long *got = NULL;
     int *errs = NULL;
-    if (nbytes <= 0 || buf.len < count * nbytes) {
+    if (paths == NULL) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    Py_ssize_t count = PyTuple_GET_SIZE(paths);
+    /* by division: count * nbytes may overflow */
+    if (nbytes <= 0 || (count > 0 && nbytes > buf.len / count)) {
         PyErr_SetString(PyExc_ValueError, "read_chunks: the buffer is smaller than the run");
         goto done;
     }
+    long long expected = (long long)nbytes + (crc ? 4 : 0);
     names = PyMem_Calloc((size_t)count + 1, sizeof *names);
     got = PyMem_Calloc((size_t)count + 1, sizeof *got);
     errs = PyMem_Calloc((size_t)count + 1, sizeof *errs);
@@ -316,23 +327,31 @@ static PyObject *py_read_chunks(PyObject *self, PyObject *args) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *p = PyList_GET_ITEM(paths, i);
+        PyObject *p = PyTuple_GET_ITEM(paths, i);
         if (!PyBytes_Check(p)) {
             PyErr_SetString(PyExc_TypeError, "read_chunks: paths must be bytes");
             goto done;
         }
         names[i] = PyBytes_AS_STRING(p);
+        if ((Py_ssize_t)strlen(names[i]) != PyBytes_GET_SIZE(p)) {
+            PyErr_SetString(PyExc_ValueError, "read_chunks: a path holds a NUL byte");
+            goto done;
+        }
     }
-    Py_ssize_t failed = -1;
+    Py_ssize_t failed = -1, stop = count;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
         unsigned char tail[5];
         unsigned char *data = (unsigned char *)buf.buf + i * nbytes;
-        int fd = open(names[i], O_RDONLY | O_CLOEXEC);
+        int fd;
+        do {
+            fd = open(names[i], O_RDONLY | O_CLOEXEC);
+        } while (fd < 0 && errno == EINTR);
         if (fd < 0) {
             if (errno == ENOENT) {
                 got[i] = -2; /* missing */
-                continue;
+                stop = i + 1;
+                break;
             }
             errs[i] = errno;
             failed = i;
@@ -372,25 +391,35 @@ static PyObject *py_read_chunks(PyObject *self, PyObject *args) {
             break;
         }
         got[i] = total;
-        if (crc && check && total == nbytes + 4) {
+        if (total != expected) {
+            stop = i + 1;
+            break;
+        }
+        if (crc && check) {
             uint32_t stored = (uint32_t)tail[0] | (uint32_t)tail[1] << 8 |
                               (uint32_t)tail[2] << 16 | (uint32_t)tail[3] << 24;
             if (crc32c_of(data, (size_t)nbytes, 0) != stored) {
                 got[i] = -1;
+                stop = i + 1;
+                break;
             }
         }
     }
     Py_END_ALLOW_THREADS
     if (failed >= 0) {
-        errno = errs[failed];
-        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, PyList_GET_ITEM(paths, failed));
+        PyObject *name = PyUnicode_DecodeFSDefault(names[failed]);
+        if (name != NULL) {
+            errno = errs[failed];
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, name);
+            Py_DECREF(name);
+        }
         goto done;
     }
-    result = PyList_New(count);
+    result = PyList_New(stop);
     if (result == NULL) {
         goto done;
     }
-    for (Py_ssize_t i = 0; i < count; i++) {
+    for (Py_ssize_t i = 0; i < stop; i++) {
         PyObject *v = got[i] == -2 ? Py_NewRef(Py_None) : PyLong_FromLongLong(got[i]);
         if (v == NULL) {
             Py_CLEAR(result);
@@ -402,6 +431,7 @@ done:
     PyMem_Free(names);
     PyMem_Free(got);
     PyMem_Free(errs);
+    Py_DECREF(paths);
     PyBuffer_Release(&buf);
     return result;
 }
@@ -435,7 +465,8 @@ static PyObject *f16_dots(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_ssize_t d = v.len / 4, n = out.len / 4;
-    if (d == 0 || x.len / 2 != n * d) {
+    /* by division: n * d may overflow */
+    if (d == 0 || x.len / 2 % d != 0 || x.len / 2 / d != n) {
         PyErr_Format(PyExc_ValueError, "f16_dots: x holds %zd values, not %zd rows of %zd",
                      x.len / 2, n, d);
         goto done;
@@ -475,9 +506,9 @@ PyMODINIT_FUNC PyInit__native(void) {
 #ifdef ACTDB_X86
     __builtin_cpu_init();
     crc_hw = __builtin_cpu_supports("sse4.2");
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        /* F16C has no __builtin_cpu_supports name in older compilers; every x86 CPU with
-           AVX2 and FMA has it (Haswell, Zen). */
+    /* all three checked: a virtual machine may hide F16C while showing AVX2 and FMA */
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
         chosen = dots_avx2;
         chosen_name = "avx2";
     }

@@ -138,12 +138,43 @@ def test_run_reads_agree_with_the_python_reader(tmp_path: Path, monkeypatch: pyt
             assert "fails its checksum" in native
 
 
-def test_run_reads_name_an_unreadable_file(tmp_path: Path) -> None:
+def _outcome_any(layout: RawLayout, first: int, count: int) -> object:
+    try:
+        return layout.read_run(first, count).tobytes()
+    except (StoreCorruptError, OSError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("before", ["none", "missing", "flip"])
+def test_run_reads_stop_at_the_first_problem_as_the_python_reader_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, before: str) -> None:
+    """A folder where chunk 3's file should be (an error that is not damage) after a missing
+    or damaged chunk 1: both readers name the first problem, the same way (review finding:
+    the compiled reader read the whole run first)."""
     layout, _ = _layout(tmp_path, crc=True)
-    os.replace(layout.path(2), tmp_path / "elsewhere")
-    os.makedirs(layout.path(2))  # a folder where the chunk file was: EISDIR, not ENOENT
-    with pytest.raises(OSError, match=r"/2/0"):
-        layout.read_run(0, 5)
+    os.replace(layout.path(3), tmp_path / "elsewhere")
+    os.makedirs(layout.path(3))  # EISDIR on reading, not ENOENT
+    victim = Path(layout.path(1))
+    if before == "missing":
+        victim.unlink()
+    elif before == "flip":
+        data = victim.read_bytes()
+        victim.write_bytes(data[:5] + bytes([data[5] ^ 4]) + data[6:])
+    native = _outcome_any(layout, 0, 5)
+    monkeypatch.setattr(chunks, "_native", None)
+    assert native == _outcome_any(layout, 0, 5)
+    if before == "none":
+        assert native.startswith("IsADirectoryError") and layout.path(3) in native
+    else:
+        assert native.startswith("StoreCorruptError: chunk 1 of array")
+
+
+def test_read_chunks_refuses_what_would_overflow_or_truncate() -> None:
+    # 3 x 2^62 bytes wraps around in 64 bits: the buffer must be measured by division
+    with pytest.raises(ValueError, match="smaller than the run"):
+        _native.read_chunks([b"/nonexistent"] * 3, bytearray(16), 1 << 62, True, True)
+    with pytest.raises(ValueError, match="NUL"):
+        _native.read_chunks([b"/etc/hostname\0/x"], bytearray(16), 8, False, False)
 
 
 class _Counting:

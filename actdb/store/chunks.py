@@ -130,10 +130,12 @@ class RawLayout(ChunkFormat):
             # read-ahead thread no longer competes with the query's thread for it per chunk
             sizes = _native.read_chunks([os.fsencode(self.path(first + i)) for i in range(count)],
                                         buf, nbytes, self.crc, check)
-            for i, size in enumerate(sizes):
+            for i, size in enumerate(sizes):  # it stops at the first damaged chunk
                 if size == -1:
                     raise self._damaged(first + i, "fails its checksum")
                 self.check_size(first + i, size)
+            if len(sizes) != count:
+                raise RuntimeError(f"read_chunks stopped at an undamaged chunk of {self.label}")
             return buf.view(self.dtype).reshape(count * self.shape[0], *self.shape[1:])
         # the checksum, then one byte more than expected: a file too long shows in the count
         tail = np.empty(CRC_BYTES + 1, dtype=np.uint8)
@@ -148,6 +150,8 @@ class RawLayout(ChunkFormat):
             else:
                 try:
                     got = os.preadv(fd, [data.data, tail.data], 0)
+                except OSError as e:  # a folder where the file should be: name it
+                    raise OSError(e.errno, e.strerror, self.path(chunk)) from None
                 finally:
                     os.close(fd)
             self.check_size(chunk, got)
