@@ -258,3 +258,25 @@ def test_a_reader_waiting_for_the_read_ahead_reads_the_farthest_queued_read_itse
     finally:
         release.set()
         cache.close()
+
+
+def test_constant_columns_are_recognised_exactly_as_pyarrow_compares() -> None:
+    """bulk._all_equal (the window path's test that an argument is one constant) against
+    pyarrow.compute's equal-and-all, on columns built to fool a bytes comparison."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from actdb.query.bulk import _all_equal
+
+    cases = [
+        pa.chunked_array([pa.array(["w123"] * 2048)]), pa.array(["w123"] * 2047 + ["w124"]),
+        pa.array(["ab", "", "abab"]),  # the same bytes as "ab" x 3, other values
+        pa.array(["", "a"]), pa.array(["a", ""]), pa.array(["", ""]), pa.array(["é", "é"]),
+        pa.array(["x", "y"]).slice(1), pa.array(["q", "x", "x"]).slice(1),
+        pa.chunked_array([pa.array(["a"]), pa.array(["a"])]), pa.array([b"x", b"x"]),
+        pa.array([b"x", b"y"]), pa.array([1, 1, 1]), pa.array([1.0, float("nan")]),
+        pa.array([0.0, -0.0]), pa.array([True, True]), pa.array(["w1"] * 3 + ["w2"]),
+    ]
+    for column in cases:
+        first = column[0]
+        assert _all_equal(column, first) == pc.all(pc.equal(column, first)).as_py(), column
