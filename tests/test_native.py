@@ -280,3 +280,22 @@ def test_constant_columns_are_recognised_exactly_as_pyarrow_compares() -> None:
     for column in cases:
         first = column[0]
         assert _all_equal(column, first) == pc.all(pc.equal(column, first)).as_py(), column
+
+
+def test_a_notebooks_float64_default_dtype_changes_nothing(family_store) -> None:
+    """torch.set_default_dtype(torch.float64) in the user's session: the kernels still get
+    float32 buffers, and the values are the same."""
+    import torch
+
+    q = ("SELECT sum(cosine_to_anchor(vec, ' the')), sum(cosine_to_anchor(normed(vec), 5)), "
+         "sum(dim_contribution(vec, 3)), sum(logit(vec, 7)), sum(logprob(vec, 7)), "
+         "sum(rotation_angle(vec)), count(DISTINCT top_logits(vec, 2)) FROM acts")
+    with actdb.connect(family_store("gpt2"), device="cpu") as db:
+        before = db.sql(q).fetchall()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with actdb.connect(family_store("gpt2"), device="cpu") as db:
+            assert db.sql(q).fetchall() == before
+    finally:
+        torch.set_default_dtype(old)

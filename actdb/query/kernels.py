@@ -285,7 +285,7 @@ def _by_width(src: VectorSource, h: np.ndarray) -> tuple[np.ndarray, dict[int, t
         x = g.x
         w = int(x.shape[-1])
         if w not in parts:
-            parts[w] = torch.zeros((len(h), w), device=src.device)
+            parts[w] = torch.zeros((len(h), w), dtype=x.dtype, device=src.device)
         parts[w][torch.from_numpy(g.index).to(src.device)] = x
         widths[g.index] = w
     return widths, parts

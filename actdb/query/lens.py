@@ -43,7 +43,7 @@ class LensRows:
             _require_width(name, g, w.shape[1], "the LM head's width")
             mid = g.model.model_id
             if mid not in self.hn:
-                self.hn[mid] = torch.zeros((len(h), w.shape[1]), device=src.device)
+                self.hn[mid] = torch.zeros((len(h), w.shape[1]), dtype=w.dtype, device=src.device)
             self.hn[mid][torch.from_numpy(g.index).to(src.device)] = _final_normed(src, g)
             self.model_id[g.index] = mid
 

@@ -321,7 +321,7 @@ class VectorSource:
         if self.device.type != "cpu":
             return row_dots(g.direction.float(), v)
         n, d = len(g.rows), g.site.d
-        out = torch.empty(n)
+        out = torch.empty(n, dtype=torch.float32)  # whatever a notebook set as torch's default
         if _native is not None:
             vv = np.ascontiguousarray(v.numpy(), dtype=np.float32)
             res = out.numpy()
@@ -331,7 +331,7 @@ class VectorSource:
         scratch = getattr(self._local, "scratch", None)
         step = max(1, _SCRATCH_FLOATS // d)
         if scratch is None or scratch.numel() < step * d:
-            scratch = self._local.scratch = torch.empty(step * d)
+            scratch = self._local.scratch = torch.empty(step * d, dtype=torch.float32)
         for a, b, part in self._pieces(g.model, g.site, "direction", g.rows, g.heads):
             piece = torch.from_numpy(part)
             for i in range(0, b - a, step):
@@ -352,7 +352,7 @@ class VectorSource:
         step = max(1, _SCRATCH_FLOATS // d)
         scratch = getattr(self._local, "x_scratch", None)
         if scratch is None or scratch.numel() < step * d:
-            scratch = self._local.x_scratch = torch.empty(step * d)
+            scratch = self._local.x_scratch = torch.empty(step * d, dtype=torch.float32)
         norm = g.norm
         mean = g.mean if g.view != "raw" else None
         for a, b, part in self._pieces(g.model, g.site, "direction", g.rows, g.heads):
@@ -457,7 +457,7 @@ class VectorSource:
         filled = 0
         for g in self.groups(handles):
             if out is None:
-                out = torch.empty((len(handles), g.x.shape[-1]), device=device)
+                out = torch.empty((len(handles), g.x.shape[-1]), dtype=g.x.dtype, device=device)
             if g.x.shape[-1] != out.shape[-1]:
                 raise QueryError(f"{what} have different widths ({out.shape[-1]} and "
                                  f"{g.x.shape[-1]}); select one site width at a time")
