@@ -168,3 +168,67 @@ def test_a_second_writer_waits_for_a_fold_in_progress(
     assert started[0].returncode == 0 and "committed" in out, err
     assert float(out.split()[-1]) > closed, "the second writer wrote during the fold"
     assert _texts(created) == ["holder", "second writer"]
+
+
+def _tables(reader: Catalog) -> dict[str, list[Any]]:
+    names = [r[0] for r in reader.all("SELECT table_name FROM duckdb_tables() WHERE "
+                                      "database_name = current_database() ORDER BY ALL")]
+    return {t: reader.all(f'SELECT * FROM "{t}" ORDER BY ALL') for t in names}
+
+
+def test_a_reader_opens_a_private_copy_with_the_log_and_leaves_nothing_behind(
+    created: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reader's fast path (a copy of the file and its log, opened read-only) holds what
+    the in-memory copy of every table holds, commits still in the log included, and its
+    temporary folder is gone once the catalog is open."""
+    import tempfile
+
+    writer = Catalog(created, read_only=False, hold=False)
+    _commit(writer, 0, 7)
+    _commit(writer, 7, 5)
+    assert catalog_log.log_bytes(created) > 0  # the commits are in the log only
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    copies: list[object] = []
+    real = catalog_log.copy_with_log
+    monkeypatch.setattr(catalog_log, "copy_with_log", lambda p: copies.append(real(p))
+                        or copies[-1])
+    fast = Catalog(created, read_only=True)
+    try:
+        assert copies and copies[0] is not None
+        assert fast.all("SELECT current_database()") != [("memory",)]
+        assert list(scratch.iterdir()) == []
+        fast_tables = _tables(fast)
+    finally:
+        fast.close()
+    monkeypatch.setattr(catalog_log, "copy_with_log", lambda p: None)
+    slow = Catalog(created, read_only=True)
+    try:
+        assert slow.all("SELECT current_database()") == [("memory",)]
+        assert _tables(slow) == fast_tables
+    finally:
+        slow.close()
+    assert [r[0] for r in fast_tables["prompts"]] == list(range(12))
+    writer.close()
+
+
+def test_no_private_copy_while_a_program_outside_actdb_writes_the_catalog(
+    created: Path,
+) -> None:
+    """DuckDB's write lock held by another process: no copy (the reader attaches instead,
+    which waits and then names the holder: test_store.py)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
+         "print('held', flush=True); time.sleep(60)", str(created)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert catalog_log.copy_with_log(created) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    folder = catalog_log.copy_with_log(created)
+    assert folder is not None
+    folder.cleanup()

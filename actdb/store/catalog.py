@@ -269,8 +269,13 @@ class Catalog:
             raise
 
     def _snapshot(self) -> duckdb.DuckDBPyConnection:
-        """Every table of the file, copied into memory inside one read-only attach (from a
-        private copy of the file alone when the log beside it is stale, catalog_log.py)."""
+        """A reader's catalog: a private copy of the file and its log, opened read-only and
+        checked whole (`_private_snapshot`); where that cannot be, every table of the file
+        copied into memory inside one read-only attach (from a private copy of the file alone
+        when the log beside it is stale, catalog_log.py)."""
+        copied = self._private_snapshot()
+        if copied is not None:
+            return copied
         # no extension look-ups at start (12 ms instead of 18-32; the query layer locks them
         # off anyway, query/sandbox.py)
         mem = duckdb.connect(":memory:", config={"threads": 1, "autoload_known_extensions": False,
@@ -306,6 +311,42 @@ class Catalog:
             for folder in private:
                 folder.cleanup()
         return mem
+
+    def _private_snapshot(self) -> duckdb.DuckDBPyConnection | None:
+        """The file and its log copied under the catalog's lock and a read lock on the file,
+        opened read-only, then every column of every table hashed, so that damage is found
+        now, as copying the tables into memory finds it. Opening a store of 1.4 million token
+        rows: 150 ms for the in-memory copy, 62 ms this way (28 and 22 ms at 65,536 rows).
+        None for anything unusual (a writer outside actdb holding the file, a log DuckDB
+        refuses, damage): the attaching path then waits, retries or names it as it always
+        has. The copy is unlinked once open; DuckDB keeps reading it through its descriptor."""
+        self._lock_or_busy(exclusive=False)  # no writer commits or folds while this copies
+        try:
+            folder = catalog_log.copy_with_log(self.path)
+        finally:
+            catalog_lock.release(self.path)
+        if folder is None:
+            return None
+        con: duckdb.DuckDBPyConnection | None = None
+        try:
+            con = duckdb.connect(str(Path(folder.name) / self.path.name), read_only=True,
+                                 config={"threads": 1, "autoload_known_extensions": False,
+                                         "autoinstall_known_extensions": False,
+                                         "temp_directory": ".tmp"})  # an in-memory one's
+            tables = [r[0] for r in con.execute(
+                "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database()"
+            ).fetchall()]
+            for t in tables:
+                quoted = '"' + t.replace('"', '""') + '"'
+                con.execute(f"SELECT count(*), bit_xor(hash(*COLUMNS(*))) FROM {quoted}"
+                            ).fetchall()
+            return con
+        except duckdb.Error:
+            if con is not None:
+                con.close()
+            return None
+        finally:
+            folder.cleanup()
 
     def _open_error(self, e: duckdb.Error) -> Exception:
         text = str(e)

@@ -21,9 +21,14 @@ writer deletes it, and a reader takes its snapshot from the file alone (`stale_l
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import platform
 import re
 import shutil
+import struct
+import sys
 import tempfile
 from pathlib import Path
 
@@ -164,3 +169,62 @@ def copy_without_log(path: Path) -> tempfile.TemporaryDirectory[str]:
     folder = tempfile.TemporaryDirectory(prefix="actdb-catalog-")
     shutil.copyfile(path, Path(folder.name) / path.name)
     return folder
+
+
+# struct flock on Linux x86-64 and aarch64: type, whence, (padding), start, len, pid, (padding)
+_FLOCK = struct.Struct("hhxxxxqqixxxx")
+
+
+def copy_with_log(path: Path) -> tempfile.TemporaryDirectory[str] | None:
+    """A private copy of the file and its log, in a temporary folder the caller removes, taken
+    under a read lock on the file that conflicts with DuckDB's write lock (so a program outside
+    actdb writing the catalog is never copied mid-write); None when that lock is not free or
+    cannot be taken here (the caller then attaches the file, which waits or says who holds it).
+
+    The lock is an open-file-description lock (`F_OFD_SETLK`): unlike a POSIX record lock it
+    is not the process's, so it does not merge with one DuckDB holds here. Closing the
+    descriptor still drops this process's POSIX locks on the file, as every copy of the file
+    does (`copy_without_log`, `fold`): under the catalog's shared lock no actdb writer of
+    this process has the file open, and another reader thread attaching it meanwhile loses
+    only its wait for a writer outside actdb.
+    """
+    if not (sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
+            and hasattr(fcntl, "F_OFD_SETLK")):
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0))
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES, errno.EINVAL):
+                return None
+            raise
+        folder = tempfile.TemporaryDirectory(prefix="actdb-catalog-")
+        try:
+            _copy_fd(fd, Path(folder.name) / path.name)
+            try:
+                log = os.open(log_path(path), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                pass
+            else:
+                try:
+                    _copy_fd(log, log_path(Path(folder.name) / path.name))
+                finally:
+                    os.close(log)
+        except BaseException:
+            folder.cleanup()
+            raise
+        return folder
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _copy_fd(src: int, dst: Path) -> None:
+    size = os.fstat(src).st_size
+    with open(dst, "wb") as out:
+        done = 0
+        while done < size:
+            sent = os.sendfile(out.fileno(), src, done, size - done)
+            if sent == 0:
+                raise OSError(f"{str(dst)!r}: the catalog shrank while it was copied")
+            done += sent
