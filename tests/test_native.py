@@ -299,3 +299,55 @@ def test_a_notebooks_float64_default_dtype_changes_nothing(family_store) -> None
             assert db.sql(q).fetchall() == before
     finally:
         torch.set_default_dtype(old)
+
+
+def test_two_threads_waiting_on_reads_never_take_the_same_queued_read() -> None:
+    """DuckDB calls UDFs from several threads: a read one waiting thread took over must not be
+    taken again (or read twice) by another (review finding: KeyError on the stolen key)."""
+    import threading
+    import time
+
+    from actdb.query.vectors import ChunkCache
+
+    cache = ChunkCache(1 << 20)
+    gates = {k: threading.Event() for k in ("k1", "k2", "k3")}
+    started = {k: threading.Event() for k in gates}
+    loads: list[str] = []
+
+    def load(k: str) -> np.ndarray:
+        loads.append(k)
+        started[k].set()
+        gates[k].wait(10)
+        return np.full(2, int(k[1]))
+
+    got: dict[str, object] = {}
+
+    def get(k: str) -> None:
+        try:
+            got[k] = cache.get((k,), lambda: load(k)).tolist()
+        except Exception as e:  # the failure under test
+            got[k] = repr(e)
+
+    try:
+        for k in ("k1", "k2", "k3"):
+            cache.prefetch((k,), lambda k=k: load(k))
+        assert started["k1"].wait(10)  # the read-ahead thread reads k1; k2, k3 queued
+        a = threading.Thread(target=get, args=("k1",))
+        a.start()
+        assert started["k3"].wait(10)  # thread a waits for k1 and reads k3 meanwhile
+        gates["k1"].set()
+        assert started["k2"].wait(10)  # the read-ahead thread has moved on to k2
+        b = threading.Thread(target=get, args=("k2",))
+        b.start()
+        time.sleep(0.3)  # b waits for k2, looking for a queued read to do meanwhile
+        for gate in gates.values():
+            gate.set()
+        a.join(10)
+        b.join(10)
+        assert got == {"k1": [1, 1], "k2": [2, 2]}
+        assert cache.get(("k3",), lambda: load("k3")).tolist() == [3, 3]
+        assert sorted(loads) == ["k1", "k2", "k3"]  # each read once
+    finally:
+        for gate in gates.values():
+            gate.set()
+        cache.close()

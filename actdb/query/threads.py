@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from ..lazy import lazy_module
+from ..lazy import lazy_module, load
 
 if TYPE_CHECKING:
     import torch
@@ -92,6 +92,9 @@ def threads_for(flops: float) -> int:
 def torch_threads(n: int) -> Iterator[None]:
     """Run the block with torch's intra-op pool at `n` threads, then restore the caller's
     setting (a notebook's own torch work keeps its threads)."""
+    # the first tensor query may reach here from several of DuckDB's threads at once: the
+    # lazy import is finished under its lock (lazy.py), never by two threads together
+    load(torch)
     before = torch.get_num_threads()
     if n == before:
         yield

@@ -106,23 +106,26 @@ class ChunkCache:
         """While this thread waits for a read under way, do the read queued farthest ahead
         itself (file reads release the GIL, so both threads read). A scan's windows compute
         far faster than one thread reads (measured: the query's thread waited 40 of a full
-        scan's 120 ms for the read-ahead thread)."""
+        scan's 120 ms for the read-ahead thread). The read taken is replaced, under the
+        lock, by a future already running, so that another thread asking for it (DuckDB
+        calls UDFs from several threads) waits for it, and no other helper takes it again."""
         with self._lock:
             for key in reversed(self._pending):
                 future = self._pending[key]
-                if future.cancel():
+                if not future.cancelled() and future.cancel():
                     load = self._loads.pop(key)
+                    done: Future[np.ndarray] = Future()
+                    done.set_running_or_notify_cancel()
+                    self._pending[key] = done
                     break
             else:
                 return
-        done: Future[np.ndarray] = Future()
         try:
             done.set_result(load())
-        except Exception as e:  # raised, like a read-ahead's, when the value is asked for
+        except BaseException as e:  # raised, like a read-ahead's, when the value is asked for
             done.set_exception(e)
-        with self._lock:
-            if self._pending.get(key) is future:
-                self._pending[key] = done
+            if not isinstance(e, Exception):
+                raise
 
     def prefetch(self, key: tuple[object, ...], load: Callable[[], np.ndarray], *,
                  limit: int = 64) -> None:
@@ -326,7 +329,8 @@ class VectorSource:
             vv = np.ascontiguousarray(v.numpy(), dtype=np.float32)
             res = out.numpy()
             for a, b, part in self._pieces(g.model, g.site, "direction", g.rows, g.heads):
-                _native.f16_dots(np.ascontiguousarray(part), vv, res[a:b])
+                # float16 in this machine's byte order, contiguous (a per-head piece is)
+                _native.f16_dots(np.ascontiguousarray(part, dtype=np.float16), vv, res[a:b])
             return out
         scratch = getattr(self._local, "scratch", None)
         step = max(1, _SCRATCH_FLOATS // d)
