@@ -21,7 +21,6 @@ writer deletes it, and a reader takes its snapshot from the file alone (`stale_l
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import platform
@@ -195,10 +194,8 @@ def copy_with_log(path: Path) -> tempfile.TemporaryDirectory[str] | None:
     try:
         try:
             fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0))
-        except OSError as e:
-            if e.errno in (errno.EAGAIN, errno.EACCES, errno.EINVAL):
-                return None
-            raise
+        except OSError:  # held by a writer (EAGAIN), or refused here
+            return None
         folder = tempfile.TemporaryDirectory(prefix="actdb-catalog-")
         try:
             _copy_fd(fd, Path(folder.name) / path.name)
