@@ -7,6 +7,7 @@ stderr); `--debug` shows the traceback instead.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,6 +19,12 @@ import click
 from .errors import ActdbError, QuerySyntaxError
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# NumPy's OpenBLAS starts a thread per core when numpy is imported, and they spin waiting for
+# work: 0.09 s of CPU on two cores, a sixth of a CLI query's start, for a pool actdb never
+# uses (its matrix work is torch's, under the thread policy of query/threads.py). Set before
+# anything imports numpy; a value the user set is kept.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 def _human(n: float) -> str:

@@ -4,7 +4,8 @@ Three layers, each enough on its own for the escapes we know of, so that a gap i
 by the next:
 1. DuckDB's own parser says the statement is one SELECT (or an EXPLAIN whose inner statement
    is one SELECT; EXPLAIN ANALYZE executes, which is harmless for a SELECT).
-2. The statement's trees, both DuckDB's (`json_serialize_sql`) and sqlglot's, are walked: table
+2. The statement's trees, both DuckDB's (`json_serialize_sql`) and sqlglot's (for a statement
+   that calls a function: the rest of its walk is DuckDB's walk again), are walked: table
    functions must be on an allow-list (no file readers, no `query()`, no raw Arrow pointers),
    scalar functions that change session state and actdb's internal UDFs are refused, and a
    table named like a path (`FROM 'file.csv'`) is refused.
@@ -18,12 +19,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
-from sqlglot import exp
 
 from ..errors import QueryError
+
+if TYPE_CHECKING:
+    from sqlglot import exp
 
 # Applied in this order after the query layer's views, macros and UDFs are set up; the last
 # one makes every setting (these and the rest) read-only. DuckDB shares one database instance
@@ -116,24 +119,32 @@ def check_statement(query: str, con: duckdb.DuckDBPyConnection) -> tuple[str, st
     return query, query
 
 
-def check_duckdb_tree(select: str, con: duckdb.DuckDBPyConnection) -> None:
-    """Walk DuckDB's own parse tree of a SELECT for refused functions and file tables."""
+def check_duckdb_tree(select: str, con: duckdb.DuckDBPyConnection) -> bool:
+    """Walk DuckDB's own parse tree of a SELECT for refused functions and file tables; whether
+    it calls any function (operators such as `+` and `LIKE` are functions there, as are table
+    functions)."""
     rows = con.execute("SELECT json_serialize_sql(?::VARCHAR)", [select]).fetchall()
     tree = json.loads(rows[0][0]) if rows else {"error": True}
     if tree.get("error"):
         raise QueryError("the query could not be checked by the sandbox "
                          f"({tree.get('error_message', 'no parse tree')}); give one plain SELECT")
+    calls = False
     for node in _dicts(tree):
         if node.get("type") == "TABLE_FUNCTION":
+            calls = True
             _check_table_function(str(node.get("function", {}).get("function_name", "")))
         elif node.get("class") == "FUNCTION":
+            calls = True
             _check_scalar(str(node.get("function_name", "")))
         elif node.get("type") == "BASE_TABLE":
             _check_table_name(str(node.get("table_name", "")))
+    return calls
 
 
 def check_sqlglot_tree(tree: exp.Expr) -> None:
     """Walk sqlglot's tree of the query: nothing but a query, no refused function or table."""
+    from sqlglot import exp
+
     for node in tree.walk():
         if isinstance(node, exp.Command | exp.Copy | exp.Create | exp.Insert | exp.Update
                       | exp.Delete | exp.Drop | exp.Pragma | exp.Set | exp.Use | exp.Merge
