@@ -35,6 +35,7 @@ from test_query_functions import (
 
 import actdb
 from actdb.query import threads, topk
+from actdb.query.functions import REGISTRY
 
 FAMILY = "gpt2"
 # Long prompts (few forward passes to build) with enough tokens in all for several DuckDB
@@ -508,6 +509,36 @@ def test_cli_reads_with_sqlglot_only_queries_that_call_functions(family_store, q
                          capture_output=True, text=True, check=True,
                          env={**env, "OPENBLAS_NUM_THREADS": "3"})
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["3", sqlglot_loaded]
+
+
+def _macros(db: actdb.Database) -> list[str]:
+    return sorted(r[0] for r in db.con.execute(
+        "SELECT DISTINCT function_name FROM duckdb_functions() "
+        "WHERE function_type = 'macro' AND NOT internal").fetchall())
+
+
+def test_tensor_functions_are_registered_when_first_called(family_store):
+    """A connection registers a tensor function (its UDF and macro) the first time a query
+    calls it, wherever in the query and however it is spelt; the values are the same as on a
+    connection where every function was called before."""
+    store = family_store(FAMILY)
+    with actdb.connect(store) as db:
+        assert _macros(db) == []
+        assert db.sql("SELECT count(*) FROM acts").fetchall()[0][0] > 0
+        assert _macros(db) == []
+        first = db.sql("WITH a AS (SELECT prompt_id, position, site, vec FROM acts) "
+                       "SELECT prompt_id, position, site, VEC_NORM(vec) AS n FROM a "
+                       "WHERE Dim_Contribution(vec, 1) IS NOT NULL "
+                       "ORDER BY prompt_id, position, site").fetchall()
+        assert _macros(db) == ["dim_contribution", "vec_norm"]
+        db.sql("EXPLAIN SELECT uniform_angle(vec) FROM acts").fetchall()
+        assert _macros(db) == ["dim_contribution", "uniform_angle", "vec_norm"]
+    with actdb.connect(store) as db:
+        db._functions.register(REGISTRY)
+        again = db.sql("SELECT prompt_id, position, site, vec_norm(vec) AS n FROM acts "
+                       "WHERE dim_contribution(vec, 1) IS NOT NULL "
+                       "ORDER BY prompt_id, position, site").fetchall()
+    assert first == again and len(first) > 0
 
 
 def test_thread_policy_keeps_the_callers_setting(big):

@@ -69,7 +69,7 @@ class Database:
             _quiet_progress_bar(self.con)
         self.source = VectorSource(self.store, spec, cache_bytes=cache_bytes)
         self._box = ErrorBox()
-        self._bulk = prepare(self.con, self.source, self._box)
+        self._functions = prepare(self.con, self.source, self._box)
         _OPEN.add(self)
         self._known_names: set[str] | None = None  # read when a query first needs it
         self._taken = {
@@ -116,7 +116,11 @@ class Database:
 
     def sql(self, query: str, *, params: dict[str, Any] | list[Any] | None = None) -> Result:
         """Run a read-only query; `$name` / `?` parameters bind from `params`."""
-        runnable = plan.check(query, self._parser, self._known)
+        runnable, calls = plan.check(query, self._parser, self._known)
+        try:
+            self._functions.register(calls)  # the tensor functions it calls, on first use
+        except duckdb.Error as e:
+            raise translate(e, self._box) from None
         if self._cluster is not None:
             from . import distributed
 
@@ -243,8 +247,8 @@ class Database:
         of one-vector functions answered from bulk windows or computed as asked (bulk.py)."""
         return {"chunks_read": self.source.cache.chunks_read,
                 "bytes_read": self.source.cache.bytes_read,
-                "rows_bulk": sum(b.rows_bulk for b in self._bulk),
-                "rows_exact": sum(b.rows_exact for b in self._bulk)}
+                "rows_bulk": sum(b.rows_bulk for b in self._functions.bulk),
+                "rows_exact": sum(b.rows_exact for b in self._functions.bulk)}
 
     def close(self) -> None:
         if self._cluster is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import duckdb
@@ -15,7 +15,7 @@ from ..errors import ActdbError
 from ..lazy import lazy_module
 from . import handles as H
 from .bulk import BulkEvaluator
-from .functions import ANCHORS, DIRECTION, FUNCTIONS, TOKEN, VEC, VECS, TensorFunction
+from .functions import ANCHORS, DIRECTION, REGISTRY, TOKEN, VEC, VECS, TensorFunction
 from .kernels import Arg
 from .lists import ListResults
 from .threads import torch_threads
@@ -178,21 +178,43 @@ def _sqltype(con: duckdb.DuckDBPyConnection, name: str) -> duckdb.sqltypes.DuckD
     return t
 
 
-def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox
-            ) -> list[BulkEvaluator]:
-    """Register UDFs, macros and the temp views `acts` and its helpers on `con`; returns the
-    bulk evaluators of the functions of one vector (their counters are the session's stats)."""
+class Functions:
+    """The tensor functions of one connection, each registered (its UDF, then the macro that
+    calls it) the first time a query calls it: registering all of them took 25-30 ms of CPU,
+    a twentieth of a CLI query's start, for queries that call one or two, or none.
+
+    Registering runs statements on the connection, so it is done before the query that needs
+    it is bound (Database.sql), never while a query runs."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox,
+                 session: str) -> None:
+        self._con, self._src, self._box, self._session = con, src, box, session
+        self._done: set[str] = set()
+        # The bulk evaluators of the functions of one vector registered so far (their
+        # counters are the session's stats).
+        self.bulk: list[BulkEvaluator] = []
+
+    def register(self, names: Iterable[str]) -> None:
+        """Register the tensor functions among `names` (lower case) not registered yet."""
+        for name in sorted(set(names) - self._done):
+            fn = REGISTRY.get(name)
+            if fn is None:
+                continue
+            if fn.kernel is not None:
+                self._con.create_function(
+                    fn.udf_name(self._session), _make_udf(fn, self._src, self._box, self.bulk),
+                    [_sqltype(self._con, t) for t in fn.udf_params()],
+                    _sqltype(self._con, fn.returns), type=PythonUDFType.ARROW,
+                    null_handling=FunctionNullHandling.SPECIAL, side_effects=False,
+                )
+            self._con.execute(fn.macro_sql(self._session))
+            self._done.add(name)
+
+
+def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox) -> Functions:
+    """Register the temp view `acts` and its helpers on `con`; returns the tensor functions,
+    registered as queries first call them."""
     session = f"s{next(_SESSIONS)}"
-    bulk: list[BulkEvaluator] = []
-    for fn in FUNCTIONS:
-        if fn.kernel is not None:
-            con.create_function(
-                fn.udf_name(session), _make_udf(fn, src, box, bulk),
-                [_sqltype(con, t) for t in fn.udf_params()], _sqltype(con, fn.returns),
-                type=PythonUDFType.ARROW, null_handling=FunctionNullHandling.SPECIAL,
-                side_effects=False,
-            )
-        con.execute(fn.macro_sql(session))
     for name in ("norm", "mean"):
         con.create_function(
             f"_actdb_stored_{name}_{session}", _stored_field_udf(src, name),
@@ -230,7 +252,7 @@ def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox
             JOIN _actdb_streams h ON h.model = s.model AND h.site = s.site
         )
     """)
-    return bulk
+    return Functions(con, src, box, session)
 
 
-__all__ = ["ANCHORS", "ErrorBox", "prepare"]
+__all__ = ["ANCHORS", "ErrorBox", "Functions", "prepare"]

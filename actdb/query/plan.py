@@ -28,11 +28,13 @@ if TYPE_CHECKING:
     from sqlglot import exp
 
 
-def check(query: str, con: duckdb.DuckDBPyConnection, known: Callable[[], set[str]]) -> str:
-    """The text to run (the query, or an EXPLAIN rebuilt around its checked SELECT); a
-    QueryError unless `query` is one sandboxed SELECT (sandbox.py) calling known functions
-    with sane literal arguments. `con` only parses: it never sees the store; `known()` gives
-    the names of the functions the query may call."""
+def check(query: str, con: duckdb.DuckDBPyConnection, known: Callable[[], set[str]]
+          ) -> tuple[str, set[str]]:
+    """The text to run (the query, or an EXPLAIN rebuilt around its checked SELECT) and the
+    names of the functions it calls (lower case); a QueryError unless `query` is one sandboxed
+    SELECT (sandbox.py) calling known functions with sane literal arguments. `con` only
+    parses: it never sees the store; `known()` gives the names of the functions the query
+    may call."""
     if not query.strip():
         raise QueryError("the query is empty")
     try:
@@ -47,7 +49,7 @@ def check(query: str, con: duckdb.DuckDBPyConnection, known: Callable[[], set[st
     except RecursionError:
         raise _too_deep() from None
     if not calls:
-        return runnable  # nothing for sqlglot's reading to check (see the module's note)
+        return runnable, calls  # nothing for sqlglot's reading to check (the module's note)
     import sqlglot
     from sqlglot import exp
 
@@ -56,13 +58,13 @@ def check(query: str, con: duckdb.DuckDBPyConnection, known: Callable[[], set[st
     except (sqlglot.errors.ParseError, sqlglot.errors.TokenError, RecursionError):
         # DuckDB parses what sqlglot does not, and nests deeper than Python's stack lets
         # sqlglot go: DuckDB's own tree was checked above, and its binder checks the rest.
-        return runnable
+        return runnable, calls
     if isinstance(tree, exp.Command):
-        return runnable  # sqlglot's fallback for syntax it lacks (SHOW acts): DuckDB's tree
+        return runnable, calls  # sqlglot's fallback for syntax it lacks: DuckDB's tree
     sandbox.check_sqlglot_tree(tree)
     for node in tree.find_all(exp.Anonymous):
         _check_call(node, known)
-    return runnable
+    return runnable, calls
 
 
 def _too_deep() -> QueryError:

@@ -119,23 +119,25 @@ def check_statement(query: str, con: duckdb.DuckDBPyConnection) -> tuple[str, st
     return query, query
 
 
-def check_duckdb_tree(select: str, con: duckdb.DuckDBPyConnection) -> bool:
-    """Walk DuckDB's own parse tree of a SELECT for refused functions and file tables; whether
-    it calls any function (operators such as `+` and `LIKE` are functions there, as are table
-    functions)."""
+def check_duckdb_tree(select: str, con: duckdb.DuckDBPyConnection) -> set[str]:
+    """Walk DuckDB's own parse tree of a SELECT for refused functions and file tables; the
+    names of the functions it calls, in lower case (operators such as `+` and `LIKE` are
+    functions there, as are table functions)."""
     rows = con.execute("SELECT json_serialize_sql(?::VARCHAR)", [select]).fetchall()
     tree = json.loads(rows[0][0]) if rows else {"error": True}
     if tree.get("error"):
         raise QueryError("the query could not be checked by the sandbox "
                          f"({tree.get('error_message', 'no parse tree')}); give one plain SELECT")
-    calls = False
+    calls: set[str] = set()
     for node in _dicts(tree):
         if node.get("type") == "TABLE_FUNCTION":
-            calls = True
-            _check_table_function(str(node.get("function", {}).get("function_name", "")))
+            name = str(node.get("function", {}).get("function_name", ""))
+            calls.add(name.lower())
+            _check_table_function(name)
         elif node.get("class") == "FUNCTION":
-            calls = True
-            _check_scalar(str(node.get("function_name", "")))
+            name = str(node.get("function_name", ""))
+            calls.add(name.lower())
+            _check_scalar(name)
         elif node.get("type") == "BASE_TABLE":
             _check_table_name(str(node.get("table_name", "")))
     return calls
