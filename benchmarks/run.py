@@ -5,7 +5,8 @@ fixed seeds; times are the median of `--repeats` runs after one warm-up (warm pa
 Writes BENCHMARKS.md (or `--output`) with the machine described and the command.
 
     python benchmarks/run.py [--scale full|medium|tiny] [--output BENCHMARKS.md]
-                             [--workdir bench-data] [--only full-scan] [--device cpu|cuda]
+                             [--workdir bench-data] [--only full-scan|ingest|start-up]
+                             [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", type=Path, default=Path("bench-data"))
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
-    ap.add_argument("--only", choices=["full-scan", "ingest"], default=None,
-                    help="run only the full scan and its checksum cost, or only the ingest")
+    ap.add_argument("--only", choices=["full-scan", "ingest", "start-up"], default=None,
+                    help="run only the full scan and its checksum cost, only the ingest, or "
+                         "only the start-up")
     ap.add_argument("--device", default="cpu",
                     help="where queries, the ingest and the torch baselines run: cpu or cuda")
     args = ap.parse_args(argv)
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.only in (None, "ingest"):
             results.append(workloads.ingest_overhead(scale, work, repeats))
         scan = workloads.ScanData.build(scale, work) if args.only != "ingest" else None
-        if scan is not None:
+        if scan is not None and args.only in (None, "full-scan"):
             full_scan = workloads.full_scan(scan, repeats)
             results += [full_scan, workloads.checksum_cost(scan, repeats)]
         if args.only is None and scan is not None:
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
             results.append(workloads.start_up(scan, repeats))
             results.append(workloads.memory(scan))
             results.append(workloads.storage(scan))
+        if args.only == "start-up" and scan is not None:
+            results.append(workloads.start_up(scan, repeats))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
