@@ -467,13 +467,21 @@ class Arrays:
         with self._dirty_lock:
             self._dirty.update(folders)
 
-    def sync(self) -> None:
+    def sync(self, pool: Executor | None = None) -> None:
         """fsync the folders whose entries changed since the last call: the renames of
-        the chunks written become durable (before the catalog commit refers to them)."""
+        the chunks written become durable (before the catalog commit refers to them).
+
+        With `pool`, the folders are synced concurrently on its threads: a batch of 2,048
+        tokens of a 25-site model changes about 500 folders (one a chunk), and syncing them
+        one after another cost 0.17 s of every commit, the last of which nothing overlaps.
+        Their order does not matter: nothing refers to the chunks until all have returned."""
         with self._dirty_lock:
             folders, self._dirty = sorted(self._dirty, key=len, reverse=True), set()
-        for folder in folders:
-            durable.fsync_dir(folder)
+        if pool is None or len(folders) < 2:
+            for folder in folders:
+                durable.fsync_dir(folder)
+        else:
+            list(pool.map(durable.fsync_dir, folders))
 
     def has_model(self, model_id: int) -> bool:
         return f"models/{model_id}" in self.group

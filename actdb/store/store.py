@@ -241,7 +241,7 @@ class Store:
                     "mean": item[1].mean}),
                 acts.items(),
             ))
-            self.arrays.sync()
+            self.arrays.sync(self._writers)
         fault("tensors_written")
         with self.backend.writing("the catalog"):
             self.commits.commit_batch(
