@@ -134,3 +134,54 @@ def test_a_field_that_changes_type_between_runs(tmp_path: Path,
                       ).fetchall() == [("first prompt", 1, "x", None),
                                        ("fourth prompt", 4, None, None),
                                        ("fifth prompt", None, None, None)]
+
+
+def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
+    model_dir: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before its first batch an ingest opens the catalog file for its reads once (each open
+    replays DuckDB's log), not once a read; the site-finding probe passes ask the LM head for
+    one position, not every one. The stored values are checked elsewhere: this is the cost."""
+    import duckdb
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from actdb.ingest import pipeline
+    from actdb.store import catalog as catalog_module
+
+    path = model_dir("gpt2")
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    store = tmp_path / "s.actdb"
+    actdb.ingest(store, model=model, tokenizer=tok, prompts=["one prompt first"])
+
+    opened: list[str] = []
+    real_connect = duckdb.connect
+
+    def connect(database: Any = ":memory:", *a: Any, **kw: Any) -> Any:
+        opened.append(str(database))
+        return real_connect(database, *a, **kw)
+
+    head_rows: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda m, args, out: head_rows.append(int(args[0].shape[:-1].numel())))
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a: Any, **kw: Any) -> None:
+        raise Stop
+
+    monkeypatch.setattr(catalog_module.duckdb, "connect", connect)
+    monkeypatch.setattr(pipeline, "_run", stop)
+    try:
+        with pytest.raises(Stop):
+            actdb.ingest(store, model=model, tokenizer=tok,
+                         prompts=["a second prompt", "and a third one here"])
+    finally:
+        hook.remove()
+    catalog_opens = [p for p in opened if p.endswith("catalog.duckdb")]
+    # the store's own check at open, its format version, then the set-up's session
+    assert len(catalog_opens) <= 3, catalog_opens
+    # find_sites' two probe passes (3 rows each, one position kept), then the logit fit's
+    # pass over every probe position
+    assert head_rows[:2] == [3, 3], head_rows

@@ -77,3 +77,72 @@ def test_store_held_by_another_process_is_one_sentence(
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_commit_makes_every_chunk_folder_durable_before_the_catalog(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit fsyncs the folder of every chunk file it renamed into place (concurrently, on
+    the writer threads) before the catalog commit that makes the rows visible."""
+    import threading
+
+    import pyarrow as pa
+
+    from actdb.store import durable
+    from actdb.store.catalog import Catalog
+    from actdb.store.records import ModelRecord, SiteRecord
+    from actdb.store.store import ActBatch
+
+    synced: list[str] = []
+    lock = threading.Lock()
+    real_fsync_dir = durable.fsync_dir
+
+    def recording(path: str) -> None:
+        real_fsync_dir(path)
+        with lock:
+            synced.append(str(Path(path)))
+
+    at_commit: list[set[str]] = []
+    real_commit = Catalog.commit_batch
+
+    def commit(self: Catalog, **kw: object) -> None:
+        with lock:
+            at_commit.append(set(synced))
+        real_commit(self, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(durable, "fsync_dir", recording)
+    monkeypatch.setattr(Catalog, "commit_batch", commit)
+    sites = [SiteRecord(site=f"s{i}", site_id=i, layer=i, role="pre_attn", kind="rmsnorm", d=4,
+                        n_heads=None, eps=1e-5, module=f"m{i}", has_gain=False, has_bias=False)
+             for i in range(3)]
+    model = ModelRecord(model="m", model_id=0, source="test", revision=None, architecture="X",
+                        d_model=4, n_layers=3, vocab_size=2, n_sites=3, has_lm_head=False,
+                        has_lm_head_bias=False, tied_embeddings=False, final_site=None,
+                        dtype="float32", max_length=None, sites_glob=None, chunk_tokens=8)
+    n = 40  # five direction chunks a site, each in a folder of its own
+    with Store.open_or_create(tmp_path / "s.actdb") as st:
+        st.register_model(model, sites, embed=np.ones((2, 4), np.float32), lm_head=None,
+                          lm_head_bias=None, site_params={s.site: (None, None) for s in sites},
+                          vocab=pa.table({"token_id": pa.array([0, 1], pa.int32()),
+                                          "token": ["a", "b"], "piece": ["a", "b"]}))
+        st.reserve_rows(model, sites, n)
+        synced.clear()
+        st.commit_batch(
+            model, start=0,
+            acts={s.site: ActBatch(direction=np.ones((n, 4), np.float16),
+                                   norm=np.ones(n, np.float32), mean=np.zeros(n, np.float32))
+                  for s in sites},
+            new_prompts=pa.table({"prompt_id": pa.array([0], pa.int64()), "text": ["p"]}),
+            prompt_runs=pa.table({"prompt_id": pa.array([0], pa.int64()),
+                                  "row_start": pa.array([0], pa.int64()),
+                                  "n_tokens": pa.array([n], pa.int32()),
+                                  "truncated": [False]}),
+            tokens=pa.table({"prompt_id": pa.array([0] * n, pa.int64()),
+                             "position": pa.array(range(n), pa.int32()),
+                             "token_id": pa.array([0] * n, pa.int32())}),
+            site_errors={s.site: 0.0 for s in sites},
+        )
+        chunk_folders = {str(p.parent) for p in (tmp_path / "s.actdb" / "tensors.zarr").rglob("*")
+                         if p.is_file() and "/c/" in str(p) and "/acts/" in str(p)}
+    assert len(chunk_folders) >= 3 * 5
+    assert at_commit and chunk_folders <= at_commit[0], sorted(chunk_folders - at_commit[0])[:3]
