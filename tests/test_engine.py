@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 
+import duckdb
 import numpy as np
 import pytest
 import torch
@@ -34,6 +35,7 @@ from test_query_functions import (
 )
 
 import actdb
+from actdb.errors import QueryError
 from actdb.query import threads, topk
 from actdb.query.functions import REGISTRY
 
@@ -539,6 +541,63 @@ def test_tensor_functions_are_registered_when_first_called(family_store):
                        "WHERE dim_contribution(vec, 1) IS NOT NULL "
                        "ORDER BY prompt_id, position, site").fetchall()
     assert first == again and len(first) > 0
+
+
+@pytest.mark.parametrize(("query", "message"), [
+    ("SELECT setseed(0.1) OVER ()", "changes the session"),
+    # DuckDB's tree leaves out a named window nothing uses; sqlglot's reading still sees it
+    ("SELECT 1 WINDOW w AS (ORDER BY setseed(0.1))", "changes the session"),
+    ("SELECT read_csv('x') OVER () FROM prompts", "queries cannot read files"),
+    ("SELECT nosuch(prompt_id) OVER () FROM prompts", "unknown function 'nosuch'"),
+])
+def test_calls_dropped_or_windowed_in_duckdbs_tree_are_still_refused(family_store, query,
+                                                                     message):
+    """Window calls and unused named windows were refused by name before sqlglot's reading
+    became conditional; they still are, with the same sentences (review finding)."""
+    with actdb.connect(family_store(FAMILY)) as db, pytest.raises(QueryError, match=message):
+        db.sql(query).fetchall()
+
+
+def test_lazy_registration_keeps_what_a_query_sees(family_store, monkeypatch):
+    """A tensor function shadowing a DuckDB built-in (`entropy`) is in place for a window call
+    too, whatever ran before; `duckdb_functions()` lists every tensor function on a fresh
+    connection; a registration that fails half way (UDF made, macro refused) is finished by
+    the next query instead of failing for good."""
+    store = family_store(FAMILY)
+    with actdb.connect(store) as db:
+        q = "SELECT entropy(prompt_id) OVER () FROM prompts"
+        with pytest.raises(QueryError) as first:
+            db.sql(q).fetchall()
+        db.sql("SELECT entropy(vec) FROM acts LIMIT 1").fetchall()
+        with pytest.raises(QueryError) as again:
+            db.sql(q).fetchall()
+        assert str(first.value) == str(again.value)
+    with actdb.connect(store) as db:
+        listed = {r[0] for r in db.sql(
+            "SELECT function_name FROM duckdb_functions() WHERE function_type = 'macro'"
+        ).fetchall()}
+        assert set(REGISTRY) <= listed
+    with actdb.connect(store) as db:
+        functions = db._functions
+        real_con = functions._con
+        failed: list[str] = []
+
+        class MacroRefusedOnce:
+            def __getattr__(self, name: str) -> object:
+                return getattr(real_con, name)
+
+            def execute(self, sql: str, *a: object) -> object:
+                if "MACRO vec_norm" in sql and not failed:
+                    failed.append(sql)
+                    raise duckdb.Error("injected failure after the UDF was created")
+                return real_con.execute(sql, *a)
+
+        monkeypatch.setattr(functions, "_con", MacroRefusedOnce())
+        with pytest.raises(QueryError, match="injected"):
+            db.sql("SELECT vec_norm(vec) FROM acts LIMIT 1")
+        monkeypatch.setattr(functions, "_con", real_con)
+        assert failed
+        assert db.sql("SELECT vec_norm(vec) AS n FROM acts LIMIT 1").fetchall()[0][0] > 0
 
 
 def test_thread_policy_keeps_the_callers_setting(big):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -184,31 +185,42 @@ class Functions:
     a twentieth of a CLI query's start, for queries that call one or two, or none.
 
     Registering runs statements on the connection, so it is done before the query that needs
-    it is bound (Database.sql), never while a query runs."""
+    it is bound (Database.sql), never while a query runs; a query that lists DuckDB's
+    functions (`duckdb_functions()`) gets them all first, as it did when all were registered
+    at open. A connection with a result still streaming refuses any statement, so there the
+    first call of a function fails at `sql()` with DuckDB's one sentence, where it used to fail
+    when the query was fetched."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox,
                  session: str) -> None:
         self._con, self._src, self._box, self._session = con, src, box, session
-        self._done: set[str] = set()
+        self._lock = threading.Lock()
+        self._udfs: set[str] = set()  # UDFs created (a macro may yet fail after its UDF)
+        self._done: set[str] = set()  # UDF and macro both in place
         # The bulk evaluators of the functions of one vector registered so far (their
         # counters are the session's stats).
         self.bulk: list[BulkEvaluator] = []
 
     def register(self, names: Iterable[str]) -> None:
         """Register the tensor functions among `names` (lower case) not registered yet."""
-        for name in sorted(set(names) - self._done):
-            fn = REGISTRY.get(name)
-            if fn is None:
-                continue
-            if fn.kernel is not None:
-                self._con.create_function(
-                    fn.udf_name(self._session), _make_udf(fn, self._src, self._box, self.bulk),
-                    [_sqltype(self._con, t) for t in fn.udf_params()],
-                    _sqltype(self._con, fn.returns), type=PythonUDFType.ARROW,
-                    null_handling=FunctionNullHandling.SPECIAL, side_effects=False,
-                )
-            self._con.execute(fn.macro_sql(self._session))
-            self._done.add(name)
+        names = set(names)
+        wanted = set(REGISTRY) if "duckdb_functions" in names else names
+        with self._lock:
+            for name in sorted(wanted - self._done):
+                fn = REGISTRY.get(name)
+                if fn is None:
+                    continue
+                if fn.kernel is not None and name not in self._udfs:
+                    self._con.create_function(
+                        fn.udf_name(self._session),
+                        _make_udf(fn, self._src, self._box, self.bulk),
+                        [_sqltype(self._con, t) for t in fn.udf_params()],
+                        _sqltype(self._con, fn.returns), type=PythonUDFType.ARROW,
+                        null_handling=FunctionNullHandling.SPECIAL, side_effects=False,
+                    )
+                    self._udfs.add(name)
+                self._con.execute(fn.macro_sql(self._session))  # CREATE OR REPLACE
+                self._done.add(name)
 
 
 def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox) -> Functions:

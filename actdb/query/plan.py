@@ -4,10 +4,14 @@ DuckDB decides the statement type (it is the engine that will run it); sqlglot's
 walked for function calls, so a misspelt function gets the closest names, a tensor function
 gets its signature when called wrongly, and literal arguments are checked up front.
 
-sqlglot is imported only for a statement that calls a function (in DuckDB's own tree), since
-its checks are all about calls: importing it and its DuckDB dialect costs 0.12 s of CPU (the
-dialect parses dozens of SQL templates as it loads), a fifth of a CLI query's start, which
-`SELECT * FROM prompts WHERE prompt_id = 3` has no use for.
+sqlglot is imported only for a statement that may call a function, since its checks are all
+about calls: importing it and its DuckDB dialect costs 0.12 s of CPU (the dialect parses dozens
+of SQL templates as it loads), a fifth of a CLI query's start, which
+`SELECT * FROM prompts WHERE prompt_id = 3` has no use for. A statement is read by sqlglot too
+when DuckDB's own tree of it calls a function, or when its text holds a parenthesis at all: no
+call can be written without one, and DuckDB's tree leaves out text it never runs (a named
+WINDOW that nothing uses), which sqlglot's reading has always refused when it calls something
+refused.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def check(query: str, con: duckdb.DuckDBPyConnection, known: Callable[[], set[st
         raise QueryError(_first_line(e)) from None
     except RecursionError:
         raise _too_deep() from None
-    if not calls:
+    if not calls and "(" not in select:
         return runnable, calls  # nothing for sqlglot's reading to check (the module's note)
     import sqlglot
     from sqlglot import exp

@@ -122,7 +122,7 @@ def check_statement(query: str, con: duckdb.DuckDBPyConnection) -> tuple[str, st
 def check_duckdb_tree(select: str, con: duckdb.DuckDBPyConnection) -> set[str]:
     """Walk DuckDB's own parse tree of a SELECT for refused functions and file tables; the
     names of the functions it calls, in lower case (operators such as `+` and `LIKE` are
-    functions there, as are table functions)."""
+    functions there; table functions and window calls, `f(x) OVER (...)`, are counted too)."""
     rows = con.execute("SELECT json_serialize_sql(?::VARCHAR)", [select]).fetchall()
     tree = json.loads(rows[0][0]) if rows else {"error": True}
     if tree.get("error"):
@@ -134,7 +134,7 @@ def check_duckdb_tree(select: str, con: duckdb.DuckDBPyConnection) -> set[str]:
             name = str(node.get("function", {}).get("function_name", ""))
             calls.add(name.lower())
             _check_table_function(name)
-        elif node.get("class") == "FUNCTION":
+        elif node.get("class") in ("FUNCTION", "WINDOW") and "function_name" in node:
             name = str(node.get("function_name", ""))
             calls.add(name.lower())
             _check_scalar(name)
