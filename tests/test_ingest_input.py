@@ -147,11 +147,24 @@ def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
 
     from actdb.ingest import pipeline
     from actdb.store import catalog as catalog_module
+    from actdb.store import catalog_lock
 
     path = model_dir("gpt2")
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tok = AutoTokenizer.from_pretrained(path)
     store = tmp_path / "s.actdb"
+    # The heavy set-up work (decoding the vocabulary, comparing a stored model's weights)
+    # runs with the catalog closed: readers in other processes wait while it is open.
+    locked_during: list[bool] = []
+
+    def watching(f: Any) -> Any:
+        def run(*a: Any, **kw: Any) -> Any:
+            locked_during.append(catalog_lock.held_here(store / "catalog.duckdb"))
+            return f(*a, **kw)
+        return run
+
+    monkeypatch.setattr(pipeline, "_vocab_table", watching(pipeline._vocab_table))
+    monkeypatch.setattr(pipeline, "_check_same_weights", watching(pipeline._check_same_weights))
     actdb.ingest(store, model=model, tokenizer=tok, prompts=["one prompt first"])
 
     opened: list[str] = []
@@ -180,8 +193,36 @@ def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
     finally:
         hook.remove()
     catalog_opens = [p for p in opened if p.endswith("catalog.duckdb")]
-    # the store's own check at open, its format version, then the set-up's session
-    assert len(catalog_opens) <= 3, catalog_opens
+    # the store's own check at open, its format version, then the model's reads and the
+    # prompts' reads (eleven before they were grouped)
+    assert len(catalog_opens) <= 4, catalog_opens
+    assert locked_during == [False, False], locked_during
     # find_sites' two probe passes (3 rows each, one position kept), then the logit fit's
     # pass over every probe position
     assert head_rows[:2] == [3, 3], head_rows
+
+
+@pytest.mark.parametrize("family", ["roberta", "bert"])
+def test_probe_passes_keep_every_position_where_a_norm_follows_the_cut(family: str) -> None:
+    """A causal LM whose LM head holds a norm (RoBERTa's lm_head.layer_norm, BERT's
+    cls.predictions.transform.LayerNorm) runs it after `logits_to_keep` cuts the sequence: its
+    probe passes keep every position, and its sites are found as without the cut (review
+    finding: with the cut, site finding failed on that norm's [3, 1, d] input)."""
+    import torch
+    from transformers import BertConfig, BertLMHeadModel, RobertaConfig, RobertaForCausalLM
+
+    from actdb.ingest import sites
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+              intermediate_size=64, is_decoder=True, max_position_embeddings=64)
+    model = (RobertaForCausalLM(RobertaConfig(**kw, pad_token_id=1)) if family == "roberta"
+             else BertLMHeadModel(BertConfig(**kw))).eval()
+    sample = {"input_ids": torch.randint(3, 60, (3, 11)),
+              "attention_mask": torch.ones(3, 11, dtype=torch.long)}
+    alt = {"input_ids": torch.randint(3, 60, (3, 7)),
+           "attention_mask": torch.ones(3, 7, dtype=torch.long)}
+    found, n_layers = sites.find_sites(model, sample, alt)
+    head_norm = [f.record for f in found if not f.record.module.startswith(
+        model.base_model_prefix + ".")]
+    assert n_layers == 2 and head_norm, [f.record.module for f in found]

@@ -162,10 +162,9 @@ def ingest(
                 f"({', '.join(pending_shards(st))}): finish them and run `actdb merge`, "
                 "then ingest"
             )
-        with st.catalog.session():  # the set-up's reads on one connection, not eight
-            reg = _register(st, loaded, found, n_layers, model_name, sites, limit,
-                            chunk_tokens, transform)
-            work = _plan_work(st, reg.record.model, prompt_list, ids, truncated)
+        reg = _register(st, loaded, found, n_layers, model_name, sites, limit, chunk_tokens,
+                        transform)
+        work = _plan_work(st, reg.record.model, prompt_list, ids, truncated)
         # The model's very first batch is part of the recorded sample; a resumed run (its
         # first batch committed, the error with it) or a later shard does not add its own.
         first_recorded = reg.record.logit_max_rel_error is None and (
@@ -339,11 +338,12 @@ class _Registration:
     write: Callable[[], None] | None = None  # a new model's weights, tokenizer and rows
 
 
-def _check_same_weights(st: Store, existing: ModelRecord, found: list[FoundSite]) -> None:
+def _check_same_weights(st: Store, existing: ModelRecord, found: list[FoundSite],
+                        sites: list[SiteRecord]) -> None:
     """Resuming adds rows read with the stored weights: refuse a model whose measured norm
     gains and biases differ from them (another checkpoint under the same name), which would
     otherwise give silently wrong answers. Version-1 sites stored raw weights: not compared."""
-    stored_sites = {s.site: s for s in st.catalog.sites(existing.model)}
+    stored_sites = {s.site: s for s in sites}
     for f in found:
         if stored_sites[f.record.site].centered is None:
             continue
@@ -369,17 +369,24 @@ def _register(
     """The model's catalog record, and for a new model the work of registering it: that
     runs first on the commit thread, overlapping the first forward passes."""
     records = [f.record for f in found]
-    existing = st.catalog.model(name)
+    # What the catalog says, read on one connection (each open of the file replays its log:
+    # 25-80 ms); the weights, the vocabulary and the comparisons below are computed with the
+    # file closed, since readers in other processes wait while it is open.
+    with st.catalog.session():
+        existing = st.catalog.model(name)
+        stored = st.catalog.sites(name) if existing is not None else []
+        token_str = st.catalog.token_strings(name) if existing is not None else []
+        model_id = st.catalog.next_model_id() if existing is None else -1
     if existing is not None:
-        have = [(s.site, s.d, s.n_heads) for s in st.catalog.sites(name)]
+        have = [(s.site, s.d, s.n_heads) for s in stored]
         want = [(s.site, s.d, s.n_heads) for s in records]
         if have != want:
             raise IngestError(
                 f"model {name!r} is already in the store with other sites; "
                 "pass --name to store this one under another name"
             )
-        _check_same_weights(st, existing, found)
-        return _Registration(record=existing, token_str=st.catalog.token_strings(name))
+        _check_same_weights(st, existing, found, stored)
+        return _Registration(record=existing, token_str=token_str)
     model = loaded.model
     embed, lm_head, lm_bias, tied = _weights(model)
     config = getattr(model, "config", None)
@@ -388,7 +395,7 @@ def _register(
     final = next((s.site for s in records if s.role == "final"), None)
     widest = max(s.d * (s.n_heads or 1) for s in records)
     record = ModelRecord(
-        model=name, model_id=st.catalog.next_model_id(), source=loaded.source,
+        model=name, model_id=model_id, source=loaded.source,
         revision=loaded.revision,
         architecture=(getattr(config, "architectures", None) or [type(model).__name__])[0],
         d_model=d_model, n_layers=n_layers, vocab_size=int(vocab_size), n_sites=len(records),
@@ -423,9 +430,10 @@ def _register(
 def _plan_work(
     st: Store, model: str, prompts: list[Prompt], ids: list[list[int]], truncated: list[bool]
 ) -> list[Work]:
-    known = st.catalog.prompt_ids([p.text for p in prompts])
-    done = st.catalog.ingested_prompt_ids(model)
-    next_id = st.catalog.next_prompt_id()
+    with st.catalog.session():  # three reads, one open of the file
+        known = st.catalog.prompt_ids([p.text for p in prompts])
+        done = st.catalog.ingested_prompt_ids(model)
+        next_id = st.catalog.next_prompt_id()
     assigned: dict[str, int] = {}
     work = []
     for p, i, t in zip(prompts, ids, truncated, strict=True):

@@ -151,15 +151,26 @@ def _feeds(out: torch.Tensor | None, into: torch.Tensor | None) -> bool:
             and out.dtype == into.dtype and torch.equal(out.reshape(-1), into.reshape(-1)))
 
 
-def _lean_kwargs(model: nn.Module) -> dict[str, Any]:
+def _lean_kwargs(model: nn.Module, norm_paths: list[str]) -> dict[str, Any]:
     """Arguments that spare a probe pass the LM head's product at every position (a tenth of
-    a second for a 50k vocabulary on a CPU), where the model's forward takes them: the
-    sites are all before the head, which is not watched."""
+    a second for a 50k vocabulary on a CPU): `logits_to_keep=1`, only where the model's
+    forward takes it, every norm module is inside its base model (BERT- and RoBERTa-style
+    heads hold a LayerNorm that runs after the cut), and the base model's own forward does not
+    take it (Gemma 4 cuts the sequence inside, before its KV-shared layers)."""
     try:
-        params = inspect.signature(model.forward).parameters
+        if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+            return {}
+        prefix = str(getattr(model, "base_model_prefix", "") or "")
+        base = getattr(model, "base_model", None)
+        if not prefix or not isinstance(base, nn.Module) or base is model:
+            return {}
+        if any(not p.startswith(prefix + ".") for p in norm_paths):
+            return {}
+        if "logits_to_keep" in inspect.signature(base.forward).parameters:
+            return {}
     except (TypeError, ValueError):
         return {}
-    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    return {"logits_to_keep": 1}
 
 
 def find_sites(
@@ -203,7 +214,7 @@ def find_sites(
                     if sub and _is_projection(m):
                         watched[f"{prefix}.{child}.{sub}"] = m
 
-    lean = _lean_kwargs(model)
+    lean = _lean_kwargs(model, list(norm_modules))
     with torch.no_grad(), record_calls(watched) as log:
         model(**sample, **lean)
     with torch.no_grad(), record_calls(norm_modules) as log_alt:

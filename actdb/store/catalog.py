@@ -406,8 +406,9 @@ class Catalog:
     def session(self) -> Iterator[None]:
         """Several reads and writes on one connection to the file. An ingest writer otherwise
         opens the file for each (20-80 ms of CPU apiece: DuckDB opens a database and replays
-        the log), and an ingest's set-up makes eight of them before its first forward pass.
-        The catalog's lock is held throughout, so readers wait: keep it short."""
+        the log). The catalog's lock is held throughout and readers in other processes wait
+        for it: hold it for the catalog's own work only, nothing that reads weights or
+        tokenizes."""
         with self._session():
             yield
 
