@@ -164,11 +164,11 @@ def ingest(
             )
         reg = _register(st, loaded, found, n_layers, model_name, sites, limit, chunk_tokens,
                         transform)
-        work = _plan_work(st, reg.record.model, prompt_list, ids, truncated)
         # The model's very first batch is part of the recorded sample; a resumed run (its
         # first batch committed, the error with it) or a later shard does not add its own.
         first_recorded = reg.record.logit_max_rel_error is None and (
             shard_of is None or shard_of[0] == 0)
+        work = _plan_work(st, reg.record.model, prompt_list, ids, truncated)
         records = [f.record for f in found]
         if shard_of is not None:
             if not work:  # no shard catalog: an empty one would block unsharded ingests

@@ -4,8 +4,8 @@ Three layers, each enough on its own for the escapes we know of, so that a gap i
 by the next:
 1. DuckDB's own parser says the statement is one SELECT (or an EXPLAIN whose inner statement
    is one SELECT; EXPLAIN ANALYZE executes, which is harmless for a SELECT).
-2. The statement's trees, both DuckDB's (`json_serialize_sql`) and sqlglot's (for a statement
-   that calls a function: the rest of its walk is DuckDB's walk again), are walked: table
+2. The statement's trees, both DuckDB's (`json_serialize_sql`) and sqlglot's (for every
+   statement that calls a function or holds a parenthesis: plan.py), are walked: table
    functions must be on an allow-list (no file readers, no `query()`, no raw Arrow pointers),
    scalar functions that change session state and actdb's internal UDFs are refused, and a
    table named like a path (`FROM 'file.csv'`) is refused.
