@@ -477,11 +477,7 @@ class Arrays:
         Their order does not matter: nothing refers to the chunks until all have returned."""
         with self._dirty_lock:
             folders, self._dirty = sorted(self._dirty, key=len, reverse=True), set()
-        if pool is None or len(folders) < 2:
-            for folder in folders:
-                durable.fsync_dir(folder)
-        else:
-            list(pool.map(durable.fsync_dir, folders))
+        list((pool.map if pool else map)(durable.fsync_dir, folders))
 
     def has_model(self, model_id: int) -> bool:
         return f"models/{model_id}" in self.group
