@@ -6,7 +6,7 @@ Writes BENCHMARKS.md (or `--output`) with the machine described and the command.
 
     python benchmarks/run.py [--scale full|medium|tiny] [--output BENCHMARKS.md]
                              [--workdir bench-data] [--only full-scan|ingest|start-up]
-                             [--device cpu|cuda]
+                             [--device cpu|cuda] [--keep-going]
 """
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ import os
 import shutil
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import workloads  # noqa: E402
-from report import machine, write_report  # noqa: E402
+from report import Result, machine, write_report  # noqa: E402
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
                          "only the start-up")
     ap.add_argument("--device", default="cpu",
                     help="where queries, the ingest and the torch baselines run: cpu or cuda")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="record a workload that fails (its error in the report) and go on")
     args = ap.parse_args(argv)
     workloads.DEVICE = args.device
     scale = SCALES[args.scale]
@@ -79,33 +83,57 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True)
     started = time.perf_counter()
     load_at_start = os.getloadavg()  # other work on the machine changes every figure
-    results = []
+    command = "python benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    results: list[Result] = []
+
+    def report() -> None:  # after every workload: a run stopped part-way keeps what it measured
+        write_report(args.output, results, machine(load_at_start), command=command.strip(),
+                     seconds=time.perf_counter() - started, scale=scale.name)
+
+    def step(name: str, run: Callable[[], Result | list[Result]]) -> None:
+        try:
+            got = run()
+        except Exception as e:  # noqa: BLE001 - with --keep-going, a failure is a figure too
+            if not args.keep_going:
+                raise
+            traceback.print_exc()
+            got = Result(title=f"{name} (failed)", what=f"Failed: {type(e).__name__}: {e}",
+                         notes=["```", *traceback.format_exc().splitlines()[-12:], "```"])
+        results.extend(got if isinstance(got, list) else [got])
+        report()
+
+    only = args.only
     try:
-        if args.only in (None, "ingest"):
-            results.append(workloads.ingest_overhead(scale, work, repeats))
-        scan = workloads.ScanData.build(scale, work) if args.only != "ingest" else None
-        if scan is not None and args.only in (None, "full-scan"):
-            full_scan = workloads.full_scan(scan, repeats)
-            results += [full_scan, workloads.checksum_cost(scan, repeats)]
-        if args.only is None and scan is not None:
-            results.append(workloads.selective(scan, repeats, full_scan))
-            results.append(workloads.nearest(scan, repeats))
-            results.append(workloads.contention(scan, repeats))
-            results.append(workloads.function_scans(scan, repeats))
-            results.append(workloads.aggregates(scan, repeats))
-            results.append(workloads.start_up(scan, repeats))
-            results.append(workloads.memory(scan))
-            results.append(workloads.storage(scan))
-        if args.only == "start-up" and scan is not None:
-            results.append(workloads.start_up(scan, repeats))
+        if only in (None, "ingest"):
+            step("1. Ingest overhead", lambda: workloads.ingest_overhead(scale, work, repeats))
+        if only != "ingest":
+            scan = workloads.ScanData.build(scale, work)
+            full_scan: list[Result] = []
+
+            def scan_and_checksums() -> list[Result]:
+                full_scan.append(workloads.full_scan(scan, repeats))
+                return [full_scan[0], workloads.checksum_cost(scan, repeats)]
+
+            if only in (None, "full-scan"):
+                step("2. Full scan", scan_and_checksums)
+            if only is None:
+                if full_scan:
+                    step("3. Selective query",
+                         lambda: workloads.selective(scan, repeats, full_scan[0]))
+                step("4. Nearest anchors", lambda: workloads.nearest(scan, repeats))
+                step("8. Full scan under contention", lambda: workloads.contention(scan, repeats))
+                step("12. Other functions", lambda: workloads.function_scans(scan, repeats))
+                step("13. Vector aggregates", lambda: workloads.aggregates(scan, repeats))
+            if only in (None, "start-up"):
+                step("9. Start-up", lambda: workloads.start_up(scan, repeats))
+            if only is None:
+                step("6. Memory", lambda: workloads.memory(scan))
+                step("5. Storage", lambda: workloads.storage(scan))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    command = "python benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_report(args.output, results, machine(load_at_start), command=command.strip(),
-                 seconds=time.perf_counter() - started, scale=scale.name)
+    report()
     print(f"wrote {args.output} in {time.perf_counter() - started:.0f} s", file=sys.stderr)
-
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -22,6 +22,24 @@ import s3server  # noqa: E402
 from s3server import S3Server  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
 
+# ACTDB_TEST_DEVICE=cuda runs the suite's tensor work on a GPU: every device a test names as
+# `cpu` or `auto` resolves to that one instead, for queries and ingests in this process (CLI
+# commands run in subprocesses stay on the CPU). Tests that compare with float64 references
+# then check the GPU path against them.
+if os.environ.get("ACTDB_TEST_DEVICE"):
+    import importlib
+
+    _devices = importlib.import_module("actdb.devices")
+    _load = importlib.import_module("actdb.ingest.load")  # `actdb.ingest` names the function
+    _resolve = _devices.resolve_device
+
+    def _test_device(device: str) -> object:
+        return _resolve(os.environ["ACTDB_TEST_DEVICE"] if str(device) in ("cpu", "auto")
+                        else device)
+
+    _devices.resolve_device = _test_device
+    _load.resolve_device = _test_device
+
 # Prompts of different lengths so batches are padded; one repeats a word to vary anchors.
 PROMPTS = [
     "The capital of France is Paris.",

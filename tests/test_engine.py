@@ -323,6 +323,43 @@ def test_bf16_candidates_on_spread_scores():
     assert torch.equal(got[1], want.indices)
 
 
+@pytest.mark.parametrize("lowp", [None, torch.bfloat16])
+def test_exact_ties_keep_the_lower_token_first(lowp):
+    """Tokens with equal rows score equal in float32: both paths list them lower id first
+    (torch.topk leaves the order of ties unspecified, and it differs between devices)."""
+    g = torch.Generator().manual_seed(5)
+    x, base = torch.randn(16, 64, generator=g), torch.randn(100, 64, generator=g)
+    w = base[torch.arange(100).repeat(6)[torch.randperm(600, generator=g)]]  # 6 copies of each
+    vals, ids = topk.topk(x, w, None, 8, lowp=lowp, transform=None)
+    for i in range(x.shape[0]):
+        row, order = vals[i].tolist(), ids[i].tolist()
+        for a in range(7):
+            if row[a] == row[a + 1]:
+                assert order[a] < order[a + 1], f"row {i}: ties {order} by {row}"
+        assert sum(row[a] == row[0] for a in range(8)) >= 2, f"row {i} has no tie to order"
+
+
+@pytest.mark.parametrize("width", [0, 1, 2, 3, 5, 7, 64, 576, 768, 1000])
+def test_tree_sum_is_a_sum_in_an_order_fixed_by_the_width(width):
+    """The GPU's dot products (dots.py): the same values as a float64 sum, and a row's value
+    is the same bits alone, in a block, or among thousands of rows."""
+    from actdb.query.dots import row_dots, tree_sum
+
+    g = torch.Generator().manual_seed(width)
+    x, v = torch.randn(3000, width, generator=g), torch.randn(width, generator=g)
+    got = tree_sum(x * v)
+    want = (x.double() * v.double()).sum(-1)
+    assert got.dtype == torch.float32 and got.shape == (3000,)
+    close(got.double().numpy(), want.numpy(), atol=1e-5 * (1 + width**0.5), what="tree sum")
+    for lo, hi in [(0, 1), (5, 8), (100, 117), (0, 3000)]:
+        assert torch.equal(tree_sum(x[lo:hi] * v), got[lo:hi]), (lo, hi)
+    if torch.cuda.is_available():  # the reason it exists: torch.sum on CUDA is not this
+        xc, vc = x.cuda(), v.cuda()
+        full = row_dots(xc, vc)
+        for lo, hi in [(0, 1), (5, 8), (100, 117), (7, 2055)]:
+            assert torch.equal(row_dots(xc[lo:hi], vc), full[lo:hi]), (lo, hi)
+
+
 _DELTA = 0.499 * 2.0**-7  # just under half of bfloat16's spacing in [1, 2): rounds down
 
 

@@ -89,3 +89,35 @@ def test_device_map_keeps_hooks_capturing(model_dir: Callable[[str], Path],
         np.testing.assert_array_equal(b.vectors(q).numpy(), want)
         np.testing.assert_array_equal(c.vectors(q).numpy(), want)
         assert len(want) == a.sql("SELECT count(*) FROM acts").fetchone()[0]  # type: ignore[index]
+
+
+def test_auto_dtype_on_cuda_keeps_the_weights_in_hand() -> None:
+    """On CUDA, `auto` is the dtype of the weights: a model object's own (a caller's float32
+    model is not cast to float16 under it), else the checkpoint's, else float16. No GPU is
+    needed to resolve the choice; the GPU run below checks `load` with a model object."""
+    import torch
+    from transformers import GPT2Config
+
+    from actdb.ingest.load import resolve_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    config = GPT2Config()
+    assert resolve_dtype("auto", cuda, config, weights=torch.float32) == torch.float32
+    assert resolve_dtype("auto", cuda, config, weights=torch.bfloat16) == torch.bfloat16
+    assert resolve_dtype("auto", cuda, GPT2Config(dtype="bfloat16")) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, config, weights=torch.bfloat16) == torch.float32
+    assert resolve_dtype("float16", cuda, config, weights=torch.float32) == torch.float16
+
+
+def test_a_model_object_keeps_its_dtype_on_the_gpu(model_dir: Callable[[str], Path]) -> None:
+    import torch
+    import transformers
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    folder = model_dir("gpt2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    loaded = load(model, tok, device="cuda")
+    assert loaded.dtype == torch.float32
+    assert next(loaded.model.parameters()).dtype == torch.float32

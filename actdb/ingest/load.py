@@ -29,11 +29,15 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-def resolve_dtype(dtype: str, device: torch.device, config: Any = None) -> torch.dtype:
-    """`auto`: float32 on CPU; on CUDA the checkpoint's own dtype, else float16."""
+def resolve_dtype(dtype: str, device: torch.device, config: Any = None,
+                  weights: torch.dtype | None = None) -> torch.dtype:
+    """`auto`: float32 on CPU; on CUDA the weights' own dtype: that of the model object in hand
+    (`weights`: a caller's float32 model is not cast), else the checkpoint's, else float16."""
     if dtype == "auto":
         if device.type != "cuda":
             return torch.float32
+        if weights is not None:
+            return weights
         own = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
         if isinstance(own, str):
             own = _DTYPES.get(own)
@@ -74,7 +78,8 @@ def load(
         if tokenizer is None:
             raise ModelLoadError("a model object needs its tokenizer: pass tokenizer=...")
         config = getattr(model, "config", None)
-        dt = resolve_dtype(dtype, dev, config)
+        floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+        dt = resolve_dtype(dtype, dev, config, weights=floats[0] if floats else None)
         source = "<object>"
         name = Path(str(getattr(config, "_name_or_path", "") or type(model).__name__)).name
         module = model

@@ -173,7 +173,7 @@ class _Moments:
                             self.rows.setdefault(r, []).append(
                                 xr.clone() if isinstance(at, slice) else xr)
                             continue
-                        with torch_threads(threads_for(2.0 * xr.shape[0] * d * d)):
+                        with torch_threads(threads_for(2.0 * xr.shape[0] * d * d, xr.device)):
                             gram = self.gram.get(r)
                             self.gram[r] = xr.T @ xr if gram is None else gram.addmm_(xr.T, xr)
             assert total is not None

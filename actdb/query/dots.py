@@ -6,7 +6,13 @@ float32 number, and equals the value `top_logits` reports for that token. BLAS m
 and small matrix products do not promise that: their rounding changes with the number of
 rows in the call (measured with torch 2.13 on this CPU: 1-ulp differences for blocks of 1-3,
 7, 15 or 17 rows). Here every dot product is one reduction: the elementwise products, then
-torch.sum over the last dimension, which reduces each contiguous row on its own.
+torch.sum over the last dimension, which on the CPU reduces each contiguous row on its own.
+
+CUDA's reduction kernel does not: it gives one row more threads when the call has fewer rows
+(Reduce.cuh's block shape: 512 threads on a row of 768 alone, 32 among many rows), which
+changes the order of the sum. On a GPU the sum is therefore a fixed tree of elementwise
+halvings (`tree_sum`), whose order depends on the width alone; a GPU's values may differ from
+the CPU's in the last bit, never from one query to another on the same device.
 """
 
 from __future__ import annotations
@@ -24,4 +30,16 @@ else:
 def row_dots(x: torch.Tensor, v: torch.Tensor, *, overwrite: bool = False) -> torch.Tensor:
     """sum(x * v, -1): `x` [..., d] against `v` broadcast to it ([d] or [..., d]).
     `overwrite`: `x` is a temporary that the products may replace (no second copy)."""
-    return torch.sum(x.mul_(v) if overwrite else x * v, -1)
+    products = x.mul_(v) if overwrite else x * v
+    return torch.sum(products, -1) if products.device.type == "cpu" else tree_sum(products)
+
+
+def tree_sum(p: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension by halving it with elementwise adds (an odd element left
+    over is carried to the next level): each row is summed in the same order whatever the
+    number of rows, on any device."""
+    while p.shape[-1] > 1:
+        half = p.shape[-1] // 2
+        summed = p[..., :half] + p[..., half : 2 * half]
+        p = summed if p.shape[-1] % 2 == 0 else torch.cat([summed, p[..., 2 * half :]], -1)
+    return p[..., 0] if p.shape[-1] == 1 else p.sum(-1)  # width 0: zeros

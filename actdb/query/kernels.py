@@ -351,7 +351,7 @@ def _topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
     for lo in range(0, x.shape[0], _BLOCK):
         block = x[lo : lo + _BLOCK]
         if reversing:
-            with torch_threads(threads_for(2.0 * block.shape[0] * w.numel())):
+            with torch_threads(threads_for(2.0 * block.shape[0] * w.numel(), block.device)):
                 scores = block @ w.T  # [block, V]
             scores = _to_logits(model, scores + b if b is not None else scores)
             pre, ids = topk.rescored(block, w, b, torch.topk(scores, k, dim=-1).indices)

@@ -83,9 +83,11 @@ def _own_running() -> int:
     return max(1, count)
 
 
-def threads_for(flops: float) -> int:
-    """torch threads for one op of `flops`: one unless it is big and cores are idle."""
-    return 1 if flops < FAN_OUT_FLOPS else idle_cores()
+def threads_for(flops: float, device: torch.device | None = None) -> int:
+    """torch threads for one op of `flops` on `device`: one unless it is big, on the CPU, and
+    cores are idle (a GPU's op needs one host thread to launch it)."""
+    on_cpu = device is None or device.type == "cpu"
+    return 1 if flops < FAN_OUT_FLOPS or not on_cpu else idle_cores()
 
 
 @contextmanager

@@ -132,7 +132,7 @@ def topk(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int, *,
     if x.shape[1] >= MAX_LOWP_WIDTH:
         lowp = None
     # The whole product's pool: its candidates, rescoring and checks are vocabulary-wide too.
-    with torch_threads(threads_for(2.0 * n * w.numel())):
+    with torch_threads(threads_for(2.0 * n * w.numel(), x.device)):
         if lowp is None or m >= V or n == 0:
             vals, ids = _exact(x, w, b, k)
         else:
@@ -153,6 +153,7 @@ def rescored(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ids: torc
     """(values, ids) [n, k], best first: tokens `ids` scored by `row_dots` (dots.py), so a
     value equals `logit(vec, token)` bit for bit whatever rows the product held (a BLAS
     product's rounding changes with its number of rows)."""
+    ids = torch.sort(ids, dim=-1).values  # ties keep the lower id first, as in _best_of
     vals = row_dots(w[ids], x.unsqueeze(1), overwrite=True)  # [n, k]
     if b is not None:
         vals += b[ids]
@@ -187,6 +188,9 @@ def _best_of(approx: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Te
     """The top k of each row's m best candidates by `approx`, rescored in float32, and the
     rows where the bound does not prove them the float32 top k (module docstring)."""
     top_approx, cand = torch.topk(approx, m, dim=-1)  # [n, m], descending
+    # Ascending ids, then a stable sort of the rescores below: equal float32 scores keep the
+    # lower id first, on every device (torch.topk leaves the order of ties unspecified).
+    cand = torch.sort(cand, dim=-1).values
     exact = torch.empty(cand.shape, dtype=x.dtype, device=x.device)
     step = max(1, _RESCORE_FLOATS // (m * x.shape[1]))
     for lo in range(0, x.shape[0], step):
@@ -195,7 +199,8 @@ def _best_of(approx: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Te
         exact[lo:hi] = row_dots(rows, x[lo:hi].unsqueeze(1), overwrite=True)
     if b is not None:
         exact += b[cand]
-    vals, at = torch.topk(exact, k, dim=-1)  # [n, k]
+    vals, at = torch.sort(exact, dim=-1, descending=True, stable=True)
+    vals, at = vals[:, :k], at[:, :k]  # [n, k]
     ids = torch.gather(cand, 1, at)
     theta, tau = top_approx[:, -1], vals[:, -1]
     safe = theta.double() + margin(x.shape[1], theta, tau, scale, norms, bias=b is not None)

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU figures and the GPU test run in one call, for a machine with an NVIDIA GPU whose own
+# Python already holds torch (CUDA), transformers, numpy, pyarrow, pandas, click, pytest and
+# pytest-xdist. actdb's other dependencies travel as wheels in .whl/ (built for that Python),
+# and actdb/_native as a .so built for it.
+#
+#   bash benchmarks/gpu_check.sh            # results under $OUT (default /tmp/actdb-gpu)
+#
+# 1. `benchmarks/run.py --device cuda --keep-going`: the benchmark suite with queries, the
+#    ingest and the torch baselines on the GPU; a workload that fails is recorded and the
+#    others still run; the report is rewritten after each workload.
+# 2. The test suite with ACTDB_TEST_DEVICE=cuda (tests/conftest.py): every query and ingest a
+#    test runs in-process computes on the GPU and is checked against its float64 reference.
+# Each step has a time limit (BENCH_S, TESTS_S seconds), so the call ends inside its lease.
+set -u
+OUT=${OUT:-/tmp/actdb-gpu}
+PY=${PY:-python3}
+DEVICE=${DEVICE:-cuda}
+SCALE=${SCALE:-medium}
+BENCH_S=${BENCH_S:-320}
+TESTS_S=${TESTS_S:-130}
+WORKERS=${WORKERS:-12}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/actdb-site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/actdb-site:$PWD
+fi
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.max.sm \
+    --format=csv >"$OUT/gpu.txt" 2>&1
+$PY -c "import torch, duckdb, zarr, actdb, actdb._native as n; print('torch', torch.__version__,
+'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0), 'duckdb',
+duckdb.__version__, 'zarr', zarr.__version__, 'native', n.__file__)" 2>&1 | tee "$OUT/env.txt"
+
+start=$(date +%s)
+timeout "$BENCH_S" $PY benchmarks/run.py --scale "$SCALE" --device "$DEVICE" --keep-going \
+    --output "$OUT/BENCHMARKS-$DEVICE.md" --workdir /tmp/actdb-bench >"$OUT/bench.log" 2>&1
+echo "benchmark: exit $? after $(( $(date +%s) - start )) s"
+
+start=$(date +%s)
+# The modules whose queries and ingests run in-process (the CLI's run in subprocesses, on the
+# CPU; SQL checks, stores and catalogs do no tensor work).
+TESTS=${TESTS:-"test_query_functions test_handles test_engine test_lens test_faithful_checks
+    test_faithful_generative test_ingest_families test_ingest_input test_native test_load
+    test_ingest_safety test_plot test_real_families"}
+ACTDB_TEST_DEVICE=$DEVICE timeout "$TESTS_S" $PY -m pytest -v --tb=short -n "$WORKERS" \
+    -p no:cacheprovider -rfE --durations=5 $(for t in $TESTS; do echo "tests/$t.py"; done) \
+    >"$OUT/tests.log" 2>&1
+echo "tests: exit $? after $(( $(date +%s) - start )) s"
+
+echo "--- benchmark summary"
+sed -n '/^## Summary/,/^## 1\./p' "$OUT/BENCHMARKS-$DEVICE.md" 2>/dev/null | head -40
+grep -A3 "(failed)" "$OUT/BENCHMARKS-$DEVICE.md" 2>/dev/null | head -20
+echo "--- tests"
+echo "$(grep -c '] PASSED ' "$OUT/tests.log") passed, $(grep -c '] SKIPPED ' "$OUT/tests.log") skipped"
+grep -E "\] (FAILED|ERROR) |^(FAILED|ERROR) | passed| failed" "$OUT/tests.log" | cut -c1-200 | tail -45
