@@ -5,7 +5,7 @@ fixed seeds; times are the median of `--repeats` runs after one warm-up (warm pa
 Writes BENCHMARKS.md (or `--output`) with the machine described and the command.
 
     python benchmarks/run.py [--scale full|medium|tiny] [--output BENCHMARKS.md]
-                             [--workdir bench-data] [--only full-scan|ingest|start-up]
+                             [--workdir bench-data] [--only full-scan|ingest|start-up|memory]
                              [--device cpu|cuda] [--keep-going]
 """
 
@@ -67,9 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", type=Path, default=Path("bench-data"))
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
-    ap.add_argument("--only", choices=["full-scan", "ingest", "start-up"], default=None,
-                    help="run only the full scan and its checksum cost, only the ingest, or "
-                         "only the start-up")
+    ap.add_argument("--only", choices=["full-scan", "ingest", "start-up", "memory"],
+                    default=None, help="run only the full scan and its checksum cost, only the "
+                                       "ingest, only the start-up, or only the memory workload")
     ap.add_argument("--device", default="cpu",
                     help="where queries, the ingest and the torch baselines run: cpu or cuda")
     ap.add_argument("--keep-going", action="store_true",
@@ -126,8 +126,9 @@ def main(argv: list[str] | None = None) -> None:
                 step("13. Vector aggregates", lambda: workloads.aggregates(scan, repeats))
             if only in (None, "start-up"):
                 step("9. Start-up", lambda: workloads.start_up(scan, repeats))
-            if only is None:
+            if only in (None, "memory"):
                 step("6. Memory", lambda: workloads.memory(scan))
+            if only is None:
                 step("5. Storage", lambda: workloads.storage(scan))
     finally:
         if not args.keep:

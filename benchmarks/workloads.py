@@ -526,7 +526,10 @@ def memory(scan: ScanData) -> Result:
         size = st.disk_bytes()["total"]
     n = scan.scale.big_tokens * scan.scale.scan_sites
     out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(scan.store)],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError("the memory workload's scan failed: "
+                           + " | ".join(out.stderr.strip().splitlines()[-4:]))
     got = json.loads(out.stdout.strip().splitlines()[-1])
     rss = got["max_rss_kb"] * 1024
     r = Result(

@@ -40,6 +40,14 @@ if os.environ.get("ACTDB_TEST_DEVICE"):
     _devices.resolve_device = _test_device
     _load.resolve_device = _test_device
 
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("ACTDB_TEST_DEVICE"):
+        skip = pytest.mark.skip(reason="checks a CPU-only path; ACTDB_TEST_DEVICE is set")
+        for item in items:
+            if item.get_closest_marker("cpu_only"):
+                item.add_marker(skip)
+
 # Prompts of different lengths so batches are padded; one repeats a word to vary anchors.
 PROMPTS = [
     "The capital of France is Paris.",

@@ -85,9 +85,9 @@ def test_device_map_keeps_hooks_capturing(model_dir: Callable[[str], Path],
     q = "SELECT vec FROM acts ORDER BY site, prompt_id, position"
     with actdb.connect(plain) as a, actdb.connect(mapped) as b, \
             actdb.connect(tmp_path / "auto.actdb") as c:
-        want = a.vectors(q).numpy()
-        np.testing.assert_array_equal(b.vectors(q).numpy(), want)
-        np.testing.assert_array_equal(c.vectors(q).numpy(), want)
+        want = a.vectors(q).cpu().numpy()
+        np.testing.assert_array_equal(b.vectors(q).cpu().numpy(), want)
+        np.testing.assert_array_equal(c.vectors(q).cpu().numpy(), want)
         assert len(want) == a.sql("SELECT count(*) FROM acts").fetchone()[0]  # type: ignore[index]
 
 
@@ -121,3 +121,19 @@ def test_a_model_object_keeps_its_dtype_on_the_gpu(model_dir: Callable[[str], Pa
     loaded = load(model, tok, device="cuda")
     assert loaded.dtype == torch.float32
     assert next(loaded.model.parameters()).dtype == torch.float32
+
+
+def test_a_model_object_goes_back_where_it_was_after_a_gpu_ingest(
+        model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    import torch
+    import transformers
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    folder = model_dir("gpt2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    actdb.ingest(tmp_path / "s.actdb", model=model, tokenizer=tok, prompts=PROMPTS,
+                 device="cuda")
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    model(**tok(PROMPTS[0], return_tensors="pt"))  # still runs on CPU inputs

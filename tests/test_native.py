@@ -193,6 +193,7 @@ class _Counting:
         return counted
 
 
+@pytest.mark.cpu_only  # the kernels are the CPU's; a GPU computes in torch
 def test_a_scan_through_the_kernels_matches_the_torch_path(family_store, monkeypatch) -> None:
     """A full scan of `cosine_to_anchor` over runs of chunks (the kernel and the run reads)
     against the same query through torch and the Python reader: float32 rounding apart."""

@@ -219,7 +219,7 @@ def test_vectors_equal_hooked_input(family, reference, database):
     assert len(rows) == n_tokens * len(ref.sites) == vecs.shape[0]
     r = Rows(ref, db, rows)
     x = r.x
-    close_vectors(vecs.double().numpy(), x, what=f"{family} vectors()")
+    close_vectors(vecs.double().cpu().numpy(), x, what=f"{family} vectors()")
     # norm and mean are float32 exact up to float32 rounding
     close(col(rows, "norm"), np.linalg.norm(x, axis=-1), rtol=1e-5, what="norm column")
     scale = np.linalg.norm(x, axis=-1) / math.sqrt(x.shape[-1])
@@ -708,7 +708,7 @@ def test_per_head_sites(family_store, reference):
             q = ("SELECT prompt_id, position, site, head, vec FROM acts WHERE site = $s "
                  "AND prompt_id IN (0, 3) ORDER BY prompt_id, position, head")
             rows = fetch(db, q, params={"s": s["site"]})
-            vecs = db.vectors(q, params={"s": s["site"]}).double().numpy()
+            vecs = db.vectors(q, params={"s": s["site"]}).double().cpu().numpy()
             r = Rows(ref, db, rows)
             x = r.x
             close_vectors(vecs, x, what=f"per-head vectors {s['site']}")
@@ -782,7 +782,7 @@ def test_vectors_out_of_sql_never_leave_a_row_unfilled(family_store, tmp_path):
                 call()
         want = np.array([r[0] for r in db.sql(on.replace("final_norm(vec) AS vec",
                                                          "to_list(final_norm(vec))")).fetchall()])
-        np.testing.assert_allclose(db.vectors(on).numpy(), want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(db.vectors(on).cpu().numpy(), want, rtol=1e-6, atol=1e-6)
         db.export(on, tmp_path / "on.npy")
         np.testing.assert_allclose(np.load(tmp_path / "on.npy"), want, rtol=1e-6, atol=1e-6)
         mixed = ("SELECT vec FROM acts WHERE model = 'qwen3' AND prompt_id = 0 AND position < 2 "

@@ -111,6 +111,10 @@ def ingest(
     (assistant turn opened); the templated text is the stored prompt's text, tokenized as is
     (the template places any special tokens itself).
 
+    A model object (`model=`) is moved to `device` for the ingest and back to where it was
+    after, so a caller's CPU model stays usable on CPU inputs; with `dtype="auto"` it keeps
+    its own dtype, and another `dtype` casts it in place, as `model.to(dtype)` would.
+
     With `shard=(i, N)` (or `"i/N"`), this is worker i (from 0) of N ingesting its share of
     the prompts into the same store, side by side with the others: its catalog rows go to
     the store's `shards/{i}-of-{N}` catalog until `actdb.merge` moves them all into the main
@@ -136,77 +140,88 @@ def ingest(
     if max_length is not None and max_length < 1:
         raise IngestError(f"max_length must be at least 1, got {max_length}")
     prompt_list = read_prompts(prompts)
+    # A model object is the caller's: moved to the ingest's device for it, and back after.
+    home = _device_of(model) if isinstance(model, nn.Module) and not device_map else None
     loaded = load(model, tokenizer, device=device, dtype=dtype, revision=revision,
                   device_map=device_map)
-    model_name = name or loaded.default_name
-    if chat_template:
-        prompt_list = apply_chat_template(prompt_list, loaded.tokenizer, model_name)
-    limit = _length_limit(loaded, max_length)
-    ids, truncated = _tokenize(loaded.tokenizer, [p.text for p in prompt_list], limit,
-                               special=not chat_template)
-    sample, sample_alt = _probe_batch(loaded, ids, 11), _probe_batch(loaded, ids, 7)
-    found, n_layers = find_sites(loaded.model, sample, sample_alt, sites_glob=sites)
-    head = _lm_head(loaded.model)
-    final = next((f for f in found if f.record.role == "final"), None)
-    transform = None
-    if head is not None and final is not None:
-        transform = measure_logits(loaded.model, sample, final, head,
-                                   _forward_kwargs(loaded.model), model_name)
+    try:
+        model_name = name or loaded.default_name
+        if chat_template:
+            prompt_list = apply_chat_template(prompt_list, loaded.tokenizer, model_name)
+        limit = _length_limit(loaded, max_length)
+        ids, truncated = _tokenize(loaded.tokenizer, [p.text for p in prompt_list], limit,
+                                   special=not chat_template)
+        sample, sample_alt = _probe_batch(loaded, ids, 11), _probe_batch(loaded, ids, 7)
+        found, n_layers = find_sites(loaded.model, sample, sample_alt, sites_glob=sites)
+        head = _lm_head(loaded.model)
+        final = next((f for f in found if f.record.role == "final"), None)
+        transform = None
+        if head is not None and final is not None:
+            transform = measure_logits(loaded.model, sample, final, head,
+                                       _forward_kwargs(loaded.model), model_name)
 
-    started = time.perf_counter()
-    shard_label = shard_name(*shard_of) if shard_of else None
-    with Store.open_or_create(store, storage_options=storage_options, shard=shard_label) as st:
-        if shard_of is None and pending_shards(st):
-            raise IngestError(
-                f"store {st.location!r} has shard ingests not merged yet "
-                f"({', '.join(pending_shards(st))}): finish them and run `actdb merge`, "
-                "then ingest"
+        started = time.perf_counter()
+        shard_label = shard_name(*shard_of) if shard_of else None
+        with Store.open_or_create(store, storage_options=storage_options, shard=shard_label) as st:
+            if shard_of is None and pending_shards(st):
+                raise IngestError(
+                    f"store {st.location!r} has shard ingests not merged yet "
+                    f"({', '.join(pending_shards(st))}): finish them and run `actdb merge`, "
+                    "then ingest"
+                )
+            reg = _register(st, loaded, found, n_layers, model_name, sites, limit, chunk_tokens,
+                            transform)
+            # The model's very first batch is part of the recorded sample; a resumed run (its
+            # first batch committed, the error with it) or a later shard does not add its own.
+            first_recorded = reg.record.logit_max_rel_error is None and (
+                shard_of is None or shard_of[0] == 0)
+            work = _plan_work(st, reg.record.model, prompt_list, ids, truncated)
+            records = [f.record for f in found]
+            if shard_of is not None:
+                if not work:  # no shard catalog: an empty one would block unsharded ingests
+                    return IngestSummary(
+                        model=reg.record.model, store=os.fspath(store),
+                        prompts_total=len(prompt_list), prompts_new=0,
+                        prompts_skipped=len(prompt_list), prompts_truncated=sum(truncated),
+                        tokens_written=0, sites=len(found), bytes_stored=0, seconds=0.0,
+                        note=nothing_to_do(st.location, reg.record.model, shard_of))
+                reg, work = _enter_shard(st, reg, records, work, shard_of)
+                first_recorded = first_recorded and reg.record.logit_max_rel_error is None
+            record = reg.record
+            per_token = sum(_bytes_per_token(s) for s in records)
+            tokens_todo = sum(len(w.ids) for w in work)
+            plan = IngestPlan(
+                model=record.model, prompts_total=len(prompt_list), prompts_todo=len(work),
+                prompts_truncated=sum(truncated), tokens_todo=tokens_todo, sites=len(found),
+                bytes_estimate=per_token * tokens_todo + reg.weight_bytes,
             )
-        reg = _register(st, loaded, found, n_layers, model_name, sites, limit, chunk_tokens,
-                        transform)
-        # The model's very first batch is part of the recorded sample; a resumed run (its
-        # first batch committed, the error with it) or a later shard does not add its own.
-        first_recorded = reg.record.logit_max_rel_error is None and (
-            shard_of is None or shard_of[0] == 0)
-        work = _plan_work(st, reg.record.model, prompt_list, ids, truncated)
-        records = [f.record for f in found]
-        if shard_of is not None:
-            if not work:  # no shard catalog: an empty one would block unsharded ingests
-                return IngestSummary(
-                    model=reg.record.model, store=os.fspath(store),
-                    prompts_total=len(prompt_list), prompts_new=0,
-                    prompts_skipped=len(prompt_list), prompts_truncated=sum(truncated),
-                    tokens_written=0, sites=len(found), bytes_stored=0, seconds=0.0,
-                    note=nothing_to_do(st.location, reg.record.model, shard_of))
-            reg, work = _enter_shard(st, reg, records, work, shard_of)
-            first_recorded = first_recorded and reg.record.logit_max_rel_error is None
-        record = reg.record
-        per_token = sum(_bytes_per_token(s) for s in records)
-        tokens_todo = sum(len(w.ids) for w in work)
-        plan = IngestPlan(
-            model=record.model, prompts_total=len(prompt_list), prompts_todo=len(work),
-            prompts_truncated=sum(truncated), tokens_todo=tokens_todo, sites=len(found),
-            bytes_estimate=per_token * tokens_todo + reg.weight_bytes,
+            if on_plan:
+                on_plan(plan)
+            check = None
+            if head is not None and final is not None and reg.record.has_lm_head:
+                recorded = LogitTransform(scale=reg.record.logit_scale,
+                                          softcap=reg.record.logit_softcap, error=0.0)
+                check = LogitCheck(final, head, recorded, loaded.device)
+            errors = _run(st, loaded, reg, found, work, batch_size, progress, check,
+                          first_recorded)
+            if shard_of is not None:
+                with st.backend.writing("the shard catalog"):
+                    mark_finished(st.commits)
+        return IngestSummary(
+            model=record.model, store=os.fspath(store), prompts_total=len(prompt_list),
+            prompts_new=len(work), prompts_skipped=len(prompt_list) - len(work),
+            prompts_truncated=sum(truncated), tokens_written=tokens_todo, sites=len(found),
+            bytes_stored=plan.bytes_estimate,
+            seconds=time.perf_counter() - started, max_rel_error=errors,
         )
-        if on_plan:
-            on_plan(plan)
-        check = None
-        if head is not None and final is not None and reg.record.has_lm_head:
-            recorded = LogitTransform(scale=reg.record.logit_scale,
-                                      softcap=reg.record.logit_softcap, error=0.0)
-            check = LogitCheck(final, head, recorded, loaded.device)
-        errors = _run(st, loaded, reg, found, work, batch_size, progress, check,
-                      first_recorded)
-        if shard_of is not None:
-            with st.backend.writing("the shard catalog"):
-                mark_finished(st.commits)
-    return IngestSummary(
-        model=record.model, store=os.fspath(store), prompts_total=len(prompt_list),
-        prompts_new=len(work), prompts_skipped=len(prompt_list) - len(work),
-        prompts_truncated=sum(truncated), tokens_written=tokens_todo, sites=len(found),
-        bytes_stored=plan.bytes_estimate,
-        seconds=time.perf_counter() - started, max_rel_error=errors,
-    )
+    finally:
+        if home is not None and _device_of(loaded.model) != home:
+            loaded.model.to(home)
+
+
+def _device_of(model: nn.Module) -> torch.device | None:
+    """Where a model's first weight lives (None for a model without weights)."""
+    return next((p.device for p in model.parameters()), None)
 
 
 def _logit_sampled(batch: list[Work], batch_size: int) -> bool:
