@@ -28,9 +28,6 @@ from .errors import (
     StoreNotWritableError,
     TokenError,
 )
-from .lazy import lazy_module
-
-lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
 if TYPE_CHECKING:
     from .ingest import IngestSummary, ingest, merge

@@ -1,40 +1,66 @@
 """Deferred imports: a command that needs no tensor (`SELECT 1`, `info`) never pays for torch.
 
-`torch` costs seconds of CPU to import (more than the rest of actdb together). It is put in
-`sys.modules` as a lazy module, so the `import torch` lines of the query layer bind at once and
-the real import happens on the first attribute used, i.e. when a tensor function first runs.
+`torch` costs seconds of CPU to import (more than the rest of actdb together). A module that
+needs it binds `torch = lazy_module("torch")`: a stand-in whose first attribute read imports
+torch, and which then puts the real module in its place in every namespace that bound it, so
+later reads are plain module lookups (and see what a test or notebook patches on torch).
+
+The stand-in never enters `sys.modules`: torch's own import, and anyone else's `import torch`,
+run the ordinary import machinery. (An earlier version put an `importlib.util.LazyLoader`
+module there; Python 3.12.3, the system Python of Ubuntu 24.04, has a LazyLoader that recurses
+without end on a module that reads its own attributes while it loads, as torch does:
+CPython gh-117178.)
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 import threading
 from types import ModuleType
+from typing import Any
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()
+_STAND_INS: dict[str, _Deferred] = {}  # one per module name, shared by all that bind it
+
+
+class _Deferred(ModuleType):
+    """Stands for the module `__name__` until something reads an attribute of it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.__dict__["_actdb_binders"] = []  # the namespaces that bound this stand-in
+
+    def __getattr__(self, attr: str) -> Any:  # only for names not set on the stand-in itself
+        return getattr(_finish(self), attr)
 
 
 def lazy_module(name: str) -> ModuleType:
-    """`name` as a module that is imported on first attribute access (at once if it already is
-    imported, or if it cannot be found: then the plain import raises where it used to)."""
+    """`name`, imported on first attribute access (at once if it already is imported, or if
+    it cannot be found: then the plain import raises where it used to). The caller's module
+    namespace is recorded, so the real module replaces the stand-in there once imported."""
     with _LOCK:
         if name in sys.modules:
             return sys.modules[name]
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
+        if importlib.util.find_spec(name) is None:
             return importlib.import_module(name)
-        loader = importlib.util.LazyLoader(spec.loader)
-        spec.loader = loader
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        loader.exec_module(module)
-        return module
+        stand_in = _STAND_INS.setdefault(name, _Deferred(name))
+        stand_in.__dict__["_actdb_binders"].append(sys._getframe(1).f_globals)
+        return stand_in
 
 
 def load(module: ModuleType) -> ModuleType:
-    """Finish a lazy import now, on this thread, under the lock (Python 3.11's lazy modules
-    are not safe to finish from two threads at once: the read-ahead thread and the query)."""
+    """The real module for `module` (a stand-in or a module), imported now on this thread."""
+    return _finish(module) if isinstance(module, _Deferred) else module
+
+
+def _finish(stand_in: _Deferred) -> ModuleType:
     with _LOCK:
-        getattr(module, "__name__")  # noqa: B009 - any attribute access runs the import
-        return module
+        real = importlib.import_module(stand_in.__name__)
+        _STAND_INS.pop(stand_in.__name__, None)
+        for namespace in stand_in.__dict__["_actdb_binders"]:
+            for key, value in list(namespace.items()):
+                if value is stand_in:
+                    namespace[key] = real
+        return real

@@ -62,6 +62,7 @@ def test_gguf_paths_that_cannot_load(tmp_path: Path) -> None:
         load(str(tmp_path / "empty"))
 
 
+@pytest.mark.cpu_only  # its map places every module on the CPU, bit for bit as a plain load
 def test_device_map_keeps_hooks_capturing(model_dir: Callable[[str], Path],
                                           tmp_path: Path) -> None:
     """accelerate places each module by an explicit map (all on CPU here: a machine with
