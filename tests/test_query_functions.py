@@ -8,6 +8,7 @@ plus a float32 norm and mean, so the tolerances are those of float16 rounding.
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -813,3 +814,39 @@ def test_cosine_pairs_rows_of_different_widths_in_one_call(family_store):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         assert abs(c - x @ y / np.linalg.norm(x) / np.linalg.norm(y)) < 1e-6
     assert nulls and all(v is None for (v,) in nulls)
+
+
+def test_token_strings_resolve_to_the_first_id_that_decodes_to_them(family_store):
+    """A token argument given as a string is the id whose decoded string it is (the lowest
+    such id where several decode alike, unless the tokenizer encodes it as one of them); a
+    string that is no token is one sentence naming how it tokenizes."""
+    with actdb.connect(family_store("gpt2"), device="cpu") as db:
+        rows = db.sql("SELECT token_id, token FROM vocab WHERE model = 'gpt2' "
+                      "ORDER BY token_id").fetchall()
+        src = db.source
+        model = next(m for m in src.models.values() if m.model == "gpt2")
+        first: dict[str, int] = {}
+        for tid, tok in rows:
+            if tok is not None:
+                first.setdefault(tok, tid)
+        counts = collections.Counter(tok for _, tok in rows if tok is not None)
+        checked = 0
+        for tok, tid in list(first.items())[::7]:
+            if counts[tok] == 1:
+                assert src.resolve_token(model, tok, "VARCHAR") == tid, tok
+                checked += 1
+        assert checked > 20
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(src.store.tokenizer_dir(model.model_id))
+        shared = [t for t, n in counts.items() if n > 1]
+        assert shared, "the tiny vocabulary has byte tokens that decode alike"
+        for text in shared:
+            ids = [tid for tid, t in rows if t == text]
+            encoded = tok(text, add_special_tokens=False)["input_ids"]
+            want = encoded[0] if len(encoded) == 1 and encoded[0] in ids else ids[0]
+            assert src.resolve_token(model, text, "VARCHAR") == want, text
+        assert src.resolve_token(model, str(rows[-1][0]), "INTEGER") == rows[-1][0]
+        with pytest.raises(actdb.TokenError, match=r"is not one token of model 'gpt2': it "
+                                                   r"tokenizes as \["):
+            src.resolve_token(model, "a string no vocabulary holds whole", "VARCHAR")
