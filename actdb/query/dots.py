@@ -43,3 +43,13 @@ def tree_sum(p: torch.Tensor) -> torch.Tensor:
         summed = p[..., :half] + p[..., half : 2 * half]
         p = summed if p.shape[-1] % 2 == 0 else torch.cat([summed, p[..., 2 * half :]], -1)
     return p[..., 0] if p.shape[-1] == 1 else p.sum(-1)  # width 0: zeros
+
+
+def unit_rows(w: torch.Tensor) -> torch.Tensor:
+    """Each row of `w` [n, d] over its norm, in float32 (zero rows stay zero). The norm is a
+    float64 `tree_sum` of squares (no float32 underflow for tiny rows), so a row's result is
+    the same bits whether it is normalized alone or among the whole vocabulary, on any
+    device: one token's anchor is made without the others."""
+    w64 = w.double()
+    n = torch.sqrt(tree_sum(w64 * w64)).unsqueeze(-1)
+    return (w64 / torch.where(n > 0, n, torch.ones_like(n))).float()

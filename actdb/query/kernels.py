@@ -155,9 +155,7 @@ def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: A
     for g in _lm_groups(src, h):
         _require_width("cosine_to_anchor", g, g.model.d_model, "d_model")
         for (t, ty, a), pos in _per_value([token, ttype, anchors], g.index).items():
-            a_set = src.anchors(g.model, a or None)
-            tid = src.resolve_token(g.model, t, ty)
-            anchor = a_set[tid]  # [d], unit
+            anchor = src.anchor(g.model, a or None, src.resolve_token(g.model, t, ty))  # unit
             if not bool(anchor.any()):
                 out[g.index[pos]] = np.nan  # a token whose anchor is the zero vector
                 continue
@@ -199,7 +197,7 @@ def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: 
         args = {}
         for dv, t, ty, a in combos:
             d = _check_dim(g, int(dv))
-            anchor = src.anchors(g.model, a or None)[src.resolve_token(g.model, t, ty)]
+            anchor = src.anchor(g.model, a or None, src.resolve_token(g.model, t, ty))
             args[(dv, t, ty, a)] = (d, anchor[d])
         for lo, hi, x in g.x_blocks():
             u, ok = _unit(x)
@@ -211,29 +209,32 @@ def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: 
 
 def logit(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: Arg) -> None:
     for g in _lm_groups(src, h):
-        w, b = src.unembed(g.model)
-        _require_width("logit", g, w.shape[1], "the LM head's width")
         combos = _per_value([token, ttype], g.index)
-        tids = {key: src.resolve_token(g.model, *key) for key in combos}
+        # each token's row of W_U and b_U alone: one chunk of the weights, not all of them
+        heads = {key: src.unembed_row(g.model, src.resolve_token(g.model, *key))
+                 for key in combos}
+        for w, _ in heads.values():
+            _require_width("logit", g, w.shape[-1], "the LM head's width")
         for lo, hi, hn in _final_normed_blocks(src, g):
             for key, rows, at in _block_rows(combos, lo, hi):
-                tid = tids[key]
-                val = row_dots(hn[rows], w[tid]) + (b[tid] if b is not None else 0.0)
+                w, b = heads[key]
+                val = row_dots(hn[rows], w) + (b if b is not None else 0.0)
                 out[g.index[at]] = _to_logits(g.model, val).double().cpu().numpy()
 
 
 def logit_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg,
                        token: Arg, ttype: Arg) -> None:
     for g in _lm_groups(src, h):
-        w, _ = src.unembed(g.model)
-        _require_width("logit_contribution", g, w.shape[1], "the LM head's width")
         combos = _per_value([dim, token, ttype], g.index)
-        args = {(dv, t, ty): (_check_dim(g, int(dv)), src.resolve_token(g.model, t, ty))
-                for dv, t, ty in combos}
+        args = {}
+        for dv, t, ty in combos:
+            w, _ = src.unembed_row(g.model, src.resolve_token(g.model, t, ty))
+            _require_width("logit_contribution", g, w.shape[-1], "the LM head's width")
+            args[(dv, t, ty)] = (_check_dim(g, int(dv)), w)
         for lo, hi, hn in _final_normed_blocks(src, g):
             for key, rows, at in _block_rows(combos, lo, hi):
-                d, tid = args[key]
-                out[g.index[at]] = (hn[rows, d] * w[tid, d]).double().cpu().numpy()
+                d, w = args[key]
+                out[g.index[at]] = (hn[rows, d] * w[d]).double().cpu().numpy()
 
 
 def uniform_angle(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:

@@ -19,7 +19,7 @@ from ..lazy import lazy_module
 from ..store.records import ModelRecord, SiteRecord
 from ..store.store import Store
 from . import handles as H
-from .dots import row_dots
+from .dots import row_dots, tree_sum, unit_rows
 from .threads import READAHEAD_CHUNKS
 
 if TYPE_CHECKING:
@@ -55,6 +55,8 @@ def _consecutive(rows: np.ndarray) -> bool:
     return len(rows) < 2 or (int(rows[-1]) - int(rows[0]) + 1 == len(rows)
                              and bool((rows[1:] != rows[:-1]).all()))
 
+
+_ANCHOR_BLOCK = 8192  # rows of the vocabulary normalized at a time (float64 scratch)
 
 class ChunkCache:
     """Whole chunks kept in memory, least recently used first out, at most `max_bytes`.
@@ -577,11 +579,48 @@ class VectorSource:
         assert w is not None
         return w, self._weight(model.model_id, "lm_head_bias", required=model.has_lm_head_bias)
 
-    def anchors(self, model: ModelRecord, anchor_set: str | None) -> torch.Tensor:
-        """Unit anchor directions [V, d] (zero rows stay zero)."""
+    def unembed_row(self, model: ModelRecord, tid: int
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Row `tid` of W_U [d] and of b_U (a 0-d tensor, or None): the rows of `unembed`,
+        read alone while the whole matrix is not read yet (one chunk of the weights)."""
+        if not model.has_lm_head:
+            raise QueryError(f"model {model.model!r} has no LM head, so no logits")
+        name = "embed" if model.tied_embeddings else "lm_head"
+        w = self._rows_of(model.model_id, name, tid)
+        b = (self._rows_of(model.model_id, "lm_head_bias", tid)
+             if model.has_lm_head_bias else None)
+        return w, b
+
+    def _rows_of(self, model_id: int, name: str, tid: int) -> torch.Tensor:
+        """Row `tid` of weight `name`: from the cached whole, else read alone."""
+        with self._lock:
+            whole = self._weights.get(("w", model_id, name))
+        if whole is not None:
+            return whole[tid]
+        rows = self.store.arrays.weight_rows(model_id, name, [tid])
+        return torch.from_numpy(rows).to(self.device)[0]
+
+    def _anchor_set(self, model: ModelRecord, anchor_set: str | None) -> str:
         name = anchor_set or ("unembed" if model.has_lm_head else "embed")
         if name not in ANCHOR_SETS:
             raise QueryError(f"unknown anchor set {name!r}; anchor sets are {list(ANCHOR_SETS)}")
+        return name
+
+    def _unit_anchors(self, model: ModelRecord, name: str, w: torch.Tensor) -> torch.Tensor:
+        """Rows of `name`'s weight (`w`, [n, d]) -> their unit anchors, each row computed on
+        its own (unit_rows): a row made alone equals its row of the whole set bit for bit."""
+        if name == "unembed_folded":
+            final = self.final_site(model)
+            g = self.gain(model, final)
+            w64 = w.double() * g.double() if g is not None else w.double()
+            if self.centered(final):
+                w64 = w64 - (tree_sum(w64) / w64.shape[-1]).unsqueeze(-1)
+            return unit_rows(w64)
+        return unit_rows(w)
+
+    def anchors(self, model: ModelRecord, anchor_set: str | None) -> torch.Tensor:
+        """Unit anchor directions [V, d] (zero rows stay zero)."""
+        name = self._anchor_set(model, anchor_set)
 
         def make() -> torch.Tensor:
             if name == "embed":
@@ -589,18 +628,30 @@ class VectorSource:
                 assert w is not None
             else:
                 w, _ = self.unembed(model)
-                if name == "unembed_folded":
-                    final = self.final_site(model)
-                    g = self.gain(model, final)
-                    w = w * g if g is not None else w  # [V, d]
-                    if self.centered(final):
-                        w = w - w.mean(dim=-1, keepdim=True)
-            n = torch.linalg.vector_norm(w, dim=-1, keepdim=True)
-            return w / torch.where(n > 0, n, torch.ones_like(n))
+            out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+            for lo in range(0, w.shape[0], _ANCHOR_BLOCK):  # float64 scratch a block at a time
+                out[lo : lo + _ANCHOR_BLOCK] = self._unit_anchors(
+                    model, name, w[lo : lo + _ANCHOR_BLOCK])
+            return out
 
         out = self._cached(("anchors", model.model_id, name), make)
         assert out is not None
         return out
+
+    def anchor(self, model: ModelRecord, anchor_set: str | None, tid: int) -> torch.Tensor:
+        """Unit anchor `tid` [d]: row `tid` of `anchors`, bit for bit, made alone from one
+        row of the weights while the whole set is not made yet (a fresh process's
+        `cosine_to_anchor(vec, ' Paris')` reads one chunk of the vocabulary, not all of it)."""
+        name = self._anchor_set(model, anchor_set)
+        with self._lock:
+            whole = self._weights.get(("anchors", model.model_id, name))
+        if whole is not None:
+            return whole[tid]
+        if name == "embed":
+            w = self._rows_of(model.model_id, "embed", tid)
+        else:
+            w = self.unembed_row(model, tid)[0]
+        return self._unit_anchors(model, name, w.unsqueeze(0))[0]
 
     # -- tokens ----------------------------------------------------------------------------
 

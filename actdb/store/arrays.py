@@ -305,6 +305,25 @@ class Arrays:
             for i in range(_n_chunks(arr)):
                 raw.stat(i)
 
+    def weight_rows(self, model_id: int, name: str, rows: list[int]) -> np.ndarray:
+        """Rows of a weight array [len(rows), ...], reading only the chunks that hold them,
+        each checked as `weight` checks it (a query about one token of a 128k vocabulary
+        reads one chunk of 8,192 rows, not the whole matrix)."""
+        arr = self.open_array(f"models/{model_id}/{name}", required=True)
+        assert arr is not None
+        raw = self.raw_layout(arr)
+        c = arr.chunks[0]
+        out = np.empty((len(rows), *arr.shape[1:]), dtype=arr.dtype)
+        chunks: dict[int, np.ndarray] = {}
+        for j, r in enumerate(rows):
+            if not 0 <= r < arr.shape[0]:
+                raise IndexError(f"row {r} of {arr.path!r}, which has {arr.shape[0]}")
+            i = r // c
+            if i not in chunks:
+                chunks[i] = self._checked_chunk(arr, raw, i)
+            out[j] = chunks[i][r - i * c]
+        return out
+
     def _read_checked(self, arr: zarr.Array) -> np.ndarray:
         """All of `arr`, chunk by chunk, so that a damaged or missing one is named (zarr
         itself would read a missing chunk as its fill value)."""
@@ -313,17 +332,22 @@ class Arrays:
         c = arr.chunks[0]
         for i in range(_n_chunks(arr)):
             lo, hi = i * c, min(arr.shape[0], i * c + c)
-            if raw is not None:
-                out[lo:hi] = self.read_raw(raw, i)[: hi - lo]
-                continue
-            try:
-                out[lo:hi] = arr[lo:hi]
-            except Exception as e:
-                raise StoreCorruptError(
-                    f"chunk {i} of array {arr.path!r} cannot be read ({_first_line(e)}): "
-                    "the store is damaged"
-                ) from None
+            out[lo:hi] = self._checked_chunk(arr, raw, i)
         return out
+
+    def _checked_chunk(self, arr: zarr.Array, raw: Layout | None, i: int) -> np.ndarray:
+        """Chunk `i` of `arr` (its rows within the array), its checksum checked."""
+        c = arr.chunks[0]
+        lo, hi = i * c, min(arr.shape[0], i * c + c)
+        if raw is not None:
+            return self.read_raw(raw, i)[: hi - lo]
+        try:
+            return np.asarray(arr[lo:hi])
+        except Exception as e:
+            raise StoreCorruptError(
+                f"chunk {i} of array {arr.path!r} cannot be read ({_first_line(e)}): "
+                "the store is damaged"
+            ) from None
 
     # -- vectors ---------------------------------------------------------------------------
 

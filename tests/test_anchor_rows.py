@@ -1,0 +1,79 @@
+"""One token's anchor or LM-head row without the whole vocabulary: `VectorSource.anchor`,
+`unembed_row` and `Arrays.weight_rows` read one chunk of the weights and give, bit for bit,
+the row of the whole matrix that `anchors`/`unembed` make; and the whole set's values are
+the float64 unit rows of the stored weights."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import actdb
+from actdb.errors import StoreCorruptError
+from actdb.query.vectors import ANCHOR_SETS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from generate import Shape, generate  # noqa: E402
+
+
+def _model(db):
+    return next(iter(db.source.models.values()))
+
+
+@pytest.mark.parametrize("anchor_set", ANCHOR_SETS)
+def test_an_anchor_made_alone_is_its_row_of_the_whole_set(family_store, anchor_set):
+    path = family_store("gpt2")
+    tids = [0, 1, 7, 123, 399]
+    with actdb.connect(path, device="cpu") as db:  # rows first, on a fresh connection
+        src, model = db.source, _model(db)
+        alone = [src.anchor(model, anchor_set, t) for t in tids]
+        assert ("anchors", model.model_id, anchor_set) not in src._weights
+        assert ("w", model.model_id, "embed") not in src._weights, "the whole matrix was read"
+        whole = src.anchors(model, anchor_set)
+        for t, a in zip(tids, alone, strict=True):
+            assert a.dtype == torch.float32 and torch.equal(a, whole[t]), t
+        assert torch.equal(src.anchor(model, anchor_set, 123), whole[123])  # from the set now
+        if anchor_set != "unembed_folded":  # the folded set is checked through queries
+            name = "embed" if anchor_set == "embed" or model.tied_embeddings else "lm_head"
+            w = src.store.arrays.weight(model.model_id, name).astype(np.float64)
+            n = np.linalg.norm(w, axis=1, keepdims=True)
+            want = w / np.where(n > 0, n, 1)
+            np.testing.assert_allclose(whole.double().numpy(), want, rtol=0, atol=2e-7)
+
+
+def test_an_lm_head_row_read_alone_is_its_row_of_unembed(family_store):
+    with actdb.connect(family_store("gpt2"), device="cpu") as db:
+        src, model = db.source, _model(db)
+        rows = {t: src.unembed_row(model, t) for t in (0, 42, 399)}
+        w, b = src.unembed(model)
+        for t, (wr, br) in rows.items():
+            assert torch.equal(wr, w[t])
+            assert (br is None) == (b is None) and (b is None or torch.equal(br, b[t]))
+
+
+def test_weight_rows_read_only_the_chunks_that_hold_them(tmp_path, monkeypatch):
+    path = tmp_path / "s.actdb"
+    generate(path, tokens=64, shape=Shape(d=8, vocab=20000, n_sites=1, prompt_tokens=8))
+    with actdb.connect(path, device="cpu") as db:
+        arrays = db.store.arrays
+        mid = _model(db).model_id
+        whole = arrays.weight(mid, "embed")
+        read: list[int] = []
+        checked = arrays._checked_chunk
+        monkeypatch.setattr(arrays, "_checked_chunk",
+                            lambda arr, raw, i: read.append(i) or checked(arr, raw, i))
+        got = arrays.weight_rows(mid, "embed", [19999, 5, 8191, 8192, 6])
+        np.testing.assert_array_equal(got, whole[[19999, 5, 8191, 8192, 6]])
+        assert sorted(read) == [0, 1, 2], read  # 8,192-row chunks: each read once
+        with pytest.raises(IndexError):
+            arrays.weight_rows(mid, "embed", [20000])
+        chunk = path / "tensors.zarr" / "models" / str(mid) / "embed" / "c" / "1" / "0"
+        chunk.write_bytes(b"\0" * 16 + chunk.read_bytes()[16:])  # damage chunk 1
+        monkeypatch.undo()
+        assert np.array_equal(arrays.weight_rows(mid, "embed", [3]), whole[[3]])  # chunk 0: fine
+        with pytest.raises(StoreCorruptError):
+            arrays.weight_rows(mid, "embed", [9000])
