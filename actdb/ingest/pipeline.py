@@ -142,9 +142,9 @@ def ingest(
     prompt_list = read_prompts(prompts)
     # A model object is the caller's: moved to the ingest's device for it, and back after.
     home = _device_of(model) if isinstance(model, nn.Module) and not device_map else None
-    loaded = load(model, tokenizer, device=device, dtype=dtype, revision=revision,
-                  device_map=device_map)
     try:
+        loaded = load(model, tokenizer, device=device, dtype=dtype, revision=revision,
+                      device_map=device_map)
         model_name = name or loaded.default_name
         if chat_template:
             prompt_list = apply_chat_template(prompt_list, loaded.tokenizer, model_name)
@@ -214,9 +214,9 @@ def ingest(
             bytes_stored=plan.bytes_estimate,
             seconds=time.perf_counter() - started, max_rel_error=errors,
         )
-    finally:
-        if home is not None and _device_of(loaded.model) != home:
-            loaded.model.to(home)
+    finally:  # also when the ingest failed, load's move included
+        if home is not None and isinstance(model, nn.Module) and _device_of(model) != home:
+            model.to(home)
 
 
 def _device_of(model: nn.Module) -> torch.device | None:

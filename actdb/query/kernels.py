@@ -155,7 +155,8 @@ def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: A
     for g in _lm_groups(src, h):
         _require_width("cosine_to_anchor", g, g.model.d_model, "d_model")
         for (t, ty, a), pos in _per_value([token, ttype, anchors], g.index).items():
-            anchor = src.anchor(g.model, a or None, src.resolve_token(g.model, t, ty))  # unit
+            a_set = src.anchor_set(g.model, a or None)  # checked before the token
+            anchor = src.anchor(g.model, a_set, src.resolve_token(g.model, t, ty))  # unit
             if not bool(anchor.any()):
                 out[g.index[pos]] = np.nan  # a token whose anchor is the zero vector
                 continue
@@ -197,7 +198,8 @@ def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: 
         args = {}
         for dv, t, ty, a in combos:
             d = _check_dim(g, int(dv))
-            anchor = src.anchor(g.model, a or None, src.resolve_token(g.model, t, ty))
+            a_set = src.anchor_set(g.model, a or None)  # checked before the token
+            anchor = src.anchor(g.model, a_set, src.resolve_token(g.model, t, ty))
             args[(dv, t, ty, a)] = (d, anchor[d])
         for lo, hi, x in g.x_blocks():
             u, ok = _unit(x)
@@ -209,12 +211,11 @@ def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: 
 
 def logit(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: Arg) -> None:
     for g in _lm_groups(src, h):
+        _require_width("logit", g, src.unembed_width(g.model), "the LM head's width")
         combos = _per_value([token, ttype], g.index)
-        # each token's row of W_U and b_U alone: one chunk of the weights, not all of them
+        # each token's row of W_U and b_U (vectors.py: read alone while few are asked for)
         heads = {key: src.unembed_row(g.model, src.resolve_token(g.model, *key))
                  for key in combos}
-        for w, _ in heads.values():
-            _require_width("logit", g, w.shape[-1], "the LM head's width")
         for lo, hi, hn in _final_normed_blocks(src, g):
             for key, rows, at in _block_rows(combos, lo, hi):
                 w, b = heads[key]
@@ -225,12 +226,13 @@ def logit(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: 
 def logit_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg,
                        token: Arg, ttype: Arg) -> None:
     for g in _lm_groups(src, h):
+        _require_width("logit_contribution", g, src.unembed_width(g.model),
+                       "the LM head's width")
         combos = _per_value([dim, token, ttype], g.index)
         args = {}
         for dv, t, ty in combos:
-            w, _ = src.unembed_row(g.model, src.resolve_token(g.model, t, ty))
-            _require_width("logit_contribution", g, w.shape[-1], "the LM head's width")
-            args[(dv, t, ty)] = (_check_dim(g, int(dv)), w)
+            d = _check_dim(g, int(dv))
+            args[(dv, t, ty)] = (d, src.unembed_row(g.model, src.resolve_token(g.model, t, ty))[0])
         for lo, hi, hn in _final_normed_blocks(src, g):
             for key, rows, at in _block_rows(combos, lo, hi):
                 d, w = args[key]

@@ -57,6 +57,10 @@ def _consecutive(rows: np.ndarray) -> bool:
 
 
 _ANCHOR_BLOCK = 8192  # rows of the vocabulary normalized at a time (float64 scratch)
+# Rows of a weight a connection reads alone (a chunk each) before it reads the whole weight.
+_ROWS_ALONE = 4
+# Token strings a connection finds by a scan of the vocabulary before it builds a dict of it.
+_STRINGS_ALONE = 16
 
 class ChunkCache:
     """Whole chunks kept in memory, least recently used first out, at most `max_bytes`.
@@ -244,6 +248,9 @@ class VectorSource:
             for head in (range(s.n_heads) if s.n_heads else (-1,))
         ), salt=_salt(store))
         self._weights: dict[tuple[object, ...], torch.Tensor | None] = {}
+        self._rows_alone: dict[tuple[int, str], dict[int, torch.Tensor]] = {}  # _rows_of
+        self._vocab: dict[int, dict[str, list[int]]] = {}  # string -> ids, once many are asked
+        self._strings_alone: dict[int, int] = {}
         self._vocab_column: dict[int, Any] = {}  # pyarrow.ChunkedArray of each model's tokens
         self._lock = threading.RLock()  # anchors() builds on cached weights under the lock
         self._local = threading.local()
@@ -579,31 +586,64 @@ class VectorSource:
         assert w is not None
         return w, self._weight(model.model_id, "lm_head_bias", required=model.has_lm_head_bias)
 
-    def unembed_row(self, model: ModelRecord, tid: int
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Row `tid` of W_U [d] and of b_U (a 0-d tensor, or None): the rows of `unembed`,
-        read alone while the whole matrix is not read yet (one chunk of the weights)."""
+    def unembed_width(self, model: ModelRecord) -> int:
+        """The LM head's width, from its array's metadata (no weights read)."""
         if not model.has_lm_head:
             raise QueryError(f"model {model.model!r} has no LM head, so no logits")
         name = "embed" if model.tied_embeddings else "lm_head"
-        w = self._rows_of(model.model_id, name, tid)
-        b = (self._rows_of(model.model_id, "lm_head_bias", tid)
-             if model.has_lm_head_bias else None)
+        return int(self._weight_shape(model.model_id, name)[1])
+
+    def unembed_row(self, model: ModelRecord, tid: int
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Row `tid` of W_U [d] and of b_U (a 0-d tensor, or None): the rows of `unembed`,
+        read alone while few have been (one chunk of the weights each), else from it."""
+        if not model.has_lm_head:
+            raise QueryError(f"model {model.model!r} has no LM head, so no logits")
+        name = "embed" if model.tied_embeddings else "lm_head"
+        w = self._rows_of(model, name, tid)
+        b = self._rows_of(model, "lm_head_bias", tid) if model.has_lm_head_bias else None
         return w, b
 
-    def _rows_of(self, model_id: int, name: str, tid: int) -> torch.Tensor:
-        """Row `tid` of weight `name`: from the cached whole, else read alone."""
+    def _weight_shape(self, model_id: int, name: str) -> tuple[int, ...]:
         with self._lock:
             whole = self._weights.get(("w", model_id, name))
         if whole is not None:
-            return whole[tid]
-        rows = self.store.arrays.weight_rows(model_id, name, [tid])
-        return torch.from_numpy(rows).to(self.device)[0]
+            return tuple(whole.shape)
+        arr = self.store.arrays.open_array(f"models/{model_id}/{name}", required=True)
+        assert arr is not None
+        return tuple(arr.shape)
 
-    def _anchor_set(self, model: ModelRecord, anchor_set: str | None) -> str:
+    def _rows_of(self, model: ModelRecord, name: str, tid: int) -> torch.Tensor:
+        """Row `tid` of weight `name`: from the cached whole; else, for the first
+        `_ROWS_ALONE` rows a query asks of it, read alone (and kept); past that, the whole
+        weight is read once (a column of many tokens must not read a chunk per token)."""
+        mid = model.model_id
+        rows = self._weight_shape(mid, name)[0]
+        if not 0 <= tid < rows:
+            raise QueryError(f"token id {tid} has no row in the {name} weights of model "
+                             f"{model.model!r} ({rows} rows)")
+        with self._lock:
+            whole = self._weights.get(("w", mid, name))
+            kept = self._rows_alone.setdefault((mid, name), {})
+            if whole is None and tid not in kept and len(kept) >= _ROWS_ALONE:
+                whole = self._weight(mid, name)
+            if whole is not None:
+                return whole[tid]
+            if tid not in kept:
+                got = self.store.arrays.weight_rows(mid, name, [tid])
+                kept[tid] = torch.from_numpy(got).to(self.device)[0]
+            return kept[tid]
+
+    def anchor_set(self, model: ModelRecord, anchor_set: str | None) -> str:
+        """The anchor set's name (None: the model's default), checked: a known set, and
+        an LM head where the set is made of it."""
         name = anchor_set or ("unembed" if model.has_lm_head else "embed")
         if name not in ANCHOR_SETS:
             raise QueryError(f"unknown anchor set {name!r}; anchor sets are {list(ANCHOR_SETS)}")
+        if name != "embed" and not model.has_lm_head:
+            raise QueryError(f"model {model.model!r} has no LM head, so no logits")
+        if name == "unembed_folded":
+            self.final_site(model)  # the fold needs it: its absence is said here
         return name
 
     def _unit_anchors(self, model: ModelRecord, name: str, w: torch.Tensor) -> torch.Tensor:
@@ -620,7 +660,7 @@ class VectorSource:
 
     def anchors(self, model: ModelRecord, anchor_set: str | None) -> torch.Tensor:
         """Unit anchor directions [V, d] (zero rows stay zero)."""
-        name = self._anchor_set(model, anchor_set)
+        name = self.anchor_set(model, anchor_set)
 
         def make() -> torch.Tensor:
             if name == "embed":
@@ -640,17 +680,18 @@ class VectorSource:
 
     def anchor(self, model: ModelRecord, anchor_set: str | None, tid: int) -> torch.Tensor:
         """Unit anchor `tid` [d]: row `tid` of `anchors`, bit for bit, made alone from one
-        row of the weights while the whole set is not made yet (a fresh process's
-        `cosine_to_anchor(vec, ' Paris')` reads one chunk of the vocabulary, not all of it)."""
-        name = self._anchor_set(model, anchor_set)
+        row of the weights while the whole set is not made and few rows have been read alone
+        (a fresh process's `cosine_to_anchor(vec, ' Paris')` reads one chunk of the
+        vocabulary, not all of it); else from the whole set, made once."""
+        name = self.anchor_set(model, anchor_set)
+        weight = "embed" if name == "embed" or model.tied_embeddings else "lm_head"
         with self._lock:
             whole = self._weights.get(("anchors", model.model_id, name))
-        if whole is not None:
-            return whole[tid]
-        if name == "embed":
-            w = self._rows_of(model.model_id, "embed", tid)
-        else:
-            w = self.unembed_row(model, tid)[0]
+            alone = (whole is None and len(self._rows_alone.get((model.model_id, weight), {}))
+                     < _ROWS_ALONE)
+        if not alone:
+            return (whole if whole is not None else self.anchors(model, name))[tid]
+        w = self._rows_of(model, weight, tid)
         return self._unit_anchors(model, name, w.unsqueeze(0))[0]
 
     # -- tokens ----------------------------------------------------------------------------
@@ -686,12 +727,7 @@ class VectorSource:
                     f"(vocabulary of {size})"
                 )
             return tid
-        # The ids whose string is `value`, in id order, by one Arrow comparison: a dict of the
-        # whole vocabulary cost 0.2 s of a fresh process's first query (50,257 strings).
-        import pyarrow.compute as pc
-
-        same = pc.fill_null(pc.equal(column, pa.scalar(value, pa.string())), False)
-        ids = [int(i) for i in pc.indices_nonzero(same).to_pylist()]
+        ids = self._ids_of_string(model, column, value)
         encoded = self._encode(model, value) if len(ids) != 1 else None
         if len(ids) > 1 and encoded and len(encoded) == 1 and encoded[0] in ids:
             return encoded[0]
@@ -702,6 +738,27 @@ class VectorSource:
             pieces = [column[i].as_py() if i < size else str(i) for i in encoded]
             how = f": it tokenizes as {pieces} ({len(encoded)} tokens)"
         raise TokenError(f"{value!r} is not one token of model {model.model!r}{how}")
+
+    def _ids_of_string(self, model: ModelRecord, column: pa.Array, value: str) -> list[int]:
+        """The ids whose string is `value`, in id order. The first few strings a connection
+        resolves take one Arrow comparison each (a dict of all 50,257 strings of GPT-2 cost
+        0.2 s of a fresh process's first query); past `_STRINGS_ALONE`, as for a column of
+        many token strings, the dict is built once and used."""
+        with self._lock:
+            index = self._vocab.get(model.model_id)
+            if index is None and self._strings_alone.get(model.model_id, 0) >= _STRINGS_ALONE:
+                index = {}
+                for i, text in enumerate(column.to_pylist()):
+                    if text is not None:
+                        index.setdefault(text, []).append(i)
+                self._vocab[model.model_id] = index
+            if index is not None:
+                return index.get(value, [])
+            self._strings_alone[model.model_id] = self._strings_alone.get(model.model_id, 0) + 1
+        import pyarrow.compute as pc
+
+        same = pc.fill_null(pc.equal(column, pa.scalar(value, pa.string())), False)
+        return [int(i) for i in pc.indices_nonzero(same).to_pylist()]
 
     def _encode(self, model: ModelRecord, text: str) -> list[int] | None:
         folder = self.store.tokenizer_dir(model.model_id)
