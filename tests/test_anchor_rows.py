@@ -145,3 +145,20 @@ def test_many_token_strings_build_the_vocabulary_index_once(family_store):
         got = [src.resolve_token(model, t, "VARCHAR") for t in unique]
         assert got == [first[t] for t in unique]
         assert model.model_id in src._vocab  # built once the scans passed their number
+
+
+@pytest.mark.parametrize("vec", ["vec", "normed(vec)"])
+def test_a_token_column_gives_each_row_its_own_tokens_value(family_store, vec):
+    """`cosine_to_anchor(vec, token_id)`: each row's value, bit for bit, is what the query with
+    that row's token as a constant gives it (each token's rows are projected alone)."""
+    with actdb.connect(family_store("gpt2"), device="cpu") as db:
+        got = db.sql(f"SELECT prompt_id, position, site, token_id, "
+                     f"cosine_to_anchor({vec}, token_id) FROM acts ORDER BY ALL").fetchall()
+        tokens = sorted({r[3] for r in got})
+        assert len(tokens) > 20
+        for t in tokens[::5]:
+            want = db.sql(f"SELECT prompt_id, position, site, token_id, "
+                          f"cosine_to_anchor({vec}, {t}) FROM acts ORDER BY ALL").fetchall()
+            mine = [r for r in got if r[3] == t]
+            theirs = [r for r in want if r[3] == t]
+            assert mine == theirs, t

@@ -154,29 +154,33 @@ def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: A
                      ttype: Arg, anchors: Arg) -> None:
     for g in _lm_groups(src, h):
         _require_width("cosine_to_anchor", g, g.model.d_model, "d_model")
-        for (t, ty, a), pos in _per_value([token, ttype, anchors], g.index).items():
+        combos = _per_value([token, ttype, anchors], g.index)
+        unit_anchors = {}
+        for (t, ty, a), pos in combos.items():
             a_set = src.anchor_set(g.model, a or None)  # checked before the token
             anchor = src.anchor(g.model, a_set, src.resolve_token(g.model, t, ty))  # unit
             if not bool(anchor.any()):
                 out[g.index[pos]] = np.nan  # a token whose anchor is the zero vector
                 continue
-            if g.view == "raw":
-                # The stored direction is x / ||x|| already, so no norm to divide by; a zero
-                # vector's direction is all zeros, so only rows whose cosine comes out exactly
-                # 0 need their norm read to tell NULL from a true 0.
-                cos = src.project(g, anchor)  # [n]
-                cos = cos if len(pos) == len(g.index) else cos[pos]
+            unit_anchors[(t, ty, a)] = anchor
+        live = {key: combos[key] for key in unit_anchors}
+        if g.view == "raw":
+            # The stored direction is x / ||x|| already, so no norm to divide by; a zero
+            # vector's direction is all zeros, so only rows whose cosine comes out exactly 0
+            # need their norm read to tell NULL from a true 0. Each token's rows alone: a
+            # column of many tokens must not multiply every row by every token's anchor.
+            for key, pos in live.items():
+                cos = src.project(g, unit_anchors[key], None if len(pos) == len(g.index) else pos)
                 zero = cos == 0
                 if bool(zero.any()):
                     cos = torch.where(zero & (g.norm[pos] == 0), torch.nan, cos)
-            else:
-                for lo, hi, x in g.x_blocks():
-                    for _, rows, at in _block_rows({(): pos}, lo, hi):
-                        u, ok = _unit(x[rows])
-                        cos = torch.where(ok, row_dots(u, anchor), torch.nan)
-                        out[g.index[at]] = cos.cpu().numpy()
-                continue
-            out[g.index[pos]] = cos.cpu().numpy()
+                out[g.index[pos]] = cos.cpu().numpy()
+            continue
+        for lo, hi, x in g.x_blocks():  # one pass over the vectors for all the tokens
+            for key, rows, at in _block_rows(live, lo, hi):
+                u, ok = _unit(x[rows])
+                cos = torch.where(ok, row_dots(u, unit_anchors[key]), torch.nan)
+                out[g.index[at]] = cos.cpu().numpy()
 
 
 def dim_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg) -> None:

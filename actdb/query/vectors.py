@@ -317,9 +317,11 @@ class VectorSource:
         parts = [p for _, _, p in self._pieces(model, site, name, rows, heads)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def project(self, g: Group, v: torch.Tensor) -> torch.Tensor:
+    def project(self, g: Group, v: torch.Tensor, at: np.ndarray | None = None
+                ) -> torch.Tensor:
         """float32 [n]: the group's stored unit directions dotted with `v` [d], each row
-        reduced on its own in an order fixed by d (dots.py).
+        reduced on its own in an order fixed by d (dots.py); `at` (ascending positions in
+        the group): those rows alone, with the same values as in the whole group's product.
 
         On the CPU, each chunk's float16 piece goes through the compiled kernel
         (`actdb._native.f16_dots`): converted in registers and multiplied-added in one pass,
@@ -329,13 +331,14 @@ class VectorSource:
         sums row by row (the same values up to float32 rounding).
         """
         if self.device.type != "cpu":
-            return row_dots(g.direction.float(), v)
-        n, d = len(g.rows), g.site.d
+            return row_dots((g.direction if at is None else g.direction[at]).float(), v)
+        rows, heads = (g.rows, g.heads) if at is None else (g.rows[at], g.heads[at])
+        n, d = len(rows), g.site.d
         out = torch.empty(n, dtype=torch.float32)  # whatever a notebook set as torch's default
         if _native is not None:
             vv = np.ascontiguousarray(v.numpy(), dtype=np.float32)
             res = out.numpy()
-            for a, b, part in self._pieces(g.model, g.site, "direction", g.rows, g.heads):
+            for a, b, part in self._pieces(g.model, g.site, "direction", rows, heads):
                 # float16 in this machine's byte order, contiguous (a per-head piece is)
                 _native.f16_dots(np.ascontiguousarray(part, dtype=np.float16), vv, res[a:b])
             return out
@@ -343,7 +346,7 @@ class VectorSource:
         step = max(1, _SCRATCH_FLOATS // d)
         if scratch is None or scratch.numel() < step * d:
             scratch = self._local.scratch = torch.empty(step * d, dtype=torch.float32)
-        for a, b, part in self._pieces(g.model, g.site, "direction", g.rows, g.heads):
+        for a, b, part in self._pieces(g.model, g.site, "direction", rows, heads):
             piece = torch.from_numpy(part)
             for i in range(0, b - a, step):
                 m = min(step, b - a - i)
