@@ -62,6 +62,7 @@ _ROWS_ALONE = 4
 # Token strings a connection finds by a scan of the vocabulary before it builds a dict of it.
 _STRINGS_ALONE = 16
 
+
 class ChunkCache:
     """Whole chunks kept in memory, least recently used first out, at most `max_bytes`.
 
