@@ -78,8 +78,8 @@ def load(
         if tokenizer is None:
             raise ModelLoadError("a model object needs its tokenizer: pass tokenizer=...")
         config = getattr(model, "config", None)
-        floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
-        dt = resolve_dtype(dtype, dev, config, weights=floats[0] if floats else None)
+        own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        dt = resolve_dtype(dtype, dev, config, weights=own)
         source = "<object>"
         name = Path(str(getattr(config, "_name_or_path", "") or type(model).__name__)).name
         module = model

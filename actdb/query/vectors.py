@@ -583,29 +583,27 @@ class VectorSource:
         has = site.has_gain if name == "gain" else site.has_bias
         return self._weight(model.model_id, f"sites/{site.site}/{name}", required=has)
 
-    def unembed(self, model: ModelRecord) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """W_U [V, d] and b_U [V] (or None)."""
+    def _head(self, model: ModelRecord) -> str:
+        """The name of the weight that is the model's LM head (W_U), which it must have."""
         if not model.has_lm_head:
             raise QueryError(f"model {model.model!r} has no LM head, so no logits")
-        w = self._weight(model.model_id, "embed" if model.tied_embeddings else "lm_head")
+        return "embed" if model.tied_embeddings else "lm_head"
+
+    def unembed(self, model: ModelRecord) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """W_U [V, d] and b_U [V] (or None)."""
+        w = self._weight(model.model_id, self._head(model))
         assert w is not None
         return w, self._weight(model.model_id, "lm_head_bias", required=model.has_lm_head_bias)
 
     def unembed_width(self, model: ModelRecord) -> int:
         """The LM head's width, from its array's metadata (no weights read)."""
-        if not model.has_lm_head:
-            raise QueryError(f"model {model.model!r} has no LM head, so no logits")
-        name = "embed" if model.tied_embeddings else "lm_head"
-        return int(self._weight_shape(model.model_id, name)[1])
+        return int(self._weight_shape(model.model_id, self._head(model))[1])
 
     def unembed_row(self, model: ModelRecord, tid: int
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Row `tid` of W_U [d] and of b_U (a 0-d tensor, or None): the rows of `unembed`,
         read alone while few have been (one chunk of the weights each), else from it."""
-        if not model.has_lm_head:
-            raise QueryError(f"model {model.model!r} has no LM head, so no logits")
-        name = "embed" if model.tied_embeddings else "lm_head"
-        w = self._rows_of(model, name, tid)
+        w = self._rows_of(model, self._head(model), tid)
         b = self._rows_of(model, "lm_head_bias", tid) if model.has_lm_head_bias else None
         return w, b
 
@@ -646,8 +644,8 @@ class VectorSource:
         name = anchor_set or ("unembed" if model.has_lm_head else "embed")
         if name not in ANCHOR_SETS:
             raise QueryError(f"unknown anchor set {name!r}; anchor sets are {list(ANCHOR_SETS)}")
-        if name != "embed" and not model.has_lm_head:
-            raise QueryError(f"model {model.model!r} has no LM head, so no logits")
+        if name != "embed":
+            self._head(model)  # the set is made of the LM head: the model must have one
         if name == "unembed_folded":
             self.final_site(model)  # the fold needs it: its absence is said here
         return name
@@ -690,7 +688,7 @@ class VectorSource:
         (a fresh process's `cosine_to_anchor(vec, ' Paris')` reads one chunk of the
         vocabulary, not all of it); else from the whole set, made once."""
         name = self.anchor_set(model, anchor_set)
-        weight = "embed" if name == "embed" or model.tied_embeddings else "lm_head"
+        weight = "embed" if name == "embed" else self._head(model)
         with self._lock:
             whole = self._weights.get(("anchors", model.model_id, name))
             alone = (whole is None and len(self._rows_alone.get((model.model_id, weight), {}))
