@@ -339,6 +339,27 @@ def test_exact_ties_keep_the_lower_token_first(lowp):
         assert sum(row[a] == row[0] for a in range(8)) >= 2, f"row {i} has no tie to order"
 
 
+@pytest.mark.parametrize("lowp", [None, torch.bfloat16])
+@pytest.mark.parametrize("k", [3, 8, 9, 14])
+def test_ties_at_the_kth_place_admit_the_lower_ids(lowp, k):
+    """Where the k-th place falls inside a group of tied tokens, the lower ids make the top k,
+    on both paths: the float64 ranking with ties broken by id, exactly. (The float32 product
+    rounds equal rows differently by their place in it, so its own top k picks among them.)"""
+    g = torch.Generator().manual_seed(11)
+    x, base = torch.randn(24, 96, generator=g), torch.randn(50, 96, generator=g)
+    copies = torch.arange(50).repeat(6)[torch.randperm(300, generator=g)]  # 6 copies of each
+    w = base[copies]
+    b0 = torch.randn(50, generator=g) * 0.1
+    for bias in (None, b0[copies]):  # equal rows, equal biases
+        vals, ids = topk.topk(x, w, bias, k, lowp=lowp, transform=None)
+        # each base row scored once, so copies tie exactly in the reference
+        s64 = (x.double() @ base.double().T + (0 if bias is None else b0.double()))[:, copies]
+        for i in range(x.shape[0]):
+            want = sorted(range(w.shape[0]), key=lambda t: (-float(s64[i, t]), t))[:k]
+            assert ids[i].tolist() == want, f"row {i}, bias {bias is not None}"
+            close(vals[i].double().numpy(), s64[i, want].numpy(), atol=1e-4, what="values")
+
+
 @pytest.mark.parametrize("width", [0, 1, 2, 3, 5, 7, 64, 576, 768, 1000])
 def test_tree_sum_is_a_sum_in_an_order_fixed_by_the_width(width):
     """The GPU's dot products (dots.py): the same values as a float64 sum, and a row's value

@@ -33,8 +33,11 @@ taken 1 + u larger for their rounding, and the test runs in float64. The bound n
 below u: rows of width 2^15 or more rank in float32. Rows that fail it are tried
 again with 8 times as many candidates from the same product, then computed in float32 over
 the whole vocabulary. Elsewhere (this CPU without BF16 instructions, or
-ACTDB_LOWP_MATMUL=fp32) the float32 product is the only path. ACTDB_LOWP_MATMUL=bf16 forces
-the candidate path (tests, benchmarks).
+ACTDB_LOWP_MATMUL=fp32) the float32 product is the only path, and it too only proposes: every
+token it scores within twice the bound on its difference from a rescore of its k-th best is
+rescored (`_reach`), so both paths give the k best rescores, ties lower id first, also where
+the k-th place falls among tied tokens. ACTDB_LOWP_MATMUL=bf16 forces the candidate path
+(tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ _RESCORE_FLOATS = 64 * 138 * 768
 # id(w) -> (w itself, weakly; w's version when converted; w in low precision; max row norm
 # of w). Tensors compare by value, so they cannot be the keys of a WeakKeyDictionary.
 _LOWP: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor, float]] = {}
+_NORMS: dict[int, tuple[weakref.ref[torch.Tensor], int, float]] = {}  # id(w) -> max row norm
 # The bound needs d * 2^-23 well below u (the module docstring): wider rows rank in float32.
 MAX_LOWP_WIDTH = 1 << 15
 
@@ -142,10 +146,64 @@ def topk(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int, *,
 
 def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int
            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 top k by `rescored`'s values, ties lower id first. The product only
+    proposes: its rounding differs from the rescores' (and between equal rows at different
+    places in it), so every token it scores within twice the gap the two can have of its
+    k-th best is rescored, and the k best of those are kept (`_reach`)."""
     scores = x @ w.T  # [n, V]
     if b is not None:
         scores += b
-    return rescored(x, w, b, torch.topk(scores, k, dim=-1).indices)
+    kth = torch.topk(scores, k, dim=-1).values[:, -1]
+    floor = _reach(x, w, b, kth)
+    m = max(k, int((scores >= floor.unsqueeze(-1)).sum(-1).max())) if len(kth) else k
+    vals, ids = rescored(x, w, b, torch.topk(scores, m, dim=-1).indices)
+    return vals[:, :k], ids[:, :k]
+
+
+def _reach(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kth: torch.Tensor
+           ) -> torch.Tensor:
+    """float32 [n]: a score below which no token of the float32 top k can fall in the product.
+
+    The product's score p_t and the rescore r_t (dots.row_dots) of a token are each a float32
+    sum of d terms, off from the exact dot product by at most g S, g = d 2^-23 / (1 - d 2^-23)
+    and S = ||x|| max ||w_t|| (module docstring); a float32 product that rounds its inputs
+    (TF32 on a GPU that allows it: 2^-10 each) adds (2v + v^2) S. So |p_t - r_t| <= e, and
+    with a bias each sum adds 2^-24 of its magnitude. The k tokens with p >= kth have
+    r >= kth - e, so the k-th best rescore is at least that, and any token of the true top k
+    has p >= kth - 2e. The floor is taken lower still by the subnormal term of `margin`, and
+    rounded down to float32."""
+    d = x.shape[1]
+    g = d * 2.0**-23 / (1 - d * 2.0**-23)
+    v = 2.0**-10 if _tf32(x.device) else 0.0
+    x_norm = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64)
+    w_max = _row_norm_max(w)
+    s = x_norm * w_max * (1 + 2.0**-20)
+    e = (2 * v + v * v + 3 * g) * s + 2.0**-126 * (4 * d + 2 + d**0.5 * (x_norm + w_max))
+    top = kth.double()
+    if b is not None:
+        e = e + 2.0**-22 * (top.abs() + 2 * e)
+    floor = top - 2 * e
+    low = floor.float()
+    below = torch.nextafter(low, torch.full_like(low, -torch.inf))
+    return torch.where(low.double() > floor, below, low)
+
+
+def _tf32(device: torch.device) -> bool:
+    """Whether a float32 product on `device` may round its inputs to TF32."""
+    return device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32
+                                      or torch.get_float32_matmul_precision() != "highest")
+
+
+def _row_norm_max(w: torch.Tensor) -> float:
+    """The largest row norm of w, in float64, kept while w lives unchanged (`_lowp_weight`)."""
+    hit = _NORMS.get(id(w))
+    if hit is None or hit[0]() is not w or hit[1] != w._version:
+        for key in [key for key, (ref, _, _) in _NORMS.items() if ref() is None]:
+            del _NORMS[key]
+        norms = torch.linalg.vector_norm(w, dim=-1, dtype=torch.float64)
+        hit = (weakref.ref(w), w._version, float(norms.max()) if len(norms) else 0.0)
+        _NORMS[id(w)] = hit
+    return hit[2]
 
 
 def rescored(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ids: torch.Tensor
