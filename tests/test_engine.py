@@ -265,6 +265,77 @@ def test_scan_runs_read_what_zarr_reads_and_name_a_damaged_chunk(big, tmp_path):
                  f"WHERE site = '{site}'").fetchall()
 
 
+@pytest.mark.cpu_only  # the runs' products are the CPU's compiled kernel; a GPU uses torch
+def test_a_scan_shares_its_runs_products_with_the_read_ahead_thread(big, tmp_path, monkeypatch):
+    """`cosine_to_anchor` of raw vectors over runs of chunks (vectors._project_runs): the
+    read-ahead thread makes runs' products, from the back of a window and ahead of the query,
+    and every row gets the bits the chunk-by-chunk path gives it, the float64 value of its
+    stored direction within float32 rounding. Damage in a run only looked at ahead is never
+    reported; a scan that needs the run names its chunk."""
+    import shutil
+
+    import zarr
+
+    from actdb.errors import StoreCorruptError
+    from actdb.query import vectors
+
+    if vectors._native is None:
+        pytest.skip("no compiled kernels: project takes the torch path")
+    ref, db = big
+    site = _site(db, "pre_mlp")
+    store = tmp_path / "copy.actdb"
+    shutil.copytree(db.store.path, store)
+    q = (f"SELECT prompt_id, position, cosine_to_anchor(vec, 3) FROM acts WHERE site = '{site}' "
+         "ORDER BY prompt_id, position")
+    made: list[tuple[str, int]] = []
+    dots = vectors._RunWalk.dots
+
+    def spy(walk, r, vv):
+        made.append((threading.current_thread().name, r))
+        return dots(walk, r, vv)
+
+    monkeypatch.setattr(vectors._RunWalk, "dots", spy)
+    monkeypatch.setattr(vectors, "RUN_CHUNKS", 2)  # runs of 512 rows: 14 runs a site
+    with actdb.connect(store, device="cpu") as fast:
+        got = fast.sql(q).fetchall()
+    threads_used = {name.split("_")[0] for name, _ in made}
+    assert threads_used == {"MainThread", "actdb-readahead"}, threads_used
+    assert sorted(r for _, r in made) == sorted(set(r for _, r in made)), "a run made twice"
+    monkeypatch.setattr(vectors, "RUN_CHUNKS", 1 << 20)  # no runs: chunk by chunk
+    with actdb.connect(store, device="cpu") as slow:
+        want = slow.sql(q).fetchall()
+        starts = dict(slow.sql("SELECT prompt_id, row_start FROM prompt_runs").fetchall())
+    assert [r[:2] for r in got] == [r[:2] for r in want]
+    a, b = (np.array([r[2] for r in rows]) for rows in (got, want))
+    assert np.array_equal(a, b), np.nonzero(a != b)[0][:5]  # the same bits, row for row
+    group = zarr.open_group(str(store / "tensors.zarr"), mode="r")
+    direction = group[f"models/0/acts/{site}/direction"][:].astype(np.float64)
+    rows = np.array([starts[p] + pos for p, pos, _ in got])
+    anchor = ref.anchors("unembed")[3].astype(np.float64)
+    close(a, direction[rows] @ (anchor / np.linalg.norm(anchor)), atol=1e-5, what="cosines")
+
+    # A query that stops before the site's end: its last window's products and those of the
+    # runs after it (the farthest run made) are made; damage in that run is never reported.
+    monkeypatch.setattr(vectors, "RUN_CHUNKS", 2)
+    k = max(p for p, pos, _ in got if starts[p] + pos < 5000)  # past the first window's start
+    part = (f"SELECT count(cosine_to_anchor(vec, 3)) FROM acts WHERE site = '{site}' "
+            f"AND prompt_id <= {k}")
+    made.clear()
+    with actdb.connect(store, device="cpu") as copy:
+        assert copy.sql(part).fetchall()[0][0] == sum(1 for p, _, _ in got if p <= k)
+    farthest = max(r for _, r in made)
+    c = group[f"models/0/acts/{site}/direction"].chunks[0]
+    assert farthest * 2 * c > max(rows[: sum(1 for p, _, _ in got if p <= k)]), "none ahead"
+    chunk = store / "tensors.zarr/models/0/acts" / site / "direction/c" / str(2 * farthest) / "0"
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    with actdb.connect(store, device="cpu") as copy:
+        assert copy.sql(part).fetchall()[0][0] == sum(1 for p, _, _ in got if p <= k)
+        with pytest.raises(StoreCorruptError, match=f"chunk {2 * farthest} of array"):
+            copy.sql(q).fetchall()
+
+
 def test_repeated_rows_with_a_gap_read_each_row(big):
     """Rows asked for as (r, r, r + 2) of one stream: as many rows as the span of the first and
     last, but not consecutive; each must be its own row's value."""

@@ -45,6 +45,8 @@ OFF_STREAM_ROLES = frozenset({"inner", "q_norm", "k_norm"})
 RUN_CHUNKS = 16
 RUN_AHEAD = 2
 _RUNS_PENDING = 8  # about 24 MiB of runs read ahead at most, whatever the query left behind
+# runs whose products with a constant vector are kept (_project_runs): 8 KiB each at d = 768
+_DOTS_KEPT = 256
 # float32 values converted at a time by `project`: 1 MiB, so the block stays in the core's
 # cache between its conversion and its product
 _SCRATCH_FLOATS = 1 << 18
@@ -145,6 +147,10 @@ class ChunkCache:
             self._pending[key] = self._reader.submit(load)
             self._loads[key] = load
 
+    def submit(self, fn: Callable[..., np.ndarray], *args: Any) -> Future[np.ndarray]:
+        """Run `fn(*args)` on the read-ahead thread, after the reads queued before it."""
+        return self._reader.submit(fn, *args)
+
     def _insert(self, key: tuple[object, ...], value: np.ndarray, *, keep: bool = True,
                 chunks: int = 1) -> None:
         with self._lock:
@@ -168,10 +174,16 @@ class ChunkCache:
             self._pending.clear()
             self._loads.clear()
 
+    def count(self, chunks: int, nbytes: int) -> None:
+        """Count a read whose value is not kept here."""
+        with self._lock:
+            self.chunks_read += chunks
+            self.bytes_read += nbytes
+
     def close(self) -> None:
         for f in list(self._pending.values()):
             f.cancel()
-        self._reader.shutdown(wait=True)
+        self._reader.shutdown(wait=True, cancel_futures=True)
 
 
 class Group:
@@ -228,6 +240,76 @@ class Group:
         return self._cache["x"]
 
 
+class _RunWalk:
+    """Consecutive rows of one field over many chunks, read by aligned runs of RUN_CHUNKS
+    chunks: which runs, where each one's rows go, and their reads (ahead, and the run a window
+    ends in, held for the next window, which starts in it)."""
+
+    def __init__(self, src: VectorSource, model: ModelRecord, site: SiteRecord, name: str,
+                 rows: np.ndarray, heads: np.ndarray, c: int, walking: bool) -> None:
+        self.src, self.site, self.heads = src, site, heads
+        self.where = (model.model_id, site.site, name)
+        self.step = RUN_CHUNKS * c
+        self.lo, hi = int(rows[0]), int(rows[-1]) + 1
+        self.hi = hi
+        # The chunks of this run of committed rows: no later one is read (unused rows between
+        # merged shards follow it; shards start on whole runs of chunks).
+        self.n_chunks = -(-src.segment_end(model.model_id, hi - 1) // c)
+        first, last = self.lo // self.step, (hi - 1) // self.step
+        self.runs = range(first, last + 1)
+        self.walking = walking
+        self.stop_dots = -(-self.n_chunks // RUN_CHUNKS)  # past the last run of the segment
+        self.stop = min(self.stop_dots, last + 1 + (RUN_AHEAD if walking else 0))
+
+    def _count(self, r: int) -> int:
+        return min(RUN_CHUNKS, self.n_chunks - r * RUN_CHUNKS)
+
+    def _load(self, r: int) -> Callable[[], np.ndarray]:
+        return partial(self.src.store.arrays.read_chunks, *self.where, r * RUN_CHUNKS,
+                       self._count(r))
+
+    def prefetch_after(self, r: int) -> None:
+        for ahead in range(r + 1, min(r + 1 + RUN_AHEAD, self.stop)):
+            self.src.cache.prefetch((*self.where, "run", ahead), self._load(ahead),
+                                    limit=_RUNS_PENDING)
+
+    def data(self, r: int) -> np.ndarray:
+        """Run r's rows: the run held from the last window, or read (ahead or now)."""
+        held = self.src._held.get(self.where)
+        if held is not None and held[0] == r:
+            return held[1]
+        data = self.src.cache.get((*self.where, "run", r), self._load(r), keep=False,
+                                  chunks=self._count(r))
+        if r == self.runs[-1]:
+            self.hold(r, data)
+        return data
+
+    def hold(self, r: int, data: np.ndarray) -> None:
+        """Keep run r for the next window, which starts in it when this one ends in it."""
+        self.src._held[self.where] = (r, data)
+
+    def span(self, r: int) -> tuple[int, int]:
+        """The rows of the walk that run r holds (absolute row numbers)."""
+        return max(self.lo, r * self.step), min(self.hi, (r + 1) * self.step)
+
+    def piece(self, r: int, data: np.ndarray) -> tuple[int, int, np.ndarray]:
+        """(start, end, values): run r's share of the rows, as `_pieces` yields it."""
+        a, b = self.span(r)
+        part = data[a - r * self.step : b - r * self.step]
+        lo = self.lo
+        return a - lo, b - lo, (part[np.arange(b - a), self.heads[a - lo : b - lo]]
+                                if self.site.n_heads else part)
+
+    def dots(self, r: int, vv: np.ndarray) -> np.ndarray:
+        """float32: every row of run r (a field of unit directions, no heads) dotted with
+        `vv`, read now (the run is not kept: its products are)."""
+        data = self._load(r)()
+        self.src.cache.count(self._count(r), data.nbytes)
+        out = np.empty(len(data), dtype=np.float32)
+        _native.f16_dots(data, vv, out)
+        return out
+
+
 class VectorSource:
     """Everything tensor functions read from a store, cached, on one device."""
 
@@ -258,6 +340,8 @@ class VectorSource:
         self._local = threading.local()
         self._last_chunk: dict[tuple[int, str, str], int] = {}
         self._held: dict[tuple[int, str, str], tuple[int, np.ndarray]] = {}
+        # (model, site, field, v's bytes, run) -> the run's products with v (_project_runs)
+        self._dots: OrderedDict[tuple[object, ...], Future[np.ndarray]] = OrderedDict()
         self._token_ids: dict[tuple[int, str, str], int] = {}
         # Where each model's committed rows run without a break: a merged sharded ingest
         # leaves unused rows (maybe without chunks) between shards, never to be read ahead.
@@ -277,6 +361,10 @@ class VectorSource:
         """Forget every chunk read (the next query reads from the store again)."""
         self.cache.clear()
         self._held.clear()
+        with self._lock:
+            for task in self._dots.values():
+                task.cancel()
+            self._dots.clear()
 
     @property
     def device(self) -> torch.device:
@@ -340,7 +428,15 @@ class VectorSource:
         if _native is not None:
             vv = np.ascontiguousarray(v.numpy(), dtype=np.float32)
             res = out.numpy()
-            for a, b, part in self._pieces(g.model, g.site, "direction", rows, heads):
+            walk = self._walk(g.model, g.site, "direction", rows, heads)
+            if isinstance(walk, _RunWalk) and not g.site.n_heads:
+                self._project_runs(walk, vv, res)
+                return out
+            if isinstance(walk, _RunWalk):
+                for a, b, part in self._runs(walk):
+                    _native.f16_dots(np.ascontiguousarray(part, dtype=np.float16), vv, res[a:b])
+                return out
+            for a, b, part in self._chunks(g.model, g.site, "direction", rows, heads, *walk):
                 # float16 in this machine's byte order, contiguous (a per-head piece is)
                 _native.f16_dots(np.ascontiguousarray(part, dtype=np.float16), vv, res[a:b])
             return out
@@ -386,17 +482,17 @@ class VectorSource:
     def _pieces(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
                 heads: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
         """(start, end, values) for the sorted `rows` held by each chunk in turn."""
-        c = self.store.arrays.act_array(model.model_id, site.site, name).chunks[0]
-        first, last = int(rows[0]) // c, int(rows[-1]) // c
+        walk = self._walk(model, site, name, rows, heads)
+        if isinstance(walk, _RunWalk):
+            yield from self._runs(walk)
+        else:
+            yield from self._chunks(model, site, name, rows, heads, *walk)
+
+    def _chunks(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
+                heads: np.ndarray, c: int, first: int, last: int, walking: bool
+                ) -> Iterator[tuple[int, int, np.ndarray]]:
+        """`_pieces` chunk by chunk (each chunk kept in the cache)."""
         where = (model.model_id, site.site, name)
-        walking = self._last_chunk.get(where) in (first - 1, first)
-        self._last_chunk[where] = last
-        # Runs on a local disk only: object storage keeps several single-chunk requests in
-        # flight (Store.readers), which a run, read request after request, would serialize.
-        if (self.store.readers == 1 and last - first + 1 >= RUN_CHUNKS // 2
-                and _consecutive(rows)):
-            yield from self._runs(model, site, name, rows, heads, c, walking)
-            return
         bounds = np.searchsorted(rows, np.arange(first, last + 2) * c)
         # The chunks to read, in order: those holding asked-for rows (every one is read anyway,
         # so reading them ahead costs no byte more), then, when the query walks the array,
@@ -425,43 +521,88 @@ class VectorSource:
             yield int(a), int(b), (part[np.arange(len(local)), heads[a:b]] if site.n_heads
                                    else part)
 
-    def _runs(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
-              heads: np.ndarray, c: int, walking: bool) -> Iterator[tuple[int, int, np.ndarray]]:
+    def _walk(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
+              heads: np.ndarray) -> _RunWalk | tuple[int, int, int, bool]:
+        """How `_pieces` reads the sorted `rows`: by runs of chunks, or chunk by chunk (the
+        chunk size, first and last chunk, and whether the query walks the array)."""
+        c = self.store.arrays.act_array(model.model_id, site.site, name).chunks[0]
+        first, last = int(rows[0]) // c, int(rows[-1]) // c
+        where = (model.model_id, site.site, name)
+        walking = self._last_chunk.get(where) in (first - 1, first)
+        self._last_chunk[where] = last
+        # Runs on a local disk only: object storage keeps several single-chunk requests in
+        # flight (Store.readers), which a run, read request after request, would serialize.
+        if (self.store.readers == 1 and last - first + 1 >= RUN_CHUNKS // 2
+                and _consecutive(rows)):
+            return _RunWalk(self, model, site, name, rows, heads, c, walking)
+        return c, first, last, walking
+
+    def _runs(self, walk: _RunWalk) -> Iterator[tuple[int, int, np.ndarray]]:
         """`_pieces` for consecutive rows over many chunks (a bulk window, a scan): read by
         runs of RUN_CHUNKS chunks (aligned, so the next window finds the run it shares with
         this one), each run one task of the read-ahead thread and one piece here, while the
         thread reads the next runs. Per-chunk Python work, on both threads, was most of a
         full scan's time; the GIL they share made a per-chunk read-ahead slower than none.
         Runs are not kept in the chunk cache (counted, not kept): the query is past them."""
-        where = (model.model_id, site.site, name)
-        step = RUN_CHUNKS * c
-        lo, hi = int(rows[0]), int(rows[-1]) + 1
-        # The chunks of this run of committed rows: no later one is read (unused rows between
-        # merged shards follow it; shards start on whole runs of chunks).
-        n_chunks = -(-self.segment_end(model.model_id, hi - 1) // c)
-        first, last = lo // step, (hi - 1) // step
-        stop = min(-(-n_chunks // RUN_CHUNKS), last + 1 + (RUN_AHEAD if walking else 0))
+        for r in walk.runs:
+            walk.prefetch_after(r)
+            yield walk.piece(r, walk.data(r))
 
-        def count(r: int) -> int:
-            return min(RUN_CHUNKS, n_chunks - r * RUN_CHUNKS)
+    def _project_runs(self, walk: _RunWalk, vv: np.ndarray, res: np.ndarray) -> None:
+        """`project`'s dot products over a walk's runs, shared with the read-ahead thread.
 
-        def load(r: int) -> Callable[[], np.ndarray]:
-            return partial(self.store.arrays.read_chunks, *where, r * RUN_CHUNKS, count(r))
+        Each run is one task: its chunks read and checked, and its rows dotted with `vv`, by
+        the compiled kernels with the GIL released (a run just read is still in the core's
+        cache). This window's runs not yet done are queued last to first, so the read-ahead
+        thread works from the back while this thread takes them from the front (a queued
+        run is taken back and done here). Then, when the query walks the array, the runs of
+        a window as long as this one that follow it are queued, and the read-ahead thread
+        computes them while DuckDB and the UDFs' Python run on this thread: the next window
+        finds its products made. Only their results are kept (4 bytes a row, not the 2d of
+        a run read ahead), so looking that far ahead costs no memory to speak of; what a
+        query stops before using is at most one window's work. A row's value does not
+        depend on the thread or the run (f16_dots)."""
+        key = (*walk.where, vv.tobytes())
+        runs = walk.runs
+        todo = {r: self._dots_ahead(walk, r, key, vv, queue=False) for r in runs}
+        for r in reversed(runs):
+            if todo[r] is None:
+                todo[r] = self._dots_ahead(walk, r, key, vv)
+        for r in runs:
+            task = todo[r]
+            assert task is not None
+            if task.cancel():  # still queued: done here, and kept as the thread's would be
+                task = Future()
+                task.set_running_or_notify_cancel()
+                with self._lock:
+                    self._dots[(*key, r)] = task
+                try:
+                    task.set_result(walk.dots(r, vv))
+                except BaseException as e:
+                    task.set_exception(e)
+            dots = task.result()
+            a, b = walk.span(r)
+            res[a - walk.lo : b - walk.lo] = dots[a - r * walk.step : b - r * walk.step]
+        if walk.walking:
+            for r in range(runs[-1] + 1, min(runs[-1] + 1 + len(runs), walk.stop_dots)):
+                self._dots_ahead(walk, r, key, vv)
 
-        for r in range(first, last + 1):
-            for ahead in range(r + 1, min(r + 1 + RUN_AHEAD, stop)):
-                self.cache.prefetch((*where, "run", ahead), load(ahead), limit=_RUNS_PENDING)
-            held = self._held.get(where)
-            if held is not None and held[0] == r:
-                data = held[1]
-            else:
-                data = self.cache.get((*where, "run", r), load(r), keep=False, chunks=count(r))
-                # kept for the next window, which starts in this run when this one ends in it
-                self._held[where] = (r, data)
-            a, b = max(lo, r * step), min(hi, (r + 1) * step)
-            part = data[a - r * step : b - r * step]
-            yield a - lo, b - lo, (part[np.arange(b - a), heads[a - lo : b - lo]] if site.n_heads
-                                   else part)
+    def _dots_ahead(self, walk: _RunWalk, r: int, key: tuple[object, ...], vv: np.ndarray, *,
+                    queue: bool = True) -> Future[np.ndarray] | None:
+        """Run r's products with `vv` (key: the field and vv's bytes): made or under way, or
+        queued now on the read-ahead thread (`queue`; else None). At most _DOTS_KEPT runs'
+        results are kept, least recently asked for first out."""
+        with self._lock:
+            task = self._dots.get((*key, r))
+            if task is not None:
+                self._dots.move_to_end((*key, r))
+                return task
+            if not queue:
+                return None
+            task = self._dots[(*key, r)] = self.cache.submit(walk.dots, r, vv)
+            while len(self._dots) > _DOTS_KEPT:
+                self._dots.popitem(last=False)[1].cancel()
+            return task
 
     def gather(self, handles: np.ndarray, device: torch.device | str, what: str
                ) -> torch.Tensor:
