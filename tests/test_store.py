@@ -10,6 +10,7 @@ import pytest
 import zarr
 
 from actdb.errors import StoreCorruptError
+from actdb.store.arrays import Arrays
 from actdb.store.store import Store
 
 
@@ -46,6 +47,36 @@ def test_missing_chunk_is_an_error_naming_it(tmp_path: Path) -> None:
             st.arrays.read_chunk(0, "x", "direction", 2)
     finally:
         st.close()
+
+
+def test_new_sites_metadata_is_what_zarr_writes(tmp_path: Path) -> None:
+    """A new site's arrays are made from metadata built once per shape (Arrays._site_metadata):
+    every site's files equal, byte for byte, those zarr writes when it creates the same arrays
+    in place, and zarr opens them as arrays of the right shape, dtype and chunks."""
+    import zarr
+
+    st = Store.open_or_create(tmp_path / "s.actdb")
+    shapes = {"a.ln1": ((8,), 48), "b.ln2": ((8,), 48), "c.q_norm": ((2, 4), 48),
+              "d.ln1": ((8,), 80)}
+    try:
+        st.arrays.ensure_act_groups(0)
+        for site, (inner, rows) in shapes.items():
+            st.arrays.ensure_act_arrays(0, site, inner=inner, rows=rows, chunk_tokens=16)
+    finally:
+        st.close()
+    ours = tmp_path / "s.actdb" / "tensors.zarr" / "models" / "0" / "acts"
+    plain = zarr.open_group(str(tmp_path / "plain.zarr"), mode="w", zarr_format=3)
+    for site, (inner, rows) in shapes.items():
+        Arrays._create_act_arrays(st.arrays, plain.require_group(site), inner=inner, rows=rows,
+                                  chunk_tokens=16)
+        for name in ("zarr.json", "direction/zarr.json", "norm/zarr.json", "mean/zarr.json"):
+            want = (tmp_path / "plain.zarr" / site / name).read_bytes()
+            assert (ours / site / name).read_bytes() == want, (site, name)
+    group = zarr.open_group(str(tmp_path / "s.actdb" / "tensors.zarr"), mode="r")
+    arr = group["models/0/acts/c.q_norm/direction"]
+    assert (arr.shape, str(arr.dtype), arr.chunks) == ((48, 2, 4), "float16", (16, 2, 4))
+    assert group["models/0/acts/b.ln2/norm"].shape == (48,)
+    assert group["models/0/acts/d.ln1/mean"].shape == (80,)
 
 
 def test_store_held_by_another_process_is_one_sentence(
