@@ -298,6 +298,9 @@ def test_a_scan_shares_its_runs_products_with_the_read_ahead_thread(big, tmp_pat
     monkeypatch.setattr(vectors, "RUN_CHUNKS", 2)  # runs of 512 rows: 14 runs a site
     with actdb.connect(store, device="cpu") as fast:
         got = fast.sql(q).fetchall()
+        # every chunk of the site's directions counted once, when used
+        n_chunks = -(-len(got) // db.sql("SELECT chunk_tokens FROM models").fetchall()[0][0])
+        assert fast.stats["chunks_read"] == n_chunks, (fast.stats, n_chunks)
     threads_used = {name.split("_")[0] for name, _ in made}
     assert threads_used == {"MainThread", "actdb-readahead"}, threads_used
     assert sorted(r for _, r in made) == sorted(set(r for _, r in made)), "a run made twice"
@@ -323,6 +326,7 @@ def test_a_scan_shares_its_runs_products_with_the_read_ahead_thread(big, tmp_pat
     made.clear()
     with actdb.connect(store, device="cpu") as copy:
         assert copy.sql(part).fetchall()[0][0] == sum(1 for p, _, _ in got if p <= k)
+        copy.source.cache.submit(lambda: None).result()  # the runs queued ahead made too
     farthest = max(r for _, r in made)
     c = group[f"models/0/acts/{site}/direction"].chunks[0]
     assert farthest * 2 * c > max(rows[: sum(1 for p, _, _ in got if p <= k)]), "none ahead"
@@ -334,6 +338,8 @@ def test_a_scan_shares_its_runs_products_with_the_read_ahead_thread(big, tmp_pat
         assert copy.sql(part).fetchall()[0][0] == sum(1 for p, _, _ in got if p <= k)
         with pytest.raises(StoreCorruptError, match=f"chunk {2 * farthest} of array"):
             copy.sql(q).fetchall()
+        chunk.write_bytes(bytes(data[:100]) + bytes([data[100] ^ 0x10]) + bytes(data[101:]))
+        assert len(copy.sql(q).fetchall()) == len(got)  # a failed run is read again
 
 
 def test_repeated_rows_with_a_gap_read_each_row(big):
@@ -411,16 +417,19 @@ def test_exact_ties_keep_the_lower_token_first(lowp):
 
 
 @pytest.mark.parametrize("lowp", [None, torch.bfloat16])
-@pytest.mark.parametrize("k", [3, 8, 9, 14])
-def test_ties_at_the_kth_place_admit_the_lower_ids(lowp, k):
+@pytest.mark.parametrize(("k", "n_base", "n_copies"),
+                         [(3, 50, 6), (8, 50, 6), (9, 50, 6), (14, 50, 6), (8, 10, 60)])
+def test_ties_at_the_kth_place_admit_the_lower_ids(lowp, k, n_base, n_copies):
     """Where the k-th place falls inside a group of tied tokens, the lower ids make the top k,
     on both paths: the float64 ranking with ties broken by id, exactly. (The float32 product
-    rounds equal rows differently by their place in it, so its own top k picks among them.)"""
+    rounds equal rows differently by their place in it, so its own top k picks among them.)
+    60 copies: more tied tokens than the product's candidates, so a row is finished alone."""
     g = torch.Generator().manual_seed(11)
-    x, base = torch.randn(24, 96, generator=g), torch.randn(50, 96, generator=g)
-    copies = torch.arange(50).repeat(6)[torch.randperm(300, generator=g)]  # 6 copies of each
+    x, base = torch.randn(24, 96, generator=g), torch.randn(n_base, 96, generator=g)
+    n = n_base * n_copies
+    copies = torch.arange(n_base).repeat(n_copies)[torch.randperm(n, generator=g)]
     w = base[copies]
-    b0 = torch.randn(50, generator=g) * 0.1
+    b0 = torch.randn(n_base, generator=g) * 0.1
     for bias in (None, b0[copies]):  # equal rows, equal biases
         vals, ids = topk.topk(x, w, bias, k, lowp=lowp, transform=None)
         # each base row scored once, so copies tie exactly in the reference
@@ -429,6 +438,43 @@ def test_ties_at_the_kth_place_admit_the_lower_ids(lowp, k):
             want = sorted(range(w.shape[0]), key=lambda t: (-float(s64[i, t]), t))[:k]
             assert ids[i].tolist() == want, f"row {i}, bias {bias is not None}"
             close(vals[i].double().numpy(), s64[i, want].numpy(), atol=1e-4, what="values")
+
+
+def test_exact_topk_of_a_zero_row_is_the_biases_order():
+    """A zero row ties every token (all its rescores are the bias): its top k are the largest
+    biases, lower id first, found without rescoring the vocabulary for the whole block; and
+    k = 0 or no rows give empty results."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(6, 32, generator=g), torch.randn(3000, 32, generator=g)
+    x[2] = 0
+    b = torch.randint(0, 5, (3000,), generator=g).float()  # many equal biases
+    for bias in (None, b):
+        vals, ids = topk._exact(x, w, bias, 7)
+        want = torch.sort(bias if bias is not None else torch.zeros(3000), descending=True,
+                          stable=True).indices[:7]
+        assert ids[2].tolist() == want.tolist()
+        for i in (0, 1, 3, 4, 5):  # the other rows as their own float64 ranking
+            s64 = x[i].double() @ w.double().T + (0 if bias is None else bias.double())
+            assert ids[i].tolist() == torch.argsort(s64, descending=True)[:7].tolist()
+    assert topk._exact(x, w, b, 0)[1].shape == (6, 0)
+    assert topk._exact(x[:0], w, b, 3)[1].shape == (0, 3)
+
+
+def test_exact_topk_bound_widens_for_rounded_float32_products(monkeypatch):
+    """A float32 product that torch may run with rounded inputs (TF32, bfloat16) gets a wider
+    reach; a setting torch refuses to report counts as the coarsest."""
+    cpu = torch.device("cpu")
+    assert topk._input_rounding(cpu) == 0.0
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert topk._input_rounding(cpu) == 2.0**-10
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "medium")
+    assert topk._input_rounding(cpu) == 2.0**-8
+
+    def refuse() -> str:
+        raise RuntimeError("mix of the legacy and new APIs")
+
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", refuse)
+    assert topk._input_rounding(cpu) == 2.0**-8
 
 
 @pytest.mark.parametrize("width", [0, 1, 2, 3, 5, 7, 64, 576, 768, 1000])

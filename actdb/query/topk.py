@@ -43,6 +43,7 @@ the k-th place falls among tied tokens. ACTDB_LOWP_MATMUL=bf16 forces the candid
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 import weakref
@@ -149,15 +150,50 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int
     """The float32 top k by `rescored`'s values, ties lower id first. The product only
     proposes: its rounding differs from the rescores' (and between equal rows at different
     places in it), so every token it scores within twice the gap the two can have of its
-    k-th best is rescored, and the k best of those are kept (`_reach`)."""
+    k-th best (`_reach`) is rescored, and the k best of those are kept. The product's m best
+    hold them all in nearly every row; a row whose m-th best is still within reach (ties
+    across the vocabulary, NaN) is finished alone (`_row_exact`)."""
+    n, V = x.shape[0], w.shape[0]
+    if n == 0 or k == 0:
+        return (torch.empty((n, k), dtype=x.dtype, device=x.device),
+                torch.empty((n, k), dtype=torch.long, device=x.device))
     scores = x @ w.T  # [n, V]
     if b is not None:
         scores += b
-    kth = torch.topk(scores, k, dim=-1).values[:, -1]
-    floor = _reach(x, w, b, kth)
-    m = max(k, int((scores >= floor.unsqueeze(-1)).sum(-1).max())) if len(kth) else k
-    vals, ids = rescored(x, w, b, torch.topk(scores, m, dim=-1).indices)
-    return vals[:, :k], ids[:, :k]
+    m = min(V, max(2 * k, k + 32))
+    top, cand = torch.topk(scores, m, dim=-1)  # [n, m], descending
+    floor = _reach(x, w, b, top[:, k - 1]).unsqueeze(-1)
+    reach = ~(top < floor)  # NaN ranks first in torch.topk: counted in reach
+    c = max(k, int(reach.sum(-1).max()))
+    vals, ids = rescored(x, w, b, cand[:, :c])
+    vals, ids = vals[:, :k], ids[:, :k]
+    if m < V:
+        for i in torch.nonzero(reach[:, -1]).flatten().tolist():
+            vals[i], ids[i] = _row_exact(x[i], w, b, k, scores[i], floor[i])
+    return vals, ids
+
+
+def _row_exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
+               scores: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_exact` for one row `x` [d] whose tokens within reach are more than the product's m
+    best: a zero row (every score ties: its rescores are exactly the biases, when w is
+    finite), or every token within reach rescored, a block of the vocabulary at a time."""
+    V = w.shape[0]
+    if not bool(x.any()) and math.isfinite(_row_norm_max(w)):
+        vals = b.float() if b is not None else torch.zeros(V, dtype=x.dtype, device=x.device)
+    else:
+        within = torch.nonzero(~(scores < floor)).flatten()  # ascending ids
+        vals = torch.empty(len(within), dtype=x.dtype, device=x.device)
+        step = max(1, _RESCORE_FLOATS // max(1, x.shape[0]))
+        for lo in range(0, len(within), step):
+            part = within[lo : lo + step]
+            vals[lo : lo + step] = row_dots(w[part], x, overwrite=True)
+        if b is not None:
+            vals += b[within]
+        top, at = torch.sort(vals, descending=True, stable=True)
+        return top[:k], within[at[:k]]
+    top, at = torch.sort(vals, descending=True, stable=True)
+    return top[:k], at[:k]
 
 
 def _reach(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kth: torch.Tensor
@@ -167,14 +203,15 @@ def _reach(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kth: torch.
     The product's score p_t and the rescore r_t (dots.row_dots) of a token are each a float32
     sum of d terms, off from the exact dot product by at most g S, g = d 2^-23 / (1 - d 2^-23)
     and S = ||x|| max ||w_t|| (module docstring); a float32 product that rounds its inputs
-    (TF32 on a GPU that allows it: 2^-10 each) adds (2v + v^2) S. So |p_t - r_t| <= e, and
-    with a bias each sum adds 2^-24 of its magnitude. The k tokens with p >= kth have
-    r >= kth - e, so the k-th best rescore is at least that, and any token of the true top k
-    has p >= kth - 2e. The floor is taken lower still by the subnormal term of `margin`, and
-    rounded down to float32."""
+    by v each (`_input_rounding`: TF32 or bfloat16 where torch's settings allow it) adds
+    (2v + v^2) S. So |p_t - r_t| <= e, and with a bias each sum adds 2^-24 of its magnitude
+    (sums that overflow, |x| |w_t| near float32's largest, are not covered). The k tokens with
+    p >= kth have r >= kth - e, so the k-th best rescore is at least that, and any token of
+    the true top k has p >= kth - 2e. The floor is taken lower still by the subnormal term of
+    `margin`, and rounded down to float32."""
     d = x.shape[1]
     g = d * 2.0**-23 / (1 - d * 2.0**-23)
-    v = 2.0**-10 if _tf32(x.device) else 0.0
+    v = _input_rounding(x.device)
     x_norm = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64)
     w_max = _row_norm_max(w)
     s = x_norm * w_max * (1 + 2.0**-20)
@@ -188,10 +225,24 @@ def _reach(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kth: torch.
     return torch.where(low.double() > floor, below, low)
 
 
-def _tf32(device: torch.device) -> bool:
-    """Whether a float32 product on `device` may round its inputs to TF32."""
-    return device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32
-                                      or torch.get_float32_matmul_precision() != "highest")
+def _input_rounding(device: torch.device) -> float:
+    """How far a float32 product on `device` may round each input: 0 (IEEE float32), 2^-10
+    (TF32 on a GPU that allows it) or 2^-8 (bfloat16, which torch's "medium" precision and
+    oneDNN's bf16 setting allow). Settings torch refuses to report (it raises when legacy and
+    new ones are mixed) count as the coarsest."""
+    try:
+        precision = torch.get_float32_matmul_precision()
+        new = getattr(getattr(torch.backends, "cuda" if device.type == "cuda" else "mkldnn",
+                              None), "matmul", None)
+        fp32 = str(getattr(new, "fp32_precision", "none"))
+        legacy_tf32 = device.type == "cuda" and bool(torch.backends.cuda.matmul.allow_tf32)
+    except RuntimeError:
+        return 2.0**-8
+    if precision == "medium" or fp32 == "bf16":
+        return 2.0**-8
+    if precision == "high" or fp32 == "tf32" or legacy_tf32:
+        return 2.0**-10
+    return 0.0
 
 
 def _row_norm_max(w: torch.Tensor) -> float:

@@ -45,8 +45,8 @@ OFF_STREAM_ROLES = frozenset({"inner", "q_norm", "k_norm"})
 RUN_CHUNKS = 16
 RUN_AHEAD = 2
 _RUNS_PENDING = 8  # about 24 MiB of runs read ahead at most, whatever the query left behind
-# runs whose products with a constant vector are kept (_project_runs): 8 KiB each at d = 768
-_DOTS_KEPT = 256
+# rows whose products with a constant vector are kept (_project_runs): 4 MiB of float32
+_DOTS_ROWS = 1 << 20
 # float32 values converted at a time by `project`: 1 MiB, so the block stays in the core's
 # cache between its conversion and its product
 _SCRATCH_FLOATS = 1 << 18
@@ -240,6 +240,16 @@ class Group:
         return self._cache["x"]
 
 
+class _Dots:
+    """One run's products with one vector: the task making them, its rows, whether a query
+    has counted its reads yet."""
+
+    __slots__ = ("counted", "rows", "task")
+
+    def __init__(self, task: Future[np.ndarray], rows: int) -> None:
+        self.task, self.rows, self.counted = task, rows, False
+
+
 class _RunWalk:
     """Consecutive rows of one field over many chunks, read by aligned runs of RUN_CHUNKS
     chunks: which runs, where each one's rows go, and their reads (ahead, and the run a window
@@ -250,6 +260,8 @@ class _RunWalk:
         self.src, self.site, self.heads = src, site, heads
         self.where = (model.model_id, site.site, name)
         self.step = RUN_CHUNKS * c
+        arr = src.store.arrays.act_array(model.model_id, site.site, name)
+        self.chunk_bytes = c * int(np.prod(arr.shape[1:], dtype=np.int64)) * arr.dtype.itemsize
         self.lo, hi = int(rows[0]), int(rows[-1]) + 1
         self.hi = hi
         # The chunks of this run of committed rows: no later one is read (unused rows between
@@ -261,12 +273,17 @@ class _RunWalk:
         self.stop_dots = -(-self.n_chunks // RUN_CHUNKS)  # past the last run of the segment
         self.stop = min(self.stop_dots, last + 1 + (RUN_AHEAD if walking else 0))
 
-    def _count(self, r: int) -> int:
+    def count(self, r: int) -> int:
+        """Chunks in run r."""
         return min(RUN_CHUNKS, self.n_chunks - r * RUN_CHUNKS)
+
+    def nbytes(self, r: int) -> int:
+        """Bytes of run r's values, as read."""
+        return self.count(r) * self.chunk_bytes
 
     def _load(self, r: int) -> Callable[[], np.ndarray]:
         return partial(self.src.store.arrays.read_chunks, *self.where, r * RUN_CHUNKS,
-                       self._count(r))
+                       self.count(r))
 
     def prefetch_after(self, r: int) -> None:
         for ahead in range(r + 1, min(r + 1 + RUN_AHEAD, self.stop)):
@@ -279,7 +296,7 @@ class _RunWalk:
         if held is not None and held[0] == r:
             return held[1]
         data = self.src.cache.get((*self.where, "run", r), self._load(r), keep=False,
-                                  chunks=self._count(r))
+                                  chunks=self.count(r))
         if r == self.runs[-1]:
             self.hold(r, data)
         return data
@@ -302,9 +319,8 @@ class _RunWalk:
 
     def dots(self, r: int, vv: np.ndarray) -> np.ndarray:
         """float32: every row of run r (a field of unit directions, no heads) dotted with
-        `vv`, read now (the run is not kept: its products are)."""
+        `vv`, read now (the run is not kept: its products are; counted where used)."""
         data = self._load(r)()
-        self.src.cache.count(self._count(r), data.nbytes)
         out = np.empty(len(data), dtype=np.float32)
         _native.f16_dots(data, vv, out)
         return out
@@ -341,7 +357,8 @@ class VectorSource:
         self._last_chunk: dict[tuple[int, str, str], int] = {}
         self._held: dict[tuple[int, str, str], tuple[int, np.ndarray]] = {}
         # (model, site, field, v's bytes, run) -> the run's products with v (_project_runs)
-        self._dots: OrderedDict[tuple[object, ...], Future[np.ndarray]] = OrderedDict()
+        self._dots: OrderedDict[tuple[object, ...], _Dots] = OrderedDict()
+        self._dots_rows = 0
         self._token_ids: dict[tuple[int, str, str], int] = {}
         # Where each model's committed rows run without a break: a merged sharded ingest
         # leaves unused rows (maybe without chunks) between shards, never to be read ahead.
@@ -362,9 +379,8 @@ class VectorSource:
         self.cache.clear()
         self._held.clear()
         with self._lock:
-            for task in self._dots.values():
-                task.cancel()
-            self._dots.clear()
+            for k in list(self._dots):
+                self._forget_dots(k)
 
     @property
     def device(self) -> torch.device:
@@ -553,15 +569,15 @@ class VectorSource:
 
         Each run is one task: its chunks read and checked, and its rows dotted with `vv`, by
         the compiled kernels with the GIL released (a run just read is still in the core's
-        cache). This window's runs not yet done are queued last to first, so the read-ahead
+        cache). This window's runs not yet made are queued last to first, so the read-ahead
         thread works from the back while this thread takes them from the front (a queued
-        run is taken back and done here). Then, when the query walks the array, the runs of
-        a window as long as this one that follow it are queued, and the read-ahead thread
-        computes them while DuckDB and the UDFs' Python run on this thread: the next window
-        finds its products made. Only their results are kept (4 bytes a row, not the 2d of
-        a run read ahead), so looking that far ahead costs no memory to speak of; what a
-        query stops before using is at most one window's work. A row's value does not
-        depend on the thread or the run (f16_dots)."""
+        run is taken back and made here); this thread also runs DuckDB and the UDFs' Python,
+        and left alone with a window's reads and products it was the scan's bottleneck while
+        the read-ahead thread idled. When the query walks the array, the next RUN_AHEAD runs
+        are queued, as raw runs were read ahead before. A row's value does not depend on the
+        thread or the run (f16_dots). A run's reads are counted when a query first uses its
+        products, and a run whose task failed is forgotten once the failure is reported (a
+        damaged chunk is reported only to a query that needs its rows)."""
         key = (*walk.where, vv.tobytes())
         runs = walk.runs
         todo = {r: self._dots_ahead(walk, r, key, vv, queue=False) for r in runs}
@@ -569,40 +585,73 @@ class VectorSource:
             if todo[r] is None:
                 todo[r] = self._dots_ahead(walk, r, key, vv)
         for r in runs:
-            task = todo[r]
-            assert task is not None
-            if task.cancel():  # still queued: done here, and kept as the thread's would be
-                task = Future()
-                task.set_running_or_notify_cancel()
+            entry = todo[r]
+            assert entry is not None
+            if entry.task.cancel():  # still queued: made here, and kept as the thread's would be
+                entry = self._dots_here(walk, r, key, vv, entry)
+            try:
+                dots = entry.task.result()
+            except BaseException:
                 with self._lock:
-                    self._dots[(*key, r)] = task
-                try:
-                    task.set_result(walk.dots(r, vv))
-                except BaseException as e:
-                    task.set_exception(e)
-            dots = task.result()
+                    if self._dots.get((*key, r)) is entry:
+                        self._forget_dots((*key, r))
+                raise
+            if not entry.counted:
+                entry.counted = True
+                self.cache.count(walk.count(r), walk.nbytes(r))
             a, b = walk.span(r)
             res[a - walk.lo : b - walk.lo] = dots[a - r * walk.step : b - r * walk.step]
         if walk.walking:
-            for r in range(runs[-1] + 1, min(runs[-1] + 1 + len(runs), walk.stop_dots)):
+            for r in range(runs[-1] + 1, min(runs[-1] + 1 + RUN_AHEAD, walk.stop_dots)):
                 self._dots_ahead(walk, r, key, vv)
 
     def _dots_ahead(self, walk: _RunWalk, r: int, key: tuple[object, ...], vv: np.ndarray, *,
-                    queue: bool = True) -> Future[np.ndarray] | None:
+                    queue: bool = True) -> _Dots | None:
         """Run r's products with `vv` (key: the field and vv's bytes): made or under way, or
-        queued now on the read-ahead thread (`queue`; else None). At most _DOTS_KEPT runs'
-        results are kept, least recently asked for first out."""
+        queued now on the read-ahead thread (`queue`; else None). Results of at most
+        _DOTS_ROWS rows are kept, least recently asked for first out."""
         with self._lock:
-            task = self._dots.get((*key, r))
-            if task is not None:
+            entry = self._dots.get((*key, r))
+            if entry is not None:
                 self._dots.move_to_end((*key, r))
-                return task
+                return entry
             if not queue:
                 return None
-            task = self._dots[(*key, r)] = self.cache.submit(walk.dots, r, vv)
-            while len(self._dots) > _DOTS_KEPT:
-                self._dots.popitem(last=False)[1].cancel()
-            return task
+            return self._keep_dots((*key, r), _Dots(self.cache.submit(walk.dots, r, vv),
+                                                    walk.count(r) * walk.step // RUN_CHUNKS))
+
+    def _dots_here(self, walk: _RunWalk, r: int, key: tuple[object, ...], vv: np.ndarray,
+                   cancelled: _Dots) -> _Dots:
+        """Make run r's products on this thread, its queued task cancelled; when another
+        thread cancelled the same task first, wait for that thread's products instead."""
+        with self._lock:
+            entry = self._dots.get((*key, r))
+            if entry is not None and entry is not cancelled:
+                return entry
+            self._forget_dots((*key, r))
+            task: Future[np.ndarray] = Future()
+            task.set_running_or_notify_cancel()
+            entry = self._keep_dots((*key, r), _Dots(task, cancelled.rows))
+        try:
+            task.set_result(walk.dots(r, vv))
+        except BaseException as e:  # raised where the result is asked for
+            task.set_exception(e)
+        return entry
+
+    def _keep_dots(self, k: tuple[object, ...], entry: _Dots) -> _Dots:
+        """Keep `entry` under `k` (the caller holds the lock), the oldest forgotten past
+        _DOTS_ROWS rows."""
+        self._dots[k] = entry
+        self._dots_rows += entry.rows
+        while self._dots_rows > _DOTS_ROWS and len(self._dots) > 1:
+            self._forget_dots(next(iter(self._dots)))
+        return entry
+
+    def _forget_dots(self, k: tuple[object, ...]) -> None:
+        entry = self._dots.pop(k, None)
+        if entry is not None:
+            entry.task.cancel()
+            self._dots_rows -= entry.rows
 
     def gather(self, handles: np.ndarray, device: torch.device | str, what: str
                ) -> torch.Tensor:
