@@ -336,11 +336,20 @@ def _scan_profile(ours: ActdbScan, times: dict[str, float], rate: dict[str, floa
                    if pred(f, name))
 
     total = cum(lambda f, n: n == "submit" and "duckdb" in f)
-    # Chunk reads: those made on the query's thread plus waits for the read-ahead thread's.
-    reads = cum(lambda f, n: f.endswith("vectors.py") and n == "get")
-    # the compiled kernel (actdb/_native.c), or torch's conversion and product without it
-    compute = cum(lambda f, n: "f16_dots" in n or "copy_" in n or "mul_" in n
-                  or "built-in method sum" in n, tot=True)
+    # Runs read and multiplied on the query's thread (vectors._RunWalk.dots), chunk reads
+    # (ChunkCache.get), and waits for the read-ahead thread's runs (Future.result)
+    runs = cum(lambda f, n: f.endswith("vectors.py") and n == "dots")
+    reads = runs + cum(lambda f, n: f.endswith("vectors.py") and n == "get") + cum(
+        lambda f, n: f.endswith("_base.py") and n == "result")
+
+    def kernel(n: str) -> bool:  # the compiled kernel, or torch's conversion and product
+        return "f16_dots" in n or "copy_" in n or "mul_" in n or "built-in method sum" in n
+
+    # the products made outside a run's task (those inside are counted with the runs)
+    compute = sum(tt for (f, _, n), st in stats.items() if kernel(n)
+                  for (_, _, caller), (_, _, tt, _) in st[4].items() if caller != "dots")
+    in_runs = sum(tt for (f, _, n), st in stats.items() if kernel(n)
+                  for (_, _, caller), (_, _, tt, _) in st[4].items() if caller == "dots")
     udf = cum(lambda f, n: f.endswith("execute.py") and n == "udf")
     calls = sum(st[1] for (f, _, n), st in stats.items() if f.endswith("execute.py") and n == "udf")
     glue = max(udf - reads - compute, 0.0)
@@ -348,10 +357,10 @@ def _scan_profile(ours: ActdbScan, times: dict[str, float], rate: dict[str, floa
     budget = 1.0 / (1.5 * rate["duckdb"]) * (times["actdb"] * rate["actdb"])
     return [
         f"Targets missed in this run. Where the time goes (one scan under cProfile, "
-        f"{total:.2f} s with profiling): reading "
-        f"chunk files or waiting for the read-ahead thread {reads / total:.0%}, "
-        f"float16-to-float32 conversion and the dot "
-        f"products {compute / total:.0%}, per-batch Python work in the UDF (argument "
+        f"{total:.2f} s with profiling): reading chunk files and their products on the "
+        f"query's thread, or waiting for the read-ahead thread's, {reads / total:.0%} (of "
+        f"which the products {in_runs / total:.0%}), float16 conversion and dot products "
+        f"elsewhere {compute / total:.0%}, per-batch Python work in the UDF (argument "
         f"decoding, grouping, chunk bookkeeping) {glue / total:.0%}, DuckDB itself (the "
         f"join that makes `acts`, calling {calls} UDF batches of at most 2,048 rows, the "
         f"aggregate) {outside / total:.0%}.",
