@@ -165,8 +165,12 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int
     floor = _reach(x, w, b, top[:, k - 1]).unsqueeze(-1)
     reach = ~(top < floor)  # NaN ranks first in torch.topk: counted in reach
     c = max(k, int(reach.sum(-1).max()))
-    vals, ids = rescored(x, w, b, cand[:, :c])
-    vals, ids = vals[:, :k], ids[:, :k]
+    vals = torch.empty((n, k), dtype=x.dtype, device=x.device)
+    ids = torch.empty((n, k), dtype=torch.long, device=x.device)
+    step = max(1, _RESCORE_FLOATS // (c * x.shape[1]))  # gathered rows [step, c, d] at most
+    for lo in range(0, n, step):
+        v, i = rescored(x[lo : lo + step], w, b, cand[lo : lo + step, :c])
+        vals[lo : lo + step], ids[lo : lo + step] = v[:, :k], i[:, :k]
     if m < V:
         for i in torch.nonzero(reach[:, -1]).flatten().tolist():
             vals[i], ids[i] = _row_exact(x[i], w, b, k, scores[i], floor[i])
@@ -180,7 +184,9 @@ def _row_exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
     finite), or every token within reach rescored, a block of the vocabulary at a time."""
     V = w.shape[0]
     if not bool(x.any()) and math.isfinite(_row_norm_max(w)):
-        vals = b.float() if b is not None else torch.zeros(V, dtype=x.dtype, device=x.device)
+        # + 0.0: a bias of -0.0 rescores as 0 + -0.0 = +0.0
+        vals = b.float() + 0.0 if b is not None else torch.zeros(V, dtype=x.dtype,
+                                                                 device=x.device)
     else:
         within = torch.nonzero(~(scores < floor)).flatten()  # ascending ids
         vals = torch.empty(len(within), dtype=x.dtype, device=x.device)
@@ -227,20 +233,26 @@ def _reach(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kth: torch.
 
 def _input_rounding(device: torch.device) -> float:
     """How far a float32 product on `device` may round each input: 0 (IEEE float32), 2^-10
-    (TF32 on a GPU that allows it) or 2^-8 (bfloat16, which torch's "medium" precision and
-    oneDNN's bf16 setting allow). Settings torch refuses to report (it raises when legacy and
-    new ones are mixed) count as the coarsest."""
+    (TF32) or 2^-8 (bfloat16), as torch's settings allow: the backend's `fp32_precision`
+    (then torch's own) where set, else the legacy `float32_matmul_precision` and `allow_tf32`
+    (torch refuses to read those once the new settings are used). Whatever cannot be read
+    counts as the coarsest."""
     try:
+        backend = (torch.backends.cuda.matmul if device.type == "cuda"
+                   else getattr(getattr(torch.backends, "mkldnn", None), "matmul", None))
+        fp32 = str(getattr(backend, "fp32_precision", "none"))
+        if fp32 == "none":
+            fp32 = str(getattr(torch.backends, "fp32_precision", "none"))
+        rounding = {"ieee": 0.0, "tf32": 2.0**-10, "bf16": 2.0**-8}.get(fp32)
+        if rounding is not None:
+            return rounding
         precision = torch.get_float32_matmul_precision()
-        new = getattr(getattr(torch.backends, "cuda" if device.type == "cuda" else "mkldnn",
-                              None), "matmul", None)
-        fp32 = str(getattr(new, "fp32_precision", "none"))
         legacy_tf32 = device.type == "cuda" and bool(torch.backends.cuda.matmul.allow_tf32)
     except RuntimeError:
         return 2.0**-8
-    if precision == "medium" or fp32 == "bf16":
+    if precision == "medium":
         return 2.0**-8
-    if precision == "high" or fp32 == "tf32" or legacy_tf32:
+    if precision == "high" or legacy_tf32:
         return 2.0**-10
     return 0.0
 

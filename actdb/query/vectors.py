@@ -596,8 +596,9 @@ class VectorSource:
                     if self._dots.get((*key, r)) is entry:
                         self._forget_dots((*key, r))
                 raise
-            if not entry.counted:
-                entry.counted = True
+            with self._lock:  # counted once, whichever of DuckDB's threads uses it first
+                first_use, entry.counted = not entry.counted, True
+            if first_use:
                 self.cache.count(walk.count(r), walk.nbytes(r))
             a, b = walk.span(r)
             res[a - walk.lo : b - walk.lo] = dots[a - r * walk.step : b - r * walk.step]
@@ -626,7 +627,9 @@ class VectorSource:
         thread cancelled the same task first, wait for that thread's products instead."""
         with self._lock:
             entry = self._dots.get((*key, r))
-            if entry is not None and entry is not cancelled:
+            # another thread's products: waited for if under way or made; if still queued
+            # (this thread's entry was dropped by `clear` or evicted), taken over here
+            if entry is not None and entry is not cancelled and not entry.task.cancel():
                 return entry
             self._forget_dots((*key, r))
             task: Future[np.ndarray] = Future()
