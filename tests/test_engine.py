@@ -342,6 +342,69 @@ def test_a_scan_shares_its_runs_products_with_the_read_ahead_thread(big, tmp_pat
         assert len(copy.sql(q).fetchall()) == len(got)  # a failed run is read again
 
 
+class _GatedWalk:
+    """A stand-in for vectors._RunWalk over runs 0 and 1 of 4 rows: run r's products are r,
+    made when the run's gate (if any) opens."""
+
+    def __init__(self, gates: dict[int, tuple[threading.Event, threading.Event]]) -> None:
+        self.where, self.runs, self.lo, self.step = (0, "s", "direction"), range(2), 0, 4
+        self.walking, self.stop_dots, self.gates = False, 2, gates
+
+    def count(self, r: int) -> int:
+        return 1
+
+    def nbytes(self, r: int) -> int:
+        return 8
+
+    def span(self, r: int) -> tuple[int, int]:
+        return r * 4, r * 4 + 4
+
+    def dots(self, r: int, vv: np.ndarray) -> np.ndarray:
+        if r in self.gates:
+            inside, gate = self.gates[r]
+            inside.set()
+            assert gate.wait(10)
+        return np.full(4, float(r), dtype=np.float32)
+
+
+def test_a_run_queued_by_another_query_is_taken_over_not_waited_for(big):
+    """Query A makes run 0 while `drop_caches` drops its queued run 1 and query B queues both
+    runs again: A takes B's queued run 1 over and makes it (it waited for B's task, which B
+    then cancelled to make the run itself, and A failed with CancelledError); B then uses A's."""
+    _, db = big
+    with actdb.connect(db.store.path, device="cpu") as fresh:
+        src = fresh.source
+        release = threading.Event()
+        src.cache.submit(release.wait, 60)  # the read-ahead thread busy: runs stay queued
+        a_in, a_gate, b_in, b_gate = (threading.Event() for _ in range(4))
+        vv = np.ones(3, dtype=np.float32)
+        out = {"a": np.zeros(8, np.float32), "b": np.zeros(8, np.float32)}
+        errors: list[BaseException] = []
+
+        def query(name: str, gates: dict[int, tuple[threading.Event, threading.Event]]) -> None:
+            try:
+                src._project_runs(_GatedWalk(gates), vv, out[name])
+            except BaseException as e:
+                errors.append(e)
+
+        a = threading.Thread(target=query, args=("a", {0: (a_in, a_gate)}))
+        a.start()
+        assert a_in.wait(10)  # A makes run 0; its run 1 is queued
+        src.clear()
+        b = threading.Thread(target=query, args=("b", {0: (b_in, b_gate)}))
+        b.start()
+        assert b_in.wait(10)  # B makes run 0; its run 1 is queued
+        a_gate.set()  # A goes on to run 1, which B has queued
+        a.join(2)
+        b_gate.set()  # B goes on to run 1
+        b.join(10)
+        a.join(10)
+        release.set()
+        assert not a.is_alive() and not b.is_alive() and not errors, errors
+        for name in "ab":
+            assert out[name].tolist() == [0.0] * 4 + [1.0] * 4, (name, out[name])
+
+
 def test_repeated_rows_with_a_gap_read_each_row(big):
     """Rows asked for as (r, r, r + 2) of one stream: as many rows as the span of the first and
     last, but not consecutive; each must be its own row's value."""
