@@ -348,7 +348,7 @@ class _GatedWalk:
 
     def __init__(self, gates: dict[int, tuple[threading.Event, threading.Event]]) -> None:
         self.where, self.runs, self.lo, self.step = (0, "s", "direction"), range(2), 0, 4
-        self.walking, self.stop_dots, self.gates = False, 2, gates
+        self.stop, self.gates = 2, gates  # not walking: nothing read ahead
 
     def count(self, r: int) -> int:
         return 1

@@ -48,7 +48,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..lazy import lazy_module
 from .dots import row_dots
@@ -63,10 +63,10 @@ ENV = "ACTDB_LOWP_MATMUL"
 _U = 2.0**-8  # bfloat16 unit roundoff
 # float32 values of candidate rows gathered at once to rescore them ([rows, m, d]: 27 MiB)
 _RESCORE_FLOATS = 64 * 138 * 768
-# id(w) -> (w itself, weakly; w's version when converted; w in low precision; max row norm
-# of w). Tensors compare by value, so they cannot be the keys of a WeakKeyDictionary.
-_LOWP: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor, float]] = {}
-_NORMS: dict[int, tuple[weakref.ref[torch.Tensor], int, float]] = {}  # id(w) -> max row norm
+# (id(w), what) -> (w itself, weakly; w's version when made; a value made from w): values kept
+# while w lives and is not changed in place (weights are cached). Tensors compare by value, so
+# they cannot be the keys of a WeakKeyDictionary.
+_PER_WEIGHT: dict[tuple[int, object], tuple[weakref.ref[torch.Tensor], int, Any]] = {}
 # The bound needs d * 2^-23 well below u (the module docstring): wider rows rank in float32.
 MAX_LOWP_WIDTH = 1 << 15
 
@@ -111,17 +111,19 @@ def margin(d: int, theta: torch.Tensor, tau: torch.Tensor, scale: torch.Tensor,
     return _U * theta.abs() + (2 * _U + _U**2 + g * (2 + 2 * _U + _U**2)) * s + tiny
 
 
+def _per_weight(w: torch.Tensor, what: object, make: Callable[[], Any]) -> Any:
+    """`make()`, kept for `w` and `what` while w lives and is not changed in place."""
+    hit = _PER_WEIGHT.get((id(w), what))
+    if hit is None or hit[0]() is not w or hit[1] != w._version:
+        for key in [key for key, (ref, _, _) in _PER_WEIGHT.items() if ref() is None]:
+            del _PER_WEIGHT[key]
+        hit = _PER_WEIGHT[(id(w), what)] = (weakref.ref(w), w._version, make())
+    return hit[2]
+
+
 def _lowp_weight(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
-    """w in `dtype` and the largest row norm of w (in float64: a float32 norm of tiny rows
-    underflows to 0), kept while w lives and is not changed in place (weights are cached)."""
-    hit = _LOWP.get(id(w))
-    if hit is None or hit[0]() is not w or hit[1] != w._version or hit[2].dtype != dtype:
-        for key in [key for key, (ref, _, _, _) in _LOWP.items() if ref() is None]:
-            del _LOWP[key]
-        norm = float(torch.linalg.vector_norm(w, dim=-1, dtype=torch.float64).max())
-        hit = (weakref.ref(w), w._version, w.to(dtype), norm)
-        _LOWP[id(w)] = hit
-    return hit[2], hit[3]
+    """w in `dtype` and the largest row norm of w (`_row_norm_max`), kept with w."""
+    return _per_weight(w, dtype, lambda: w.to(dtype)), _row_norm_max(w)
 
 
 def topk(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int, *,
@@ -182,10 +184,10 @@ def _row_exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
     """`_exact` for one row `x` [d] whose tokens within reach are more than the product's m
     best: a zero row (every score ties: its rescores are exactly the biases, when w is
     finite), or every token within reach rescored, a block of the vocabulary at a time."""
-    V = w.shape[0]
     if not bool(x.any()) and math.isfinite(_row_norm_max(w)):
+        within = torch.arange(w.shape[0], device=x.device)
         # + 0.0: a bias of -0.0 rescores as 0 + -0.0 = +0.0
-        vals = b.float() + 0.0 if b is not None else torch.zeros(V, dtype=x.dtype,
+        vals = b.float() + 0.0 if b is not None else torch.zeros(len(within), dtype=x.dtype,
                                                                  device=x.device)
     else:
         within = torch.nonzero(~(scores < floor)).flatten()  # ascending ids
@@ -196,10 +198,8 @@ def _row_exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
             vals[lo : lo + step] = row_dots(w[part], x, overwrite=True)
         if b is not None:
             vals += b[within]
-        top, at = torch.sort(vals, descending=True, stable=True)
-        return top[:k], within[at[:k]]
     top, at = torch.sort(vals, descending=True, stable=True)
-    return top[:k], at[:k]
+    return top[:k], within[at[:k]]
 
 
 def _reach(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kth: torch.Tensor
@@ -258,15 +258,13 @@ def _input_rounding(device: torch.device) -> float:
 
 
 def _row_norm_max(w: torch.Tensor) -> float:
-    """The largest row norm of w, in float64, kept while w lives unchanged (`_lowp_weight`)."""
-    hit = _NORMS.get(id(w))
-    if hit is None or hit[0]() is not w or hit[1] != w._version:
-        for key in [key for key, (ref, _, _) in _NORMS.items() if ref() is None]:
-            del _NORMS[key]
+    """The largest row norm of w (in float64: a float32 norm of tiny rows underflows to 0),
+    kept with w."""
+    def make() -> float:
         norms = torch.linalg.vector_norm(w, dim=-1, dtype=torch.float64)
-        hit = (weakref.ref(w), w._version, float(norms.max()) if len(norms) else 0.0)
-        _NORMS[id(w)] = hit
-    return hit[2]
+        return float(norms.max()) if len(norms) else 0.0
+
+    return float(_per_weight(w, "norm", make))
 
 
 def rescored(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ids: torch.Tensor

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ from .threads import READAHEAD_CHUNKS
 
 if TYPE_CHECKING:
     import torch
+    import zarr
 else:
     torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
@@ -256,22 +258,21 @@ class _RunWalk:
     ends in, held for the next window, which starts in it)."""
 
     def __init__(self, src: VectorSource, model: ModelRecord, site: SiteRecord, name: str,
-                 rows: np.ndarray, heads: np.ndarray, c: int, walking: bool) -> None:
+                 rows: np.ndarray, heads: np.ndarray, arr: zarr.Array, walking: bool) -> None:
         self.src, self.site, self.heads = src, site, heads
         self.where = (model.model_id, site.site, name)
+        c = arr.chunks[0]
         self.step = RUN_CHUNKS * c
-        arr = src.store.arrays.act_array(model.model_id, site.site, name)
-        self.chunk_bytes = c * int(np.prod(arr.shape[1:], dtype=np.int64)) * arr.dtype.itemsize
-        self.lo, hi = int(rows[0]), int(rows[-1]) + 1
-        self.hi = hi
+        self.chunk_bytes = math.prod(arr.chunks) * arr.dtype.itemsize
+        self.lo, self.hi = int(rows[0]), int(rows[-1]) + 1
         # The chunks of this run of committed rows: no later one is read (unused rows between
         # merged shards follow it; shards start on whole runs of chunks).
-        self.n_chunks = -(-src.segment_end(model.model_id, hi - 1) // c)
-        first, last = self.lo // self.step, (hi - 1) // self.step
+        self.n_chunks = -(-src.segment_end(model.model_id, self.hi - 1) // c)
+        first, last = self.lo // self.step, (self.hi - 1) // self.step
         self.runs = range(first, last + 1)
-        self.walking = walking
-        self.stop_dots = -(-self.n_chunks // RUN_CHUNKS)  # past the last run of the segment
-        self.stop = min(self.stop_dots, last + 1 + (RUN_AHEAD if walking else 0))
+        # past the last run read ahead: RUN_AHEAD more while the query walks the array, never
+        # past the segment's last run
+        self.stop = min(-(-self.n_chunks // RUN_CHUNKS), last + 1 + (RUN_AHEAD if walking else 0))
 
     def count(self, r: int) -> int:
         """Chunks in run r."""
@@ -297,13 +298,9 @@ class _RunWalk:
             return held[1]
         data = self.src.cache.get((*self.where, "run", r), self._load(r), keep=False,
                                   chunks=self.count(r))
-        if r == self.runs[-1]:
-            self.hold(r, data)
+        if r == self.runs[-1]:  # kept for the next window, which starts in it
+            self.src._held[self.where] = (r, data)
         return data
-
-    def hold(self, r: int, data: np.ndarray) -> None:
-        """Keep run r for the next window, which starts in it when this one ends in it."""
-        self.src._held[self.where] = (r, data)
 
     def span(self, r: int) -> tuple[int, int]:
         """The rows of the walk that run r holds (absolute row numbers)."""
@@ -448,11 +445,7 @@ class VectorSource:
             if isinstance(walk, _RunWalk) and not g.site.n_heads:
                 self._project_runs(walk, vv, res)
                 return out
-            if isinstance(walk, _RunWalk):
-                for a, b, part in self._runs(walk):
-                    _native.f16_dots(np.ascontiguousarray(part, dtype=np.float16), vv, res[a:b])
-                return out
-            for a, b, part in self._chunks(g.model, g.site, "direction", rows, heads, *walk):
+            for a, b, part in self._read(walk, g.model, g.site, "direction", rows, heads):
                 # float16 in this machine's byte order, contiguous (a per-head piece is)
                 _native.f16_dots(np.ascontiguousarray(part, dtype=np.float16), vv, res[a:b])
             return out
@@ -498,11 +491,16 @@ class VectorSource:
     def _pieces(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
                 heads: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
         """(start, end, values) for the sorted `rows` held by each chunk in turn."""
-        walk = self._walk(model, site, name, rows, heads)
+        return self._read(self._walk(model, site, name, rows, heads), model, site, name, rows,
+                          heads)
+
+    def _read(self, walk: _RunWalk | tuple[int, int, int, bool], model: ModelRecord,
+              site: SiteRecord, name: str, rows: np.ndarray, heads: np.ndarray
+              ) -> Iterator[tuple[int, int, np.ndarray]]:
+        """`_pieces` the way `walk` says."""
         if isinstance(walk, _RunWalk):
-            yield from self._runs(walk)
-        else:
-            yield from self._chunks(model, site, name, rows, heads, *walk)
+            return self._runs(walk)
+        return self._chunks(model, site, name, rows, heads, *walk)
 
     def _chunks(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
                 heads: np.ndarray, c: int, first: int, last: int, walking: bool
@@ -541,7 +539,8 @@ class VectorSource:
               heads: np.ndarray) -> _RunWalk | tuple[int, int, int, bool]:
         """How `_pieces` reads the sorted `rows`: by runs of chunks, or chunk by chunk (the
         chunk size, first and last chunk, and whether the query walks the array)."""
-        c = self.store.arrays.act_array(model.model_id, site.site, name).chunks[0]
+        arr = self.store.arrays.act_array(model.model_id, site.site, name)
+        c = arr.chunks[0]
         first, last = int(rows[0]) // c, int(rows[-1]) // c
         where = (model.model_id, site.site, name)
         walking = self._last_chunk.get(where) in (first - 1, first)
@@ -550,7 +549,7 @@ class VectorSource:
         # flight (Store.readers), which a run, read request after request, would serialize.
         if (self.store.readers == 1 and last - first + 1 >= RUN_CHUNKS // 2
                 and _consecutive(rows)):
-            return _RunWalk(self, model, site, name, rows, heads, c, walking)
+            return _RunWalk(self, model, site, name, rows, heads, arr, walking)
         return c, first, last, walking
 
     def _runs(self, walk: _RunWalk) -> Iterator[tuple[int, int, np.ndarray]]:
@@ -580,13 +579,9 @@ class VectorSource:
         damaged chunk is reported only to a query that needs its rows)."""
         key = (*walk.where, vv.tobytes())
         runs = walk.runs
-        todo = {r: self._dots_ahead(walk, r, key, vv, queue=False) for r in runs}
-        for r in reversed(runs):
-            if todo[r] is None:
-                todo[r] = self._dots_ahead(walk, r, key, vv)
+        todo = {r: self._dots_ahead(walk, r, key, vv) for r in reversed(runs)}
         for r in runs:
             entry = todo[r]
-            assert entry is not None
             if entry.task.cancel():  # still queued: made here, and kept as the thread's would be
                 entry = self._dots_here(walk, r, key, vv, entry)
             try:
@@ -602,22 +597,19 @@ class VectorSource:
                 self.cache.count(walk.count(r), walk.nbytes(r))
             a, b = walk.span(r)
             res[a - walk.lo : b - walk.lo] = dots[a - r * walk.step : b - r * walk.step]
-        if walk.walking:
-            for r in range(runs[-1] + 1, min(runs[-1] + 1 + RUN_AHEAD, walk.stop_dots)):
-                self._dots_ahead(walk, r, key, vv)
+        for r in range(runs[-1] + 1, walk.stop):  # read ahead while the query walks
+            self._dots_ahead(walk, r, key, vv)
 
-    def _dots_ahead(self, walk: _RunWalk, r: int, key: tuple[object, ...], vv: np.ndarray, *,
-                    queue: bool = True) -> _Dots | None:
+    def _dots_ahead(self, walk: _RunWalk, r: int, key: tuple[object, ...], vv: np.ndarray
+                    ) -> _Dots:
         """Run r's products with `vv` (key: the field and vv's bytes): made or under way, or
-        queued now on the read-ahead thread (`queue`; else None). Results of at most
-        _DOTS_ROWS rows are kept, least recently asked for first out."""
+        queued now on the read-ahead thread. Results of at most _DOTS_ROWS rows are kept,
+        least recently asked for first out."""
         with self._lock:
             entry = self._dots.get((*key, r))
             if entry is not None:
                 self._dots.move_to_end((*key, r))
                 return entry
-            if not queue:
-                return None
             return self._keep_dots((*key, r), _Dots(self.cache.submit(walk.dots, r, vv),
                                                     walk.count(r) * walk.step // RUN_CHUNKS))
 

@@ -384,17 +384,15 @@ class Arrays:
         event loop: 0.5 s for a 25-site model's 75 arrays, on the commit thread beside the
         first forward passes)."""
         key = (inner, rows, chunk_tokens, self.sharded)
-        with self._dirty_lock:
-            made = self._site_templates.get(key)
-        if made is None:
+        made = self._site_templates.get(key)
+        if made is None:  # two threads at once build the same bytes
             staged: dict[str, Any] = {}
             root = zarr.open_group(zarr.storage.MemoryStore(staged), mode="w", zarr_format=3)
             self._create_act_arrays(root.require_group("site"), inner=inner, rows=rows,
                                     chunk_tokens=chunk_tokens)
-            made = {k.removeprefix("site/"): v.to_bytes() for k, v in staged.items()
-                    if k.startswith("site/")}
-            with self._dirty_lock:
-                self._site_templates[key] = made
+            made = self._site_templates[key] = {
+                k.removeprefix("site/"): v.to_bytes() for k, v in staged.items()
+                if k.startswith("site/")}
         return made
 
     def _put_metadata(self, label: str, files: dict[str, bytes]) -> None:
