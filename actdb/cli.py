@@ -477,7 +477,45 @@ _add_plot_commands()
 
 
 def main() -> None:
-    cli(prog_name="actdb")
+    """The `actdb` command: click's standalone run, then an exit that skips tearing the
+    interpreter down once nothing is left to wait for."""
+    try:
+        cli.main(prog_name="actdb")
+    except SystemExit as e:
+        _exit(e.code)
+    _exit(0)
+
+
+def _exit(code: object) -> None:
+    """Exit with `code` as `sys.exit` does. When the command has returned and no thread is
+    left that the ordinary exit would wait for (every store closed, every pool joined; daemon
+    threads such as zarr's event loop it never waits for), run the exit handlers, flush the
+    standard streams and end the process there: freeing every module and object of NumPy,
+    DuckDB and Arrow one by one cost 0.05-0.07 s of CPU, an eighth of a query's start, and
+    left nothing on disk or on screen that the handlers and the flush do not. Otherwise the
+    ordinary exit, which waits for those threads."""
+    import threading
+
+    main = threading.main_thread()
+    if threading.current_thread() is not main or any(
+            t is not main and not t.daemon for t in threading.enumerate()):
+        raise SystemExit(code)
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # sys.exit("message"): the message on stderr, status 1
+        print(code, file=sys.stderr)
+        status = 1
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: what the ordinary exit does
+            status = status or 120
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,9 @@ def lazy_module(name: str) -> ModuleType:
     with _LOCK:
         if name in sys.modules:
             return sys.modules[name]
-        if importlib.util.find_spec(name) is None:
+        # A submodule's spec is found by importing its package: look for the package alone
+        # (a missing submodule then raises at first use, where the import would have).
+        if importlib.util.find_spec(name.partition(".")[0]) is None:
             return importlib.import_module(name)
         stand_in = _STAND_INS.setdefault(name, _Deferred(name))
         stand_in.__dict__["_actdb_binders"].append(sys._getframe(1).f_globals)

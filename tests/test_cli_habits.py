@@ -48,6 +48,49 @@ def test_version_and_python_dash_m() -> None:
     assert out.returncode == 0 and actdb.__version__ in out.stdout
 
 
+# `actdb ARGS` through the console script's entry point, with the process's exit watched: the
+# exit handlers must run and the output be whole before the process ends without tearing the
+# interpreter down (cli._exit).
+_WATCHED = """
+import atexit, os, sys
+atexit.register(lambda: sys.stderr.write("exit handlers ran\\n"))
+real_exit = os._exit
+def watched(status):
+    sys.stderr.write(f"fast exit {status}\\n")
+    sys.stderr.flush()
+    real_exit(status)
+os._exit = watched
+sys.argv = ["actdb", *sys.argv[1:]]
+from actdb.cli import main
+main()
+"""
+
+
+def test_the_command_ends_fast_with_its_output_whole_and_its_status(store: Path) -> None:
+    def watched(*args: object) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered
+        return subprocess.run([sys.executable, "-c", _WATCHED, *map(str, args)],
+                              capture_output=True, text=True, timeout=300, env=env)
+
+    # 20,000 rows written one line at a time: the last of them are still in stdout's buffer
+    # when the command returns
+    big = watched("query", store, "SELECT range AS i FROM range(20000)", "--format", "json")
+    assert big.returncode == 0, big.stderr
+    assert [json.loads(x)["i"] for x in big.stdout.splitlines()] == list(range(20000))
+    assert big.stderr.endswith("exit handlers ran\nfast exit 0\n"), big.stderr
+    table = watched("query", store, "SELECT range AS i FROM range(3)")
+    assert table.stdout.split() == ["i", "0", "1", "2"], table.stdout
+    vectors = watched("query", store, "SELECT count(vec_norm(vec)) AS n FROM acts")
+    assert vectors.returncode == 0 and int(vectors.stdout.split()[1]) > 0, vectors.stderr
+    assert vectors.stderr.endswith("fast exit 0\n"), vectors.stderr
+    bad = watched("query", store, "SELECT nosuch_function(1)")
+    assert bad.returncode == 1 and "unknown function 'nosuch_function'" in bad.stderr
+    assert bad.stderr.endswith("exit handlers ran\nfast exit 1\n"), bad.stderr
+    usage = watched("query")
+    assert usage.returncode == 2 and "Missing argument" in usage.stderr
+    assert usage.stderr.endswith("fast exit 2\n"), usage.stderr
+
+
 def test_sql_from_file_and_stdin(store: Path, tmp_path: Path) -> None:
     sql = "SELECT position, token FROM tokens WHERE prompt_id = 0 ORDER BY position"
     (tmp_path / "q.sql").write_text(sql)

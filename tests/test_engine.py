@@ -700,16 +700,17 @@ try:
     cli(["query", sys.argv[1], "SELECT 41 + 1 AS answer"], prog_name="actdb")
 except SystemExit as e:
     assert not e.code, e.code
-heavy = ("torch", "transformers", "matplotlib", "pandas", "zarr", "pyarrow.compute", "obstore",
+heavy = ("torch", "transformers", "matplotlib", "pandas", "zarr", "pyarrow", "obstore",
          "actdb.plot.data", "actdb.plot.figures", "actdb.ingest")
 print(json.dumps(sorted(m for m in heavy if m in sys.modules
                         and type(sys.modules[m]).__name__ == "module")))
 """
 
 
-def test_cli_select_1_loads_no_plot_zarr_pandas_or_torch(family_store):
+def test_cli_select_1_loads_no_plot_zarr_pandas_arrow_or_torch(family_store):
     """`actdb query STORE "SELECT 1"` (the CLI, table output included) imports none of the
-    modules only some commands need."""
+    modules only some commands need: not even pyarrow, which the view `acts` and every tensor
+    function need (0.05 s of CPU)."""
     out = subprocess.run([sys.executable, "-c", _CLI_SELECT_1, str(family_store(FAMILY))],
                          capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -779,6 +780,38 @@ def test_tensor_functions_are_registered_when_first_called(family_store):
                        "WHERE dim_contribution(vec, 1) IS NOT NULL "
                        "ORDER BY prompt_id, position, site").fetchall()
     assert first == again and len(first) > 0
+
+
+def _views(db: actdb.Database) -> list[str]:
+    return sorted(r[0] for r in db.con.execute(
+        "SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall())
+
+
+def test_acts_is_made_when_a_query_first_may_see_it(family_store):
+    """The view `acts` (with the Arrow UDFs of its norm and mean columns, whose registration
+    imports pyarrow) is made before the first query that names it, in any case or nesting, or
+    that lists the catalog; queries over the catalog's own tables alone never make it."""
+    store = family_store(FAMILY)
+    with actdb.connect(store) as db:
+        n_tokens = db.sql("SELECT count(*) FROM tokens").fetchall()[0][0]
+        n_sites = db.sql("SELECT count(*) FROM sites").fetchall()[0][0]
+        assert db.sql("SELECT 1").fetchall() == [(1,)] and n_tokens > 0
+        assert _views(db) == []
+        listed = db.sql("SELECT table_name FROM information_schema.tables").fetchall()
+        assert ("acts",) in listed and _views(db) == ["acts"]
+    with actdb.connect(store) as db:
+        assert ("acts",) in db.sql("SELECT view_name FROM duckdb_views()").fetchall()
+    with actdb.connect(store) as db:
+        columns = db.sql("SELECT name FROM pragma_table_info('acts')").fetchall()
+        assert ("norm",) in columns and ("vec",) in columns
+    with actdb.connect(store) as db:
+        got = db.sql("WITH a AS (SELECT norm FROM ACTS) SELECT count(*), count(norm) FROM a "
+                     "WHERE norm > 0").fetchall()
+        assert got == [(n_tokens * n_sites, n_tokens * n_sites)]
+    with actdb.connect(store) as db:
+        got = db.sql('SELECT count(*) FROM (SELECT * FROM "Acts") WHERE mean IS NOT NULL'
+                     ).fetchall()
+        assert got == [(n_tokens * n_sites,)]
 
 
 @pytest.mark.parametrize(("query", "message"), [

@@ -301,6 +301,8 @@ def test_read_only_false_cannot_change_the_catalog(setup: dict[str, Any], tmp_pa
 
 def test_another_sessions_udfs_are_refused(setup: dict[str, Any]) -> None:
     with actdb.connect(setup["store"], device="cpu") as other:
+        # the view and the functions a query names are made when it first names them
+        assert other.sql(REFERENCE).fetchall() == setup["reference"]
         names = [r[0] for r in other.con.execute(
             "SELECT DISTINCT function_name FROM duckdb_functions() "
             "WHERE function_name LIKE '_actdb_%'").fetchall()]

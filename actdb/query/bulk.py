@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
 
 from ..lazy import lazy_module
 from . import handles as H
@@ -31,14 +30,16 @@ from .lists import ListResults
 from .vectors import VectorSource
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     import pyarrow.compute as pc
 else:
+    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
     pc = lazy_module("pyarrow.compute")  # 0.1 s to import: when a tensor function first runs
 
 Kernel = Callable[..., None]
-Convert = Callable[[pa.Array], Any]  # an argument column -> what the kernel takes (kernels.Arg)
+Convert = Callable[["pa.Array"], Any]  # an argument column -> what the kernel takes (kernels.Arg)
 # (a column of one value, m) -> what the kernel takes for m rows of that value
-Broadcast = Callable[[pa.Array, int], Any]
+Broadcast = Callable[["pa.Array", int], Any]
 
 
 @dataclass(kw_only=True)
@@ -203,7 +204,6 @@ def _constant_key(arrays: list[pa.Array]) -> tuple[Any, ...] | None:
 
 
 _OFFSETS: dict[tuple[int, int], bytes] = {}  # (rows, width) -> offsets of equal-width values
-_BYTES_TYPES = (pa.string(), pa.binary())  # int32 offsets, then the values' bytes
 
 
 def _all_equal(a: pa.Array | pa.ChunkedArray, first: pa.Scalar) -> bool:
@@ -213,7 +213,8 @@ def _all_equal(a: pa.Array | pa.ChunkedArray, first: pa.Scalar) -> bool:
     and `pc.all` took 11. Anything else goes through pyarrow.compute."""
     arr = a.chunk(0) if isinstance(a, pa.ChunkedArray) and a.num_chunks == 1 else a
     if (isinstance(arr, pa.Array) and arr.null_count == 0 and arr.offset == 0
-            and arr.type in _BYTES_TYPES):
+            and (pa.types.is_string(arr.type) or pa.types.is_binary(arr.type))):
+        # int32 offsets, then the values' bytes
         n = len(arr)
         offsets, data = arr.buffers()[1:3]
         got = offsets.to_pybytes()[: 4 * (n + 1)]

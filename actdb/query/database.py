@@ -116,9 +116,10 @@ class Database:
 
     def sql(self, query: str, *, params: dict[str, Any] | list[Any] | None = None) -> Result:
         """Run a read-only query; `$name` / `?` parameters bind from `params`."""
-        runnable, calls = plan.check(query, self._parser, self._known)
+        runnable, calls, tables = plan.check(query, self._parser, self._known)
         try:
-            self._functions.register(calls)  # the tensor functions it calls, on first use
+            # the tensor functions it calls and the view `acts`, on first use
+            self._functions.register(calls, tables)
         except duckdb.Error as e:
             raise translate(e, self._box) from None
         if self._cluster is not None:

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import html
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
+
+from ..lazy import lazy_module
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+else:
+    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
 
 _VISIBLE = ((" ", "␣"), ("\n", "↵"), ("\t", "→"), ("\r", "␍"))
 
@@ -62,25 +68,26 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def text_table(table: pa.Table, *, max_colwidth: int = 80) -> str:
-    """A result's rows as aligned plain text, straight from Arrow (no pandas: the CLI's table
+def text_table(names: list[str], columns: list[list[Any]], *, max_colwidth: int = 80) -> str:
+    """Rows as aligned plain text, from each column's Python values (no pandas: the CLI's table
     output is on the path of every `actdb query`, and importing pandas cost 0.4 s of CPU)."""
-    if table.num_rows == 0:
-        return f"(no rows) {table.column_names}"
-    columns = []
-    for name, column in zip(table.column_names, table.columns, strict=True):
-        cells = [_cell(v) for v in column.to_pylist()]
+    if not columns or not len(columns[0]):
+        return f"(no rows) {names}"
+    out = []
+    for name, values in zip(names, columns, strict=True):
+        cells = [_cell(v) for v in values]
         cells = [c if len(c) <= max_colwidth else c[: max_colwidth - 3] + "..." for c in cells]
         width = max(len(name), *(len(c) for c in cells))
-        columns.append([name.rjust(width)] + [c.rjust(width) for c in cells])
-    return "\n".join(" ".join(row) for row in zip(*columns, strict=True))
+        out.append([name.rjust(width)] + [c.rjust(width) for c in cells])
+    return "\n".join(" ".join(row) for row in zip(*out, strict=True))
 
 
 def text_preview(table: pa.Table, total: int, columns: list[str]) -> str:
     """The first rows of a result as plain text, then the row count."""
     if not columns:
         return f"<actdb.Result: {total} rows, no columns>"
-    body = text_table(table, max_colwidth=60)
+    body = text_table(table.column_names, [c.to_pylist() for c in table.columns],
+                      max_colwidth=60)
     shown = table.num_rows
     more = f" (first {shown} shown)" if total > shown else ""
     return f"{body}\n[{total} rows x {len(columns)} columns{more}]"

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 import numpy as np
-import pyarrow as pa
 from duckdb.func import FunctionNullHandling, PythonUDFType
 
 from ..errors import ActdbError
@@ -23,16 +22,12 @@ from .threads import torch_threads
 from .vectors import VectorSource
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     import pyarrow.compute as pc
 else:
+    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
     pc = lazy_module("pyarrow.compute")  # 0.1 s to import: when a tensor function first runs
 
-_ARROW_TYPES = {
-    "DOUBLE": pa.float64(),
-    "BIGINT": pa.int64(),
-    "FLOAT[]": pa.list_(pa.float32()),
-    "DOUBLE[]": pa.list_(pa.float64()),
-}
 _SCALARS = ("DOUBLE", "BIGINT")  # kernels fill a float64 array, NaN for NULL
 
 
@@ -55,8 +50,10 @@ class ErrorBox:
 
 
 def _arrow_type(sql: str) -> pa.DataType:
-    if sql in _ARROW_TYPES:
-        return _ARROW_TYPES[sql]
+    plain = {"DOUBLE": pa.float64(), "BIGINT": pa.int64(), "FLOAT[]": pa.list_(pa.float32()),
+             "DOUBLE[]": pa.list_(pa.float64())}
+    if sql in plain:
+        return plain[sql]
     fields = sql.removeprefix("STRUCT(").removesuffix(")[]").split(", ")
     kinds = {"BIGINT": pa.int64(), "VARCHAR": pa.string(), "DOUBLE": pa.float64()}
     return pa.list_(pa.struct([(f.split()[0], kinds[f.split()[1]]) for f in fields]))
@@ -179,17 +176,29 @@ def _sqltype(con: duckdb.DuckDBPyConnection, name: str) -> duckdb.sqltypes.DuckD
     return t
 
 
+# The relations a query may name without seeing the view `acts`: the catalog's own tables.
+# A query naming any other (acts, a CTE, a registered table, information_schema) or calling a
+# table function that lists the catalog has the view made first.
+_PLAIN_TABLES = frozenset({"models", "prompts", "tokens", "sites", "vocab", "meta", "prompt_runs"})
+
+
+def _sees_acts(calls: set[str], tables: set[str]) -> bool:
+    return bool(tables - _PLAIN_TABLES) or any(
+        c.startswith(("duckdb_", "pragma_")) for c in calls)
+
+
 class Functions:
-    """The tensor functions of one connection, each registered (its UDF, then the macro that
-    calls it) the first time a query calls it: registering all of them took 25-30 ms of CPU,
-    a twentieth of a CLI query's start, for queries that call one or two, or none.
+    """The tensor functions and the view `acts` of one connection, each made the first time a
+    query calls or names it: registering all the functions took 25-30 ms of CPU, a twentieth
+    of a CLI query's start, for queries that call one or two, or none; the view's `norm` and
+    `mean` columns are Arrow UDFs, and registering one imports pyarrow (0.05 s).
 
     Registering runs statements on the connection, so it is done before the query that needs
     it is bound (Database.sql), never while a query runs; a query that lists DuckDB's
-    functions (`duckdb_functions()`) gets them all first, as it did when all were registered
-    at open. A connection with a result still streaming refuses any statement, so there the
-    first call of a function fails at `sql()` with DuckDB's one sentence, where it used to fail
-    when the query was fetched."""
+    functions (`duckdb_functions()`) gets them all first, and one that lists the catalog gets
+    the view, as they did when all was made at open. A connection with a result still
+    streaming refuses any statement, so there the first call of a function fails at `sql()`
+    with DuckDB's one sentence, where it used to fail when the query was fetched."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox,
                  session: str) -> None:
@@ -197,19 +206,24 @@ class Functions:
         self._lock = threading.Lock()
         self._udfs: set[str] = set()  # UDFs created (a macro may yet fail after its UDF)
         self._done: set[str] = set()  # UDF and macro both in place
+        self._acts = False  # the view `acts` is in place
         # The bulk evaluators of the functions of one vector registered so far (their
         # counters are the session's stats).
         self.bulk: list[BulkEvaluator] = []
 
-    def register(self, names: Iterable[str]) -> None:
-        """Register the tensor functions among `names` (lower case) not registered yet."""
-        names = set(names)
+    def register(self, names: Iterable[str], tables: Iterable[str] = ()) -> None:
+        """Register the tensor functions among `names` (lower case) not registered yet, and
+        the view `acts` where the query may see it (`tables`: the relations it names)."""
+        names, tables = set(names), set(tables)
         wanted = set(REGISTRY) if "duckdb_functions" in names else names
         with self._lock:
+            if not self._acts and _sees_acts(names, tables):
+                self._make_acts()
             for name in sorted(wanted - self._done):
                 fn = REGISTRY.get(name)
                 if fn is None:
                     continue
+                self._src.read_vocabularies()  # what the UDFs read, while the connection is free
                 if fn.kernel is not None and name not in self._udfs:
                     self._con.create_function(
                         fn.udf_name(self._session),
@@ -222,49 +236,57 @@ class Functions:
                 self._con.execute(fn.macro_sql(self._session))  # CREATE OR REPLACE
                 self._done.add(name)
 
+    def _make_acts(self) -> None:
+        """The temp view `acts` and its helpers: the stored norm and mean UDFs, and the
+        store's (model, site, head) streams with the numbers handles carry (handles.py)."""
+        con, src, session = self._con, self._src, self._session
+        for name in ("norm", "mean"):
+            if f"_stored_{name}" not in self._udfs:
+                con.create_function(
+                    f"_actdb_stored_{name}_{session}", _stored_field_udf(src, name),
+                    [_sqltype(con, "BIGINT")], _sqltype(con, "DOUBLE"),
+                    type=PythonUDFType.ARROW, null_handling=FunctionNullHandling.SPECIAL,
+                    side_effects=False,
+                )
+                self._udfs.add(f"_stored_{name}")
+        # Filled from lists bound as parameters: registering an Arrow table makes DuckDB
+        # import pandas, a second of CPU.
+        names = {m.model_id: m.model for m in src.models.values()}
+        streams = src.codec.streams
+        con.execute("CREATE OR REPLACE TEMP TABLE _actdb_streams "
+                    "(model VARCHAR, site VARCHAR, head INTEGER, stream BIGINT)")
+        if streams:
+            con.execute(
+                "INSERT INTO _actdb_streams SELECT unnest($1), unnest($2), unnest($3), "
+                "unnest($4)",
+                [[names[s.model_id] for s in streams],
+                 [src.site(s.model_id, s.site_id).site for s in streams],
+                 [s.head if s.head >= 0 else None for s in streams],
+                 [src.codec.code(i) for i in range(len(streams))]],
+            )
+        handle = H.encode_sql('t."row"', "h.stream")
+        con.execute(f"""
+            CREATE OR REPLACE TEMP VIEW acts AS
+            SELECT model, prompt_id, position, token_id, token, site, layer, role, head,
+                   _actdb_stored_norm_{session}(vec) AS norm,
+                   _actdb_stored_mean_{session}(vec) AS mean, vec, n_tokens,
+                   n_tokens - 1 - position AS position_from_end
+            FROM (
+                SELECT t.model, t.prompt_id, t.position, t.token_id, t.token,
+                       s.site, s.layer, s.role, h.head, {handle} AS vec, r.n_tokens
+                FROM tokens t
+                JOIN prompt_runs r ON r.model = t.model AND r.prompt_id = t.prompt_id
+                JOIN sites s ON s.model = t.model
+                JOIN _actdb_streams h ON h.model = s.model AND h.site = s.site
+            )
+        """)
+        self._acts = True
+
 
 def prepare(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox) -> Functions:
-    """Register the temp view `acts` and its helpers on `con`; returns the tensor functions,
-    registered as queries first call them."""
-    session = f"s{next(_SESSIONS)}"
-    for name in ("norm", "mean"):
-        con.create_function(
-            f"_actdb_stored_{name}_{session}", _stored_field_udf(src, name),
-            [_sqltype(con, "BIGINT")], _sqltype(con, "DOUBLE"), type=PythonUDFType.ARROW,
-            null_handling=FunctionNullHandling.SPECIAL, side_effects=False,
-        )
-    # The store's (model, site, head) streams with the numbers handles carry (handles.py).
-    # Filled from lists bound as parameters: registering an Arrow table makes DuckDB import
-    # pandas, a second of CPU that a `SELECT 1` should not pay.
-    names = {m.model_id: m.model for m in src.models.values()}
-    streams = src.codec.streams
-    con.execute("CREATE OR REPLACE TEMP TABLE _actdb_streams "
-                "(model VARCHAR, site VARCHAR, head INTEGER, stream BIGINT)")
-    if streams:
-        con.execute(
-            "INSERT INTO _actdb_streams SELECT unnest($1), unnest($2), unnest($3), unnest($4)",
-            [[names[s.model_id] for s in streams],
-             [src.site(s.model_id, s.site_id).site for s in streams],
-             [s.head if s.head >= 0 else None for s in streams],
-             [src.codec.code(i) for i in range(len(streams))]],
-        )
-    handle = H.encode_sql('t."row"', "h.stream")
-    con.execute(f"""
-        CREATE OR REPLACE TEMP VIEW acts AS
-        SELECT model, prompt_id, position, token_id, token, site, layer, role, head,
-               _actdb_stored_norm_{session}(vec) AS norm,
-               _actdb_stored_mean_{session}(vec) AS mean, vec, n_tokens,
-               n_tokens - 1 - position AS position_from_end
-        FROM (
-            SELECT t.model, t.prompt_id, t.position, t.token_id, t.token,
-                   s.site, s.layer, s.role, h.head, {handle} AS vec, r.n_tokens
-            FROM tokens t
-            JOIN prompt_runs r ON r.model = t.model AND r.prompt_id = t.prompt_id
-            JOIN sites s ON s.model = t.model
-            JOIN _actdb_streams h ON h.model = s.model AND h.site = s.site
-        )
-    """)
-    return Functions(con, src, box, session)
+    """The tensor functions and the view `acts` for `con`, made as queries first need them
+    (Functions.register)."""
+    return Functions(con, src, box, f"s{next(_SESSIONS)}")
 
 
 __all__ = ["ANCHORS", "ErrorBox", "Functions", "prepare"]

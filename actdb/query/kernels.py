@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
 
 from ..errors import QueryError
 from ..lazy import lazy_module
@@ -23,8 +22,10 @@ from .threads import threads_for, torch_threads
 from .vectors import OFF_STREAM_ROLES, Group, VectorSource
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     import torch
 else:
+    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
     torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
 _BLOCK = 512  # rows per matrix product against a whole vocabulary

@@ -10,10 +10,16 @@ from kernels whose rows are few (`mean_vector`, `spectrum`); `arrow()` makes the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
+
+from ..lazy import lazy_module
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+else:
+    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
 
 
 class ListResults:

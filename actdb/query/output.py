@@ -7,12 +7,16 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import IO, Any
-
-import pyarrow as pa
+from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import OutputError
+from ..lazy import lazy_module
 from .result import Result
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+else:
+    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
 
 
 def _json_default(value: Any) -> Any:
@@ -113,7 +117,5 @@ def _write_csv(result: Result, stream: IO[str]) -> None:
 
 
 def _write_table(result: Result, stream: IO[str]) -> None:
-    from .display import text_table
-
     # tokens' whitespace visible, as in the pictures
-    stream.write(text_table(result.to_arrow_table(), max_colwidth=80) + "\n")
+    stream.write(result.text(max_colwidth=80) + "\n")

@@ -33,9 +33,10 @@ if TYPE_CHECKING:
 
 
 def check(query: str, con: duckdb.DuckDBPyConnection, known: Callable[[], set[str]]
-          ) -> tuple[str, set[str]]:
-    """The text to run (the query, or an EXPLAIN rebuilt around its checked SELECT) and the
-    names of the functions it calls (lower case); a QueryError unless `query` is one sandboxed
+          ) -> tuple[str, set[str], set[str]]:
+    """The text to run (the query, or an EXPLAIN rebuilt around its checked SELECT), the
+    names of the functions it calls and those of the relations it names (lower case,
+    sandbox.check_duckdb_tree); a QueryError unless `query` is one sandboxed
     SELECT (sandbox.py) calling known functions with sane literal arguments. `con` only
     parses: it never sees the store; `known()` gives the names of the functions the query
     may call."""
@@ -43,7 +44,7 @@ def check(query: str, con: duckdb.DuckDBPyConnection, known: Callable[[], set[st
         raise QueryError("the query is empty")
     try:
         select, runnable = sandbox.check_statement(query, con)
-        calls = sandbox.check_duckdb_tree(select, con)
+        calls, tables = sandbox.check_duckdb_tree(select, con)
     except duckdb.ParserException as e:
         if "expression depth" in str(e):
             raise _too_deep() from None
@@ -53,7 +54,7 @@ def check(query: str, con: duckdb.DuckDBPyConnection, known: Callable[[], set[st
     except RecursionError:
         raise _too_deep() from None
     if not calls and "(" not in select:
-        return runnable, calls  # nothing for sqlglot's reading to check (the module's note)
+        return runnable, calls, tables  # nothing for sqlglot's reading to check (the module's note)
     import sqlglot
     from sqlglot import exp
 
@@ -62,13 +63,13 @@ def check(query: str, con: duckdb.DuckDBPyConnection, known: Callable[[], set[st
     except (sqlglot.errors.ParseError, sqlglot.errors.TokenError, RecursionError):
         # DuckDB parses what sqlglot does not, and nests deeper than Python's stack lets
         # sqlglot go: DuckDB's own tree was checked above, and its binder checks the rest.
-        return runnable, calls
+        return runnable, calls, tables
     if isinstance(tree, exp.Command):
-        return runnable, calls  # sqlglot's fallback for syntax it lacks: DuckDB's tree
+        return runnable, calls, tables  # sqlglot's fallback for syntax it lacks: DuckDB's tree
     sandbox.check_sqlglot_tree(tree)
     for node in tree.find_all(exp.Anonymous):
         _check_call(node, known)
-    return runnable, calls
+    return runnable, calls, tables
 
 
 def _too_deep() -> QueryError:

@@ -119,16 +119,20 @@ def check_statement(query: str, con: duckdb.DuckDBPyConnection) -> tuple[str, st
     return query, query
 
 
-def check_duckdb_tree(select: str, con: duckdb.DuckDBPyConnection) -> set[str]:
+def check_duckdb_tree(select: str, con: duckdb.DuckDBPyConnection
+                      ) -> tuple[set[str], set[str]]:
     """Walk DuckDB's own parse tree of a SELECT for refused functions and file tables; the
-    names of the functions it calls, in lower case (operators such as `+` and `LIKE` are
-    functions there; table functions and window calls, `f(x) OVER (...)`, are counted too)."""
+    names of the functions it calls and of the relations it names, in lower case (operators
+    such as `+` and `LIKE` are functions there; table functions and window calls,
+    `f(x) OVER (...)`, are counted too; a relation is named as written, with its schema if
+    it has one, and a CTE's name counts as one)."""
     rows = con.execute("SELECT json_serialize_sql(?::VARCHAR)", [select]).fetchall()
     tree = json.loads(rows[0][0]) if rows else {"error": True}
     if tree.get("error"):
         raise QueryError("the query could not be checked by the sandbox "
                          f"({tree.get('error_message', 'no parse tree')}); give one plain SELECT")
     calls: set[str] = set()
+    tables: set[str] = set()
     for node in _dicts(tree):
         if node.get("type") == "TABLE_FUNCTION":
             name = str(node.get("function", {}).get("function_name", ""))
@@ -140,7 +144,9 @@ def check_duckdb_tree(select: str, con: duckdb.DuckDBPyConnection) -> set[str]:
             _check_scalar(name)
         elif node.get("type") == "BASE_TABLE":
             _check_table_name(str(node.get("table_name", "")))
-    return calls
+            parts = (node.get("catalog_name"), node.get("schema_name"), node.get("table_name"))
+            tables.add(".".join(str(p) for p in parts if p).lower())
+    return calls, tables
 
 
 def check_sqlglot_tree(tree: exp.Expr) -> None:

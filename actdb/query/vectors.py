@@ -12,7 +12,6 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
 
 from .. import norms
 from ..errors import QueryError, TokenError
@@ -24,9 +23,11 @@ from .dots import row_dots, tree_sum, unit_rows
 from .threads import READAHEAD_CHUNKS
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     import torch
     import zarr
 else:
+    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
     torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
 try:  # the compiled scan kernel (actdb/_native.c), built at install when a C compiler is there
@@ -348,7 +349,7 @@ class VectorSource:
         self._shapes: dict[tuple[int, str], tuple[int, ...]] = {}  # weights' shapes
         self._vocab: dict[int, dict[str, list[int]]] = {}  # string -> ids, once many are asked
         self._strings_alone: dict[int, int] = {}
-        self._vocab_column: dict[int, Any] = {}  # pyarrow.ChunkedArray of each model's tokens
+        self._vocab_column: dict[int, Any] = {}  # each model's tokens (read_vocabularies)
         self._lock = threading.RLock()  # anchors() builds on cached weights under the lock
         self._local = threading.local()
         self._last_chunk: dict[tuple[int, str, str], int] = {}
@@ -366,10 +367,22 @@ class VectorSource:
                 "SELECT row_start, row_start + n_tokens FROM prompt_runs WHERE model = ? "
                 "AND n_tokens > 0 ORDER BY row_start", [m.model]).fetchall()
             self._segments[m.model_id] = _segments(runs)
-            # as Arrow (a few ms for 50,257 strings; Python strings are made on first use)
-            self._vocab_column[m.model_id] = store.catalog.con.sql(
-                "SELECT token FROM vocab WHERE model = $1 ORDER BY token_id", params=[m.model]
-            ).to_arrow_table().column(0)
+        self._vocabularies_read = False
+
+    def read_vocabularies(self) -> None:
+        """Read each model's token strings as Arrow (a few ms for 50,257 strings; Python
+        strings are made on first use). Called before the first query that calls a tensor
+        function is bound (execute.Functions.register): UDFs run inside a query on the catalog
+        connection and may not use it, and a query that calls none (`SELECT 1`) should import
+        neither pyarrow nor read the vocabulary."""
+        with self._lock:
+            if self._vocabularies_read:
+                return
+            for m in self.models.values():
+                self._vocab_column[m.model_id] = self.store.catalog.con.sql(
+                    "SELECT token FROM vocab WHERE model = $1 ORDER BY token_id",
+                    params=[m.model]).to_arrow_table().column(0)
+            self._vocabularies_read = True
 
     def clear(self) -> None:
         """Forget every chunk read (the next query reads from the store again)."""
@@ -893,6 +906,8 @@ class VectorSource:
 
     def token_column(self, model: ModelRecord) -> pa.Array:
         """Each token id's string as one Arrow array (NULL where the vocabulary has none)."""
+        if not self._vocabularies_read:  # a caller outside any query (a query reads them first)
+            self.read_vocabularies()
         column = self._vocab_column[model.model_id]
         if not isinstance(column, pa.Array):
             with self._lock:

@@ -12,10 +12,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import duckdb
-import pyarrow as pa
 
 from ..errors import (
     PromptsError,
@@ -24,10 +23,16 @@ from ..errors import (
     StoreFormatError,
     StoreNotWritableError,
 )
+from ..lazy import lazy_module
 from . import catalog_lock, catalog_log, limits
 from .durable import full_disk_as_error
 from .faults import fault
 from .records import ModelRecord, SiteRecord
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+else:
+    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
 
 # The newest format this actdb reads and writes. Local stores are still created as version 2
 # (their layout did not change); stores on object storage are version 3 (docs/FORMAT.md).

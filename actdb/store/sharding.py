@@ -13,13 +13,18 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import pyarrow as pa
+from typing import TYPE_CHECKING
 
 from ..errors import ShardError
+from ..lazy import lazy_module
 from .catalog import Catalog, quote
 from .records import ModelRecord
 from .store import Store
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+else:
+    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
 
 _PLAN_KEY = "shard_plan"
 _FINISHED_KEY = "shard_finished"
