@@ -149,6 +149,7 @@ def test_handles_of_a_real_store(family_store: Callable[[str], Path]) -> None:
     """On a real store: every vec decodes to the row, site and head the catalog says, and
     forged values around the real ones are refused with one sentence."""
     with actdb.connect(family_store("qwen3"), device="cpu") as db:
+        db.sql("SELECT count(*) FROM acts").fetchall()  # the view is made by the first query
         rows = db.con.execute(
             "SELECT a.vec, t.\"row\", s.site_id, coalesce(a.head, -1), m.model_id FROM acts a "
             "JOIN tokens t USING (model, prompt_id, position) "

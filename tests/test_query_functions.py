@@ -816,6 +816,33 @@ def test_cosine_pairs_rows_of_different_widths_in_one_call(family_store):
     assert nulls and all(v is None for (v,) in nulls)
 
 
+def test_a_token_argument_reaches_its_kernel_as_its_text_and_its_sql_type(family_store):
+    """A token argument is packed into one string for its UDF (its SQL type, a separator, its
+    text); whatever the text holds, even the separator, the kernel gets it back whole, and a
+    token given by id or by text, as a constant or per row, gives what the reference does."""
+    import pyarrow as pa
+
+    from actdb.query.kernels import TOKEN_SEP, Arg
+
+    packed = pa.array([f"VARCHAR{TOKEN_SEP}a{TOKEN_SEP}b|c", f"INTEGER{TOKEN_SEP}42",
+                       f"VARCHAR{TOKEN_SEP}", f"VARCHAR{TOKEN_SEP}a{TOKEN_SEP}b|c"])
+    text, sqltype = Arg.tokens(packed)
+    assert [text.values[c] for c in text.codes] == [f"a{TOKEN_SEP}b|c", "42", "", f"a{TOKEN_SEP}b|c"]
+    assert [sqltype.values[c] for c in sqltype.codes] == ["VARCHAR", "INTEGER", "VARCHAR",
+                                                          "VARCHAR"]
+    text, sqltype = Arg.repeat_tokens(packed.slice(1, 1), 3)
+    assert text.values == ["42"] and sqltype.values == ["INTEGER"] and len(text.codes) == 3
+    with actdb.connect(family_store("gpt2"), device="cpu") as db:
+        tid, tok = db.sql("SELECT token_id, token FROM vocab WHERE model = 'gpt2' "
+                          "AND token_id = 262").fetchall()[0]
+        got = db.sql(
+            "SELECT cosine_to_anchor(vec, $tok) AS by_text, cosine_to_anchor(vec, $tid) AS by_id, "
+            "cosine_to_anchor(vec, CASE WHEN position % 2 = 0 THEN $tok ELSE $tok END) AS per_row "
+            "FROM acts WHERE model = 'gpt2' ORDER BY prompt_id, position, site",
+            params={"tok": tok, "tid": tid}).fetchall()
+    assert got and all(a == b == c for a, b, c in got), got[:3]
+
+
 def test_token_strings_resolve_to_the_first_id_that_decodes_to_them(family_store):
     """A token argument given as a string is the id whose decoded string it is (the lowest
     such id where several decode alike, unless the tokenizer encodes it as one of them); a

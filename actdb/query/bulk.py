@@ -37,9 +37,10 @@ else:
     pc = lazy_module("pyarrow.compute")  # 0.1 s to import: when a tensor function first runs
 
 Kernel = Callable[..., None]
-Convert = Callable[["pa.Array"], Any]  # an argument column -> what the kernel takes (kernels.Arg)
-# (a column of one value, m) -> what the kernel takes for m rows of that value
-Broadcast = Callable[["pa.Array", int], Any]
+# the argument columns other than the vectors -> the kernel's arguments (kernels.Arg)
+Convert = Callable[[list["pa.Array"]], list[Any]]
+# (those columns, one row each, m) -> the kernel's arguments for m rows of those values
+Broadcast = Callable[[list["pa.Array"], int], list[Any]]
 
 
 @dataclass(kw_only=True)
@@ -164,7 +165,7 @@ class BulkEvaluator:
         m = hi - lo
         handles = (np.int64(stream) << H.STREAM_SHIFT) | np.arange(lo, hi, dtype=np.int64)
         out: Any = np.full(m, np.nan) if self.scalar else ListResults(m)
-        self.kernel(self.src, handles, out, *[self.broadcast(a.slice(0, 1), m) for a in rest])
+        self.kernel(self.src, handles, out, *self.broadcast([a.slice(0, 1) for a in rest], m))
         return _Window(lo=lo, values=out if self.scalar else out.arrow(self.list_type))
 
     def _remember(self, wkey: tuple[Any, ...], window: _Window) -> None:
@@ -180,7 +181,7 @@ class BulkEvaluator:
         """The kernel over exactly these rows (their handles are checked as they decode)."""
         self.rows_exact += len(handles)
         out: Any = np.full(len(handles), np.nan) if self.scalar else ListResults(len(handles))
-        args = [self.convert(a) for a in rest]
+        args = self.convert(rest)
         vecs: list[Any] = [handles]
         self.kernel(self.src, *vecs, out, *args)
         return out

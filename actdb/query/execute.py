@@ -59,10 +59,26 @@ def _arrow_type(sql: str) -> pa.DataType:
     return pa.list_(pa.struct([(f.split()[0], kinds[f.split()[1]]) for f in fields]))
 
 
-def _expanded_kinds(fn: TensorFunction) -> list[str]:
-    out: list[str] = []
-    for p in fn.params:
-        out += ["token", "token_type"] if p.kind == TOKEN else [p.kind]
+def _args(columns: list[pa.Array], kinds: list[str]) -> list[Any]:
+    """The kernel's arguments from the UDF's argument columns other than the vectors (a
+    packed token column is two of them: its text and its SQL type)."""
+    out: list[Any] = []
+    for a, kind in zip(columns, kinds, strict=True):
+        if kind == TOKEN:
+            out += Arg.tokens(a)
+        else:
+            out.append(Arg.of(a))
+    return out
+
+
+def _repeated_args(columns: list[pa.Array], kinds: list[str], n: int) -> list[Any]:
+    """`_args` for `n` rows of the one row in each of `columns`."""
+    out: list[Any] = []
+    for a, kind in zip(columns, kinds, strict=True):
+        if kind == TOKEN:
+            out += Arg.repeat_tokens(a, n)
+        else:
+            out.append(Arg.repeat(a, n))
     return out
 
 
@@ -88,7 +104,7 @@ def _drop_nulls(arrays: tuple[pa.Array, ...]) -> tuple[tuple[pa.Array, ...], np.
 
 def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
               bulk: list[BulkEvaluator]) -> Callable[..., pa.Array]:
-    kinds = _expanded_kinds(fn)
+    kinds = [p.kind for p in fn.params]
     scalar = fn.returns in _SCALARS
     out_type = _arrow_type(fn.returns)
     assert fn.kernel is not None
@@ -96,9 +112,12 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
     evaluator: BulkEvaluator | None = None
     if kinds.count(VEC) == 1 and not {VECS, DIRECTION} & set(kinds):
         # A function of one vector and constant-able arguments: bulk-evaluated (bulk.py).
+        others = [k for k in kinds if k != VEC]
         evaluator = BulkEvaluator(
-            src, kernel, scalar=scalar, vec_at=kinds.index(VEC), convert=Arg.of,
-            broadcast=Arg.repeat, list_type=None if scalar else out_type,
+            src, kernel, scalar=scalar, vec_at=kinds.index(VEC),
+            convert=lambda columns: _args(columns, others),
+            broadcast=lambda columns, n: _repeated_args(columns, others, n),
+            list_type=None if scalar else out_type,
             max_rows=BULK_ROWS if scalar else BULK_LIST_ROWS,
             cache_rows=BULK_CACHE_ROWS if scalar else BULK_LIST_CACHE_ROWS,
         )
@@ -114,6 +133,8 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
                 vecs.append(a)  # lists of handles: aggregates.HandleLists reads them
             elif kind == DIRECTION:
                 rest.append(a)  # FLOAT[] per row: aggregates.Directions reads it
+            elif kind == TOKEN:
+                rest += Arg.tokens(a)
             else:
                 rest.append(Arg.of(a))
         n = len(arrays[0])

@@ -109,6 +109,11 @@ def _degrees(cos: torch.Tensor) -> torch.Tensor:
     return torch.rad2deg(torch.arccos(cos.clamp(-1.0, 1.0)))
 
 
+# Between a token's SQL type and its text in the one string its UDF gets (functions.token_sql):
+# no type name holds it, and the text, last, may hold anything.
+TOKEN_SEP = "\x01"
+
+
 class Arg:
     """A non-vector argument column: its distinct values, and each row's index into them."""
 
@@ -127,6 +132,23 @@ class Arg:
     def repeat(cls, one: pa.Array, n: int) -> Arg:
         """`n` rows of the single value in `one`."""
         return cls(one.to_pylist(), np.zeros(n, dtype=np.int64))
+
+    @classmethod
+    def tokens(cls, column: pa.Array | pa.ChunkedArray) -> tuple[Arg, Arg]:
+        """A token column as its macro packs it (functions.token_sql): each row's text and
+        its SQL type, as two Args over the same rows."""
+        return cls._unpacked(cls.of(column))
+
+    @classmethod
+    def repeat_tokens(cls, one: pa.Array, n: int) -> tuple[Arg, Arg]:
+        """`n` rows of the single packed token in `one`."""
+        return cls._unpacked(cls.repeat(one, n))
+
+    @classmethod
+    def _unpacked(cls, packed: Arg) -> tuple[Arg, Arg]:
+        split = [str(v).split(TOKEN_SEP, 1) for v in packed.values]
+        return (cls([text for _, text in split], packed.codes),
+                cls([sqltype for sqltype, _ in split], packed.codes))
 
 
 def _per_value(args: list[Arg], index: np.ndarray) -> dict[tuple[Any, ...], np.ndarray]:

@@ -688,22 +688,27 @@ class VectorSource:
         """Split a batch of handles by (model, site, view); fields are read when first used.
         A value that is not a handle of this store is a QueryError (handles.Codec)."""
         dec = self.codec.decode(handles)
-        key = (dec.model_id << 20) | (dec.site_id << 2) | dec.view
-        # one (model, site, view) in most calls (every bulk window): no sort for np.unique
-        keys = key[:1] if len(key) and key.min() == key.max() else np.unique(key)
+        if dec.one:  # one (model, site, view): most calls, every bulk window
+            key = dec.model_id[:1]
+            keys = key
+        else:
+            key = (dec.model_id << 20) | (dec.site_id << 2) | dec.view
+            keys = key[:1] if len(key) and key.min() == key.max() else np.unique(key)
         for k in keys:
-            index = np.nonzero(key == k)[0] if len(keys) > 1 else np.arange(len(key))
+            index = np.nonzero(key == k)[0] if len(keys) > 1 else np.arange(len(dec.row))
             model = self.model(int(dec.model_id[index[0]]))
             site = self.site(model.model_id, int(dec.site_id[index[0]]))
             view = H.VIEWS[int(dec.view[index[0]])]
             if view == "final_norm" and site.role in OFF_STREAM_ROLES:
                 continue  # final_norm(v) is NULL where v never meets the final norm
-            rows = dec.row[index]
+            whole = len(keys) == 1  # index is every position: no copies
+            rows = dec.row if whole else dec.row[index]
+            heads = dec.head if whole else dec.head[index]
             if np.any(rows[1:] < rows[:-1]):  # chunk-friendly reading order
                 order = np.argsort(rows, kind="stable")
-                index, rows = index[order], rows[order]
+                index, rows, heads = index[order], rows[order], heads[order]
             self._check_stored(model.model_id, rows, handles, index)
-            yield Group(self, index, model, site, view, rows, dec.head[index])
+            yield Group(self, index, model, site, view, rows, heads)
 
     def _check_stored(self, model_id: int, rows: np.ndarray, handles: np.ndarray,
                       index: np.ndarray) -> None:
