@@ -89,21 +89,29 @@ class BulkEvaluator:
 
     def _evaluate(self, handles: np.ndarray, rest: list[pa.Array], key: tuple[Any, ...]) -> Any:
         n = len(handles)
-        out: Any = np.full(n, np.nan) if self.scalar else ListResults(n)
-        streams = handles >> H.STREAM_SHIFT  # stream, view and tag bits: one walk each
-        first, last = int(streams.min()), int(streams.max())
+        # the stream, view and tag bits (one walk each) of the smallest and largest handle:
+        # equal in most calls, and then the handles' rows run between those two's
+        ends = int(handles.min()), int(handles.max())
+        first, last = ends[0] >> H.STREAM_SHIFT, ends[1] >> H.STREAM_SHIFT
         if first == last:
             parts: list[tuple[int, np.ndarray | None]] = [(first, None)]
+            out: Any = None if self.scalar else ListResults(n)  # a scalar: the window's rows
         else:
+            streams = handles >> H.STREAM_SHIFT
             parts = [(int(s), np.nonzero(streams == s)[0]) for s in np.unique(streams)]
+            out = np.full(n, np.nan) if self.scalar else ListResults(n)
         exact: list[np.ndarray] = []
         for stream, at in parts:
             h = handles if at is None else handles[at]
-            window = self._window(stream, h, key, rest)
+            lo_hi = ends if at is None else (int(h.min()), int(h.max()))
+            window = self._window(stream, h, lo_hi, key, rest)
             if window is None:
+                if out is None:
+                    out = np.full(n, np.nan)
                 exact.append(np.arange(n) if at is None else at)
                 continue
-            local = (h & H.ROW_MASK) - window.lo
+            # each row less the stream bits and the window's first row (one subtraction)
+            local = h - ((lo_hi[0] - (lo_hi[0] & H.ROW_MASK)) + window.lo)
             if self.scalar:
                 if at is None:
                     out = window.values[local]
@@ -121,12 +129,12 @@ class BulkEvaluator:
                 out.put(at, sub.arrow(self.list_type))
         return out
 
-    def _window(self, stream: int, h: np.ndarray, key: tuple[Any, ...],
+    def _window(self, stream: int, h: np.ndarray, ends: tuple[int, int], key: tuple[Any, ...],
                 rest: list[pa.Array]) -> _Window | None:
-        """The cached window holding all of `h` (one stream's handles), computing the next one
-        when the query walks the stream; None: compute these rows exactly."""
-        rows = h & H.ROW_MASK
-        lo, hi = int(rows.min()), int(rows.max()) + 1
+        """The cached window holding all of `h` (one stream's handles, `ends` the smallest and
+        largest), computing the next one when the query walks the stream; None: compute these
+        rows exactly."""
+        lo, hi = ends[0] & H.ROW_MASK, (ends[1] & H.ROW_MASK) + 1
         wkey = (key, stream)
         window = self._windows.get(wkey)
         walk = self._walks.get(wkey)
@@ -137,8 +145,8 @@ class BulkEvaluator:
             return window
         # Only a valid handle reaches the kernels: the ends of the range are decoded (and so
         # checked) here, and every value between them differs from them in the row alone.
-        self.src.codec.decode(np.array([h.min(), h.max()]))
-        dense = hi - lo <= 2 * len(rows)
+        self.src.codec.decode(np.array(ends))
+        dense = hi - lo <= 2 * len(h)
         # A walk goes on where the last call of this stream ended (a gap of at most this call's
         # span: a filter that keeps most rows); anything else starts a walk afresh.
         walking = walk is not None and walk.end <= lo <= walk.end + (hi - lo)
