@@ -193,11 +193,11 @@ def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: A
             # need their norm read to tell NULL from a true 0. Each token's rows alone: a
             # column of many tokens must not multiply every row by every token's anchor.
             for key, pos in live.items():
-                cos = src.project(g, unit_anchors[key], None if len(pos) == len(g.index) else pos)
-                zero = cos == 0
-                if bool(zero.any()):
-                    cos = torch.where(zero & (g.norm[pos] == 0), torch.nan, cos)
-                out[g.index[pos]] = cos.cpu().numpy()
+                whole = len(pos) == len(g.index)
+                c = src.project(g, unit_anchors[key], None if whole else pos).cpu().numpy()
+                if not c.all():  # one pass, no mask, in the usual case of no exact 0
+                    c = np.where((c == 0) & (g.norm[pos].cpu().numpy() == 0), np.nan, c)
+                out[g.index if whole else g.index[pos]] = c
             continue
         for lo, hi, x in g.x_blocks():  # one pass over the vectors for all the tokens
             for key, rows, at in _block_rows(live, lo, hi):
