@@ -95,11 +95,11 @@ class Codec:
                 row = h & ROW_MASK
                 if int(row.max()) < int(self._rows[
                         ((int(top[0]) - self.salt) & STREAM_MASK)]):
-                    n = len(h)
-                    return Decoded(row=row, head=np.full(n, one.head[0]),
-                                   site_id=np.full(n, one.site_id[0]),
-                                   model_id=np.full(n, one.model_id[0]),
-                                   view=np.full(n, one.view[0]), one=True)
+                    def same(a: np.ndarray) -> np.ndarray:  # read-only, nothing copied
+                        return np.broadcast_to(a[:1], h.shape)
+
+                    return Decoded(row=row, head=same(one.head), site_id=same(one.site_id),
+                                   model_id=same(one.model_id), view=same(one.view), one=True)
         stream = ((h >> STREAM_SHIFT) - self.salt) & STREAM_MASK
         row = h & ROW_MASK
         bad_tag = (h >> TAG_SHIFT) != TAG  # also every negative value

@@ -757,7 +757,7 @@ class VectorSource:
         gain = self.gain(model, site)
         bias = self.param(model, site, "bias")
         if heads is not None:
-            at = torch.from_numpy(np.asarray(heads, dtype=np.int64)).to(self.device)
+            at = torch.from_numpy(np.array(heads, dtype=np.int64)).to(self.device)  # writable
             gain = gain[at] if gain is not None and gain.dim() == 2 else gain
             bias = bias[at] if bias is not None and bias.dim() == 2 else bias
         return norms.apply(self.centered(site), x, gain=gain, bias=bias, eps=site.eps,
