@@ -510,10 +510,12 @@ def _exit(code: object) -> None:
     import atexit
 
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
+    for stream in dict.fromkeys((sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)):
+        if stream is None or getattr(stream, "closed", False):
+            continue  # as the ordinary exit: a closed stream is left alone
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: what the ordinary exit does
+        except OSError:  # a closed pipe: the ordinary exit's status for it
             status = status or 120
     os._exit(status)
 
