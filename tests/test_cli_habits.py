@@ -158,6 +158,18 @@ def test_table_output_aligns_every_kind_of_value(store: Path) -> None:
     assert empty.output == "(no rows) ['a']\n"
 
 
+def test_table_output_of_times_intervals_and_maps_is_as_arrow_gives_them(store: Path) -> None:
+    """Numbers and text are shown from DuckDB's Python values, anything else from Arrow as
+    before: Python's values would drop a TIMESTAMP_NS's nanoseconds, and show an interval and a
+    map otherwise than the csv and json output do (review finding)."""
+    out = CliRunner().invoke(cli, ["query", str(store), """
+        SELECT '2020-01-01 00:00:00.123456789'::TIMESTAMP_NS AS t, INTERVAL 1 DAY AS i,
+               MAP {'a': 1} AS m, 7 AS n"""])
+    assert out.exit_code == 0, out.output
+    assert out.output.split("\n")[1].split() == ["2020-01-01", "00:00:00.123456789",
+                                                 "[0,", "1,", "0]", "[[a,", "1]]", "7"]
+
+
 def test_table_output_shows_whitespace_tokens(store: Path) -> None:
     out = CliRunner().invoke(cli, ["query", str(store), "SELECT ' Paris' AS token, "
                                    "'a\nb' AS t2, 'The capital of France' AS prose"])

@@ -812,6 +812,12 @@ def test_acts_is_made_when_a_query_first_may_see_it(family_store):
         got = db.sql('SELECT count(*) FROM (SELECT * FROM "Acts") WHERE mean IS NOT NULL'
                      ).fetchall()
         assert got == [(n_tokens * n_sites,)]
+    # a table function taking the view by name, and SHOW as a subquery (review findings)
+    with actdb.connect(store) as db:
+        got = db.sql("SELECT sum(count) FROM histogram_values('acts', layer)").fetchall()
+        assert got == [(n_tokens * n_sites,)]
+    with actdb.connect(store) as db:
+        assert ("acts",) in db.sql("SELECT name FROM (SHOW ALL TABLES)").fetchall()
 
 
 @pytest.mark.parametrize(("query", "message"), [

@@ -18,6 +18,7 @@ from .bulk import BulkEvaluator
 from .functions import ANCHORS, DIRECTION, REGISTRY, TOKEN, VEC, VECS, TensorFunction
 from .kernels import Arg
 from .lists import ListResults
+from .sandbox import TABLE_FUNCTIONS
 from .threads import torch_threads
 from .vectors import VectorSource
 
@@ -197,15 +198,19 @@ def _sqltype(con: duckdb.DuckDBPyConnection, name: str) -> duckdb.sqltypes.DuckD
     return t
 
 
-# The relations a query may name without seeing the view `acts`: the catalog's own tables.
-# A query naming any other (acts, a CTE, a registered table, information_schema) or calling a
-# table function that lists the catalog has the view made first.
+# The relations and table functions a query may name without seeing the view `acts`: the
+# catalog's own tables, and the table functions that read no relation. A query naming any
+# other relation (acts, a CTE, a registered table, information_schema, a SHOW or DESCRIBE) or
+# calling any other table function (duckdb_views(), pragma_table_info('acts'),
+# histogram_values('acts', layer): they list the catalog or take a relation by name) has the
+# view made first.
 _PLAIN_TABLES = frozenset({"models", "prompts", "tokens", "sites", "vocab", "meta", "prompt_runs"})
+_GENERATORS = frozenset({"range", "generate_series", "unnest", "repeat", "repeat_row",
+                         "json_each", "json_tree"})
 
 
 def _sees_acts(calls: set[str], tables: set[str]) -> bool:
-    return bool(tables - _PLAIN_TABLES) or any(
-        c.startswith(("duckdb_", "pragma_")) for c in calls)
+    return bool(tables - _PLAIN_TABLES) or bool(calls & TABLE_FUNCTIONS - _GENERATORS)
 
 
 class Functions:

@@ -84,16 +84,19 @@ class Result:
 
     def text(self, *, max_colwidth: int = 80) -> str:
         """Every row as aligned plain text, tokens' whitespace made visible (the CLI's table
-        output). Rows not computed yet are fetched once as DuckDB's Python values, without
-        Arrow: importing pyarrow was 0.05 s of CPU, a tenth of a `SELECT 1`'s start."""
+        output). Rows not computed yet whose columns all hold numbers, text, or lists and
+        structs of them are fetched once as DuckDB's Python values, without Arrow (importing
+        pyarrow was 0.05 s of CPU, a tenth of a `SELECT 1`'s start); any other type is shown
+        from Arrow, as Python's values of times, intervals or maps differ from it (a
+        TIMESTAMP_NS's nanoseconds, an infinite date)."""
         from .display import text_table
 
         names = self.columns
-        if self._table is not None:
-            columns = [c.to_pylist() for c in self._table.columns]
-        else:
+        if self._table is None and all(_plain(t) for t in self._rel.types):
             rows = self._run(self._rel.fetchall)
             columns = [list(c) for c in zip(*rows, strict=True)] if rows else []
+        else:
+            columns = [c.to_pylist() for c in self._rows().columns]
         return text_table(names, columns, max_colwidth=max_colwidth)
 
     def fetchone(self) -> tuple[Any, ...] | None:
@@ -153,6 +156,21 @@ class Result:
         except Exception as e:  # noqa: BLE001 - a repr must not raise; say what went wrong
             return f"<actdb.Result columns={self.columns}: {e}>"
         return text_preview(table.slice(0, self.PREVIEW_ROWS), table.num_rows, self.columns)
+
+
+# DuckDB types whose Python values print as their Arrow values do (display._cell)
+_PLAIN_TYPES = frozenset({
+    "boolean", "tinyint", "smallint", "integer", "bigint", "hugeint", "utinyint", "usmallint",
+    "uinteger", "ubigint", "uhugeint", "float", "double", "decimal", "varchar", "null"})
+
+
+def _plain(t: Any) -> bool:
+    """Whether DuckDB type `t` holds numbers or text, or lists, arrays or structs of them."""
+    if t.id in ("list", "array"):
+        return _plain(t.children[0][1])
+    if t.id == "struct":
+        return all(_plain(c) for _, c in t.children)
+    return t.id in _PLAIN_TYPES
 
 
 def translate(e: duckdb.Error, box: ErrorBox) -> Exception:

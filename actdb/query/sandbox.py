@@ -125,7 +125,7 @@ def check_duckdb_tree(select: str, con: duckdb.DuckDBPyConnection
     names of the functions it calls and of the relations it names, in lower case (operators
     such as `+` and `LIKE` are functions there; table functions and window calls,
     `f(x) OVER (...)`, are counted too; a relation is named as written, with its schema if
-    it has one, and a CTE's name counts as one)."""
+    it has one, a CTE's name counts as one, and a SHOW or DESCRIBE as `show ...`)."""
     rows = con.execute("SELECT json_serialize_sql(?::VARCHAR)", [select]).fetchall()
     tree = json.loads(rows[0][0]) if rows else {"error": True}
     if tree.get("error"):
@@ -146,6 +146,8 @@ def check_duckdb_tree(select: str, con: duckdb.DuckDBPyConnection
             _check_table_name(str(node.get("table_name", "")))
             parts = (node.get("catalog_name"), node.get("schema_name"), node.get("table_name"))
             tables.add(".".join(str(p) for p in parts if p).lower())
+        elif node.get("type") == "SHOW_REF":  # (SHOW TABLES), (DESCRIBE t): the catalog listed
+            tables.add(f"show {node.get('table_name', '')}".lower())
     return calls, tables
 
 
