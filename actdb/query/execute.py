@@ -60,26 +60,18 @@ def _arrow_type(sql: str) -> pa.DataType:
     return pa.list_(pa.struct([(f.split()[0], kinds[f.split()[1]]) for f in fields]))
 
 
-def _args(columns: list[pa.Array], kinds: list[str]) -> list[Any]:
+def _args(columns: list[pa.Array], kinds: list[str], n: int | None = None) -> list[Any]:
     """The kernel's arguments from the UDF's argument columns other than the vectors (a
-    packed token column is two of them: its text and its SQL type)."""
+    packed token column is two of them: its text and its SQL type; a direction column goes
+    as it is, aggregates.Directions reads it); `n`: each column holds one row, for n rows."""
     out: list[Any] = []
     for a, kind in zip(columns, kinds, strict=True):
-        if kind == TOKEN:
-            out += Arg.tokens(a)
+        if kind == DIRECTION:
+            out.append(a)
+        elif kind == TOKEN:
+            out += Arg.tokens(a) if n is None else Arg.repeat_tokens(a, n)
         else:
-            out.append(Arg.of(a))
-    return out
-
-
-def _repeated_args(columns: list[pa.Array], kinds: list[str], n: int) -> list[Any]:
-    """`_args` for `n` rows of the one row in each of `columns`."""
-    out: list[Any] = []
-    for a, kind in zip(columns, kinds, strict=True):
-        if kind == TOKEN:
-            out += Arg.repeat_tokens(a, n)
-        else:
-            out.append(Arg.repeat(a, n))
+            out.append(Arg.of(a) if n is None else Arg.repeat(a, n))
     return out
 
 
@@ -117,7 +109,7 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
         evaluator = BulkEvaluator(
             src, kernel, scalar=scalar, vec_at=kinds.index(VEC),
             convert=lambda columns: _args(columns, others),
-            broadcast=lambda columns, n: _repeated_args(columns, others, n),
+            broadcast=lambda columns, n: _args(columns, others, n),
             list_type=None if scalar else out_type,
             max_rows=BULK_ROWS if scalar else BULK_LIST_ROWS,
             cache_rows=BULK_CACHE_ROWS if scalar else BULK_LIST_CACHE_ROWS,
@@ -126,18 +118,16 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
 
     def exact(arrays: tuple[pa.Array, ...]) -> Any:
         vecs: list[np.ndarray | pa.Array] = []
-        rest: list[Arg | pa.Array] = []
+        columns, column_kinds = [], []
         for a, kind in zip(arrays, kinds, strict=True):
             if kind == VEC:
                 vecs.append(a.to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
             elif kind == VECS:
                 vecs.append(a)  # lists of handles: aggregates.HandleLists reads them
-            elif kind == DIRECTION:
-                rest.append(a)  # FLOAT[] per row: aggregates.Directions reads it
-            elif kind == TOKEN:
-                rest += Arg.tokens(a)
             else:
-                rest.append(Arg.of(a))
+                columns.append(a)
+                column_kinds.append(kind)
+        rest = _args(columns, column_kinds)
         n = len(arrays[0])
         out: Any = np.full(n, np.nan) if scalar else ListResults(n)
         kernel(src, *vecs, out, *rest)

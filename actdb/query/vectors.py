@@ -594,8 +594,9 @@ class VectorSource:
         thread works from the back while this thread takes them from the front (a queued
         run is taken back and made here); this thread also runs DuckDB and the UDFs' Python,
         and left alone with a window's reads and products it was the scan's bottleneck while
-        the read-ahead thread idled. When the query walks the array, the next RUN_AHEAD runs
-        are queued, as raw runs were read ahead before. A row's value does not depend on the
+        the read-ahead thread idled. When the query walks the array, the runs up to the
+        walk's stop are queued too (as many as the window holds, from RUN_AHEAD up to
+        DOTS_AHEAD). A row's value does not depend on the
         thread or the run (f16_dots). A run's reads are counted when a query first uses its
         products, and a run whose task failed is forgotten once the failure is reported (a
         damaged chunk is reported only to a query that needs its rows)."""
