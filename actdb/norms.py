@@ -25,10 +25,13 @@ else:
 KINDS = ("layernorm", "rmsnorm", "layernorm_1p", "rmsnorm_1p")
 
 
-def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split(x: torch.Tensor, *, out: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x -> (unit direction, norm, mean); direction is all zeros where norm == 0 (or NaN).
 
-    The direction is a new float32 tensor the caller may overwrite. One division and no
+    The direction is a new float32 tensor the caller may overwrite, or `out` (float32, x's
+    shape) when given: the ingest passes a buffer it reuses for every site and batch, since
+    fresh buffers of that size cost a page fault every 4 KiB. One division and no
     `torch.where` over the whole batch unless some norm is 0: the ingest runs this on every
     norm input (three times faster than a where over [n, d])."""
     x = x.float()
@@ -36,8 +39,9 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mean = x.mean(dim=-1)  # [...]
     nonzero = norm > 0
     if bool(nonzero.all()):
-        return torch.div(x, norm.unsqueeze(-1)), norm, mean
-    direction = torch.div(x, torch.where(nonzero, norm, torch.ones_like(norm)).unsqueeze(-1))
+        return torch.div(x, norm.unsqueeze(-1), out=out), norm, mean
+    safe = torch.where(nonzero, norm, torch.ones_like(norm)).unsqueeze(-1)
+    direction = torch.div(x, safe, out=out)
     return direction.masked_fill_(~nonzero.unsqueeze(-1), 0.0), norm, mean
 
 
@@ -82,6 +86,23 @@ def apply(
     if bias is not None:
         z = z + bias
     return z
+
+
+def apply_(centered: bool, x: torch.Tensor, *, gain: torch.Tensor | None,
+           bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`apply` computed in x's own buffer (float32 or float64; x is overwritten and
+    returned): the ingest's faithfulness check runs it on every vector it stores, in a
+    buffer it reuses, where `apply`'s new output would fault in fresh pages each time."""
+    d = x.shape[-1]
+    if centered:
+        x.sub_(x.mean(dim=-1, keepdim=True))
+    rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).div_(d ** 0.5)
+    x.mul_(rms.square_().add_(eps).rsqrt_())
+    if gain is not None:
+        x.mul_(gain)
+    if bias is not None:
+        x.add_(bias)
+    return x
 
 
 def legacy_centered(kind: str) -> bool:

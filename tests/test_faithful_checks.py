@@ -227,3 +227,40 @@ def test_split_is_the_float64_direction_norm_and_mean_in_a_new_buffer(
     y = x[3:].clone()
     ok = norms.split(y)[0]
     assert torch.equal(ok, direction[3:]) and torch.equal(y, before[3:])
+
+    # into a caller's buffer (the ingest reuses one): the same values, in that buffer
+    buf = torch.full(shape, 7.0)
+    into, _, _ = norms.split(x, out=buf)
+    assert into.data_ptr() == buf.data_ptr() and torch.equal(into, direction)
+
+
+@pytest.mark.parametrize("centered", [True, False])
+@pytest.mark.parametrize("affine", ["none", "gain", "both", "heads"])
+def test_apply_in_place_is_the_float64_norm_output(centered: bool, affine: str) -> None:
+    """norms.apply_, the ingest's faithfulness check on every stored vector, against the norm
+    computed in NumPy float64 from its definition, at magnitudes where eps matters and where
+    it does not; it overwrites its input and returns that buffer."""
+    gen = torch.Generator().manual_seed(11)
+    heads = affine == "heads"
+    x = torch.randn(6, 3, 16, generator=gen) if heads else torch.randn(6, 16, generator=gen)
+    x = x * torch.tensor([1e-3, 0.1, 1.0, 10.0, 300.0, 1.0]).reshape(6, *([1] * (x.dim() - 1)))
+    x = x + 0.25
+    gain = (torch.randn(3, 16, generator=gen) if heads else torch.randn(16, generator=gen)
+            ) if affine != "none" else None
+    bias = torch.randn(16, generator=gen) if affine in ("both", "heads") else None
+    eps = 1e-5
+    ref = x.double().numpy()
+    if centered:
+        ref = ref - ref.mean(-1, keepdims=True)
+    ref = ref / np.sqrt((ref * ref).mean(-1, keepdims=True) + eps)
+    if gain is not None:
+        ref = ref * gain.double().numpy()
+    if bias is not None:
+        ref = ref + bias.double().numpy()
+    buf = x.clone()
+    out = norms.apply_(centered, buf, gain=gain, bias=bias, eps=eps)
+    assert out.data_ptr() == buf.data_ptr()
+    np.testing.assert_allclose(out.double().numpy(), ref, rtol=2e-5, atol=2e-5)
+    # and equal to the out-of-place form the query side runs
+    np.testing.assert_allclose(out.numpy(), norms.apply(centered, x, gain=gain, bias=bias,
+                                                        eps=eps).numpy(), rtol=2e-5, atol=2e-5)

@@ -19,6 +19,7 @@ from gen_models import Choices, build, sample_choices
 from tiny_models import build_family_tokenizer
 
 import actdb
+from actdb.ingest import pipeline
 
 CASES = sample_choices(24, seed=9)
 OFF_STREAM = {"inner", "q_norm", "k_norm"}
@@ -81,11 +82,30 @@ def _replay(centered: bool, x: np.ndarray, gain: np.ndarray | None, bias: np.nda
 @pytest.mark.parametrize("choices", CASES, ids=_label)
 def test_generated_model_is_stored_faithfully(choices: Choices, tokenizer: Any,
                                               tmp_path: Path) -> None:
+    _check_stored_faithfully(choices, tokenizer, tmp_path, batch_size=4)
+
+
+@pytest.mark.parametrize("case", [0, 6, 7, 13])  # per-head layouts bthd, list, bhtd; btd
+@pytest.mark.parametrize("batch_size,group_tokens", [(2, 5), (1, 40)])
+def test_small_commit_groups_store_the_same_vectors(case: int, batch_size: int,
+                                                    group_tokens: int, tokenizer: Any,
+                                                    tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Commit groups of a few rows: the ingest's two sets of row buffers alternate many times
+    (padded batches of two uneven prompts, a group each), and a group's buffers grow when the
+    next prompt does not fit (prompts of 17, 31, 6, 36, 19 and 20 tokens, groups of 40)."""
+    monkeypatch.setattr(pipeline, "_FLUSH_TOKENS", group_tokens)
+    _check_stored_faithfully(CASES[case], tokenizer, tmp_path, batch_size=batch_size,
+                             chunk_tokens=4)
+
+
+def _check_stored_faithfully(choices: Choices, tokenizer: Any, tmp_path: Path,
+                             **ingest_kw: Any) -> None:
     torch.manual_seed(0)
     model = build(choices, len(tokenizer))
     store = tmp_path / "s.actdb"
-    actdb.ingest(store, model=model, tokenizer=tokenizer, prompts=PROMPTS, batch_size=4,
-                 device="cpu", name="gen")
+    actdb.ingest(store, model=model, tokenizer=tokenizer, prompts=PROMPTS, device="cpu",
+                 name="gen", **ingest_kw)
     per_site, ref_logits = _reference(model, tokenizer)
 
     con = duckdb.connect(str(store / "catalog.duckdb"), read_only=True)

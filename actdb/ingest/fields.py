@@ -1,8 +1,17 @@
 """Turn a norm module's hooked input and output into the stored fields, checking faithfulness:
-the output recomputed from what is stored must match what the module really produced."""
+the output recomputed from what is stored must match what the module really produced.
+
+The fields of a group of batches (what the ingest commits at once) are written straight into
+host buffers that live for the whole ingest, and the arithmetic runs in work buffers that
+live as long: two sets of host buffers are alternated (one filled while the commit thread
+writes the other), so no batch allocates memory of its own size. Fresh buffers cost a page
+fault every 4 KiB: measured on GPT-2 small, allocating per site and batch took more system
+time than the hooks' arithmetic.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import norms
@@ -20,10 +29,56 @@ def _heads_last(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x if layout == "bthd" else x.unsqueeze(-2)
 
 
-class SiteSink:
-    """Turns each hooked (input, output) into stored fields and a faithfulness figure."""
+class _Group:
+    """Host buffers for the rows of one commit group: per site direction, norm and mean."""
 
-    def __init__(self, found: list[FoundSite], device: torch.device) -> None:
+    def __init__(self, found: list[FoundSite], rows: int) -> None:
+        self.rows = rows
+        self.fields: dict[str, ActBatch] = {}
+        for f in found:
+            s = f.record
+            heads = (s.n_heads,) if s.n_heads else ()
+            self.fields[s.site] = ActBatch(
+                direction=np.empty((rows, *heads, s.d), np.float16),
+                norm=np.empty((rows, *heads), np.float32),
+                mean=np.empty((rows, *heads), np.float32),
+            )
+
+    def grown(self, found: list[FoundSite], rows: int, filled: int) -> _Group:
+        """A larger group holding this one's first `filled` rows."""
+        bigger = _Group(found, rows)
+        for site, old in self.fields.items():
+            new = bigger.fields[site]
+            for k in ("direction", "norm", "mean"):
+                getattr(new, k)[:filled] = getattr(old, k)[:filled]
+        return bigger
+
+
+class _Work:
+    """A float32 buffer on the ingest's device, grown on demand, viewed in any shape."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        self.device, self.dtype = device, dtype
+        self.flat = torch.empty(0, dtype=dtype, device=device)
+
+    def view(self, *shape: int) -> torch.Tensor:
+        n = int(np.prod(shape))
+        if self.flat.numel() < n:
+            self.flat = torch.empty(n, dtype=self.dtype, device=self.device)
+        return self.flat[:n].view(shape)
+
+
+class SiteSink:
+    """Turns each hooked (input, output) into stored fields and a faithfulness figure.
+
+    Each batch's rows are appended to the current group (`start` begins a batch, `take`,
+    after a batch has run, ends the group and hands over its rows). `out[site]` are the
+    current batch's rows."""
+
+    def __init__(self, found: list[FoundSite], device: torch.device, *, rows: int = 2048
+                 ) -> None:
+        self.found = found
+        self.device = device
         self.by_module = {path: (f, i) for f in found for i, (path, _) in enumerate(f.hooks)}
         self.params = {
             f.record.site: (
@@ -33,16 +88,69 @@ class SiteSink:
             for f in found
         }
         self.mask = torch.zeros(0, dtype=torch.bool)
+        self._lengths: list[int] | None = None  # each row's real tokens, when they come first
         self._no_padding = False
+        self._rows = rows
+        self._groups: list[_Group | None] = [None, None]
+        self._current = 0
+        self._filled = 0  # rows of the current group before this batch
+        self._n = 0  # real tokens in this batch
+        self._x, self._y, self._d = _Work(device), _Work(device), _Work(device)
+        self._d16 = _Work(device, torch.float16)  # off the CPU: the direction, on its device
         self.out: dict[str, ActBatch] = {}
         self.errors: dict[str, float] = {}
         self._heads: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def start(self, mask: torch.Tensor) -> None:
         """A new forward pass over a batch whose real tokens are `mask` [B, T]."""
+        self._filled += self._n  # the previous batch (which ran) stays in the group
         self.mask = mask
         self._no_padding = bool(mask.all())
+        lengths = mask.sum(dim=1)
+        t = mask.shape[1]
+        prefix = torch.arange(t, device=mask.device).unsqueeze(0) < lengths.unsqueeze(1)
+        self._lengths = lengths.tolist() if bool((prefix == mask).all()) else None
+        self._n = int(lengths.sum())
         self.out, self.errors, self._heads = {}, {}, {}
+        group = self._groups[self._current]
+        need = self._filled + self._n
+        if group is None or group.rows < need:
+            rows = max(self._rows, need, 2 * group.rows if group else 0)
+            self._groups[self._current] = (group.grown(self.found, rows, self._filled)
+                                           if group else _Group(self.found, rows))
+
+    def take(self) -> dict[str, ActBatch]:
+        """The current group's rows (views of its buffers), then the next batch starts the
+        other group. The caller must be done with the rows taken before last (the commit
+        thread's previous write) before the next batch runs."""
+        n = self._filled + self._n
+        group = self._groups[self._current]
+        assert group is not None
+        taken = {site: ActBatch(direction=f.direction[:n], norm=f.norm[:n], mean=f.mean[:n])
+                 for site, f in group.fields.items()}
+        self._current, self._filled, self._n = 1 - self._current, 0, 0
+        self.out = {}
+        return taken
+
+    def _rows_of(self, v: torch.Tensor, work: _Work, tail: tuple[int, ...]) -> torch.Tensor:
+        """The real tokens' rows of v [B, T, *tail] as float32 [n, *tail] on the mask's
+        device: a view where v already is that, else copied into `work`."""
+        b, t = self.mask.shape
+        v = v.to(self.mask.device)  # under a device_map the module may live elsewhere
+        if self._no_padding and v.dtype == torch.float32 and v.is_contiguous():
+            return v.reshape(b * t, *tail)
+        v = v.reshape(b, t, *tail)
+        rows = work.view(self._n, *tail)
+        if self._no_padding:
+            rows.view(b, t, *tail).copy_(v)
+        elif self._lengths is not None:  # each row's real tokens first: one copy a row
+            at = 0
+            for i, length in enumerate(self._lengths):
+                rows[at : at + length].copy_(v[i, :length])
+                at += length
+        else:
+            rows.copy_(v[self.mask])
+        return rows
 
     @torch.no_grad()
     def __call__(self, module_path: str, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -61,22 +169,28 @@ class SiteSink:
                            for i in range(len(f.hooks))], dim=-2)
         elif f.layout == "bhtd":
             x, y = x.transpose(1, 2), y.transpose(1, 2)  # [B, T, H, d]
-        b, t = self.mask.shape
-        # Under a device_map the module may live on another device than the batch's mask.
-        x, y = x.to(self.mask.device), y.to(self.mask.device)
-        shape = (b * t, *x.shape[-(2 if s.n_heads else 1):])
-        if self._no_padding:  # every position is a real token: views, not gathered copies
-            x, y = x.reshape(shape).float(), y.reshape(shape).float()
+        tail = tuple(x.shape[-(2 if s.n_heads else 1):])
+        x = self._rows_of(x, self._x, tail)
+        y = self._rows_of(y, self._y, tail)
+        direction, norm, mean = norms.split(x, out=self._d.view(*x.shape))
+        group = self._groups[self._current]
+        assert group is not None
+        lo, hi = self._filled, self._filled + self._n
+        stored = group.fields[s.site]
+        host16 = torch.from_numpy(stored.direction[lo:hi])
+        if direction.device.type == "cpu":
+            direction16 = host16.copy_(direction)
         else:
-            x = x.reshape(b, t, *shape[1:])[self.mask].float()
-            y = y.reshape(b, t, *shape[1:])[self.mask].float()
-        direction, norm, mean = norms.split(x)  # [n, (h,) d], [n, (h)], [n, (h)]
-        direction16 = direction.half()
+            direction16 = self._d16.view(*direction.shape).copy_(direction)
+            host16.copy_(direction16)
+        torch.from_numpy(stored.norm[lo:hi]).copy_(norm)
+        torch.from_numpy(stored.mean[lo:hi]).copy_(mean)
         gain, bias = self.params[s.site]
-        # the vector rebuilt from what is stored, in the direction's buffer (a pass fewer)
-        rebuilt = direction.copy_(direction16).mul_(norm.unsqueeze(-1))
-        y_hat = norms.apply(bool(s.centered), rebuilt, gain=gain, bias=bias, eps=s.eps)
-        err = torch.linalg.vector_norm(y_hat.sub_(y), dim=-1).div_(  # y_hat is a new tensor
+        # the vector rebuilt from what is stored, then the norm's output, in one buffer
+        y_hat = norms.apply_(bool(s.centered),
+                             direction.copy_(direction16).mul_(norm.unsqueeze(-1)),
+                             gain=gain, bias=bias, eps=s.eps)
+        err = torch.linalg.vector_norm(y_hat.sub_(y), dim=-1).div_(
             torch.linalg.vector_norm(y, dim=-1).add_(1e-6))
         worst = float(err.max()) if err.numel() else 0.0
         if not worst <= FAITHFULNESS_LIMIT:
@@ -86,7 +200,5 @@ class SiteSink:
                 f"more than {FAITHFULNESS_LIMIT}; actdb's maths for this norm is wrong"
             )
         self.errors[s.site] = worst
-        self.out[s.site] = ActBatch(
-            direction=direction16.cpu().numpy(), norm=norm.cpu().numpy(),
-            mean=mean.cpu().numpy(),
-        )
+        self.out[s.site] = ActBatch(direction=stored.direction[lo:hi], norm=stored.norm[lo:hi],
+                                    mean=stored.mean[lo:hi])

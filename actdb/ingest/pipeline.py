@@ -348,7 +348,9 @@ def _weights(model: Any) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | No
 @dataclass(frozen=True, kw_only=True)
 class _Registration:
     record: ModelRecord
-    token_str: list[str | None]  # each token id decoded alone
+    # Each token id decoded alone; a new model's are filled in by `write`, which decodes the
+    # vocabulary on the commit thread, before any batch's token rows are made there.
+    token_str: list[str | None]
     weight_bytes: int = 0
     write: Callable[[], None] | None = None  # a new model's weights, tokenizer and rows
 
@@ -390,7 +392,7 @@ def _register(
     with st.catalog.session():
         existing = st.catalog.model(name)
         stored = st.catalog.sites(name) if existing is not None else []
-        token_str = st.catalog.token_strings(name) if existing is not None else []
+        known = st.catalog.token_strings(name) if existing is not None else []
         model_id = st.catalog.next_model_id() if existing is None else -1
     if existing is not None:
         have = [(s.site, s.d, s.n_heads) for s in stored]
@@ -401,7 +403,7 @@ def _register(
                 "pass --name to store this one under another name"
             )
         _check_same_weights(st, existing, found, stored)
-        return _Registration(record=existing, token_str=token_str)
+        return _Registration(record=existing, token_str=known)
     model = loaded.model
     embed, lm_head, lm_bias, tied = _weights(model)
     config = getattr(model, "config", None)
@@ -429,16 +431,18 @@ def _register(
         )
         for f in found
     }
-    vocab = _vocab_table(loaded.tokenizer, max(vocab_size, len(loaded.tokenizer)))
+    token_str: list[str | None] = []
 
     def write() -> None:
+        vocab = _vocab_table(loaded.tokenizer, max(vocab_size, len(loaded.tokenizer)))
+        token_str[:] = vocab.column("token").to_pylist()
         st.save_tokenizer(record.model_id, loaded.tokenizer.save_pretrained)
         st.register_model(record, records, embed=embed, lm_head=lm_head,
                           lm_head_bias=lm_bias, site_params=params, vocab=vocab)
 
     weight_bytes = sum(a.nbytes for a in (embed, lm_head, lm_bias) if a is not None)
     weight_bytes += sum(a.nbytes for pair in params.values() for a in pair if a is not None)
-    return _Registration(record=record, token_str=vocab.column("token").to_pylist(),
+    return _Registration(record=record, token_str=token_str,
                          weight_bytes=weight_bytes, write=write)
 
 
@@ -503,42 +507,44 @@ def _run(
     start = record.n_rows
     backbone = getattr(loaded.model, "base_model", loaded.model)
     extra = _forward_kwargs(backbone)
-    sink = SiteSink(found, loaded.device)
+    group_rows = max(record.chunk_tokens, _FLUSH_TOKENS)
+    sink = SiteSink(found, loaded.device, rows=group_rows)
     worst: dict[str, float] = {}
-    # Batches are buffered up to one chunk of rows, then written and committed together:
-    # fewer partial-chunk rewrites, and each commit is still all-or-nothing.
-    pending: list[tuple[list[Work], dict[str, ActBatch], dict[str, float], float | None]] = []
+    # Batches are buffered up to one chunk of rows (in the sink), then written and committed
+    # together: fewer partial-chunk rewrites, and each commit is still all-or-nothing.
+    pending: list[tuple[list[Work], dict[str, float], float | None]] = []
     full_extra = _forward_kwargs(loaded.model)
     keeps = "logits_to_keep" in inspect.signature(loaded.model.forward).parameters
 
+    def commit(works: list[Work], acts: dict[str, ActBatch], errors: dict[str, float],
+               logit_error: float | None, start: int) -> None:
+        # On the commit thread: the token strings of a new model are known there, once its
+        # registration (the first job) has decoded the vocabulary.
+        new_prompts, runs, tokens = batch_tables(works, start, token_str)
+        st.commit_batch(record, start=start, acts=acts, new_prompts=new_prompts,
+                        prompt_runs=runs, tokens=tokens, site_errors=errors,
+                        logit_error=logit_error)
+
     def flush() -> int:
         works = [w for p in pending for w in p[0]]
-        acts = {
-            s.site: ActBatch(**{
-                k: np.concatenate([getattr(p[1][s.site], k) for p in pending])
-                for k in ("direction", "norm", "mean")
-            })
-            for s in records
-        }
         errors: dict[str, float] = {}
-        logit_errors = [p[3] for p in pending if p[3] is not None]
+        logit_errors = [p[2] for p in pending if p[2] is not None]
         for p in pending:
-            for k, v in p[2].items():
+            for k, v in p[1].items():
                 errors[k] = max(errors.get(k, 0.0), v)
-        new_prompts, runs, tokens = batch_tables(works, start, token_str)
         pending.clear()
         for k, v in errors.items():
             worst[k] = max(worst.get(k, 0.0), v)
         # Writes and commit run in the background while the next batches go through the
-        # model; one flush at a time, in order, so commits keep the protocol's order.
+        # model; one flush at a time, in order, so commits keep the protocol's order. The
+        # sink's other buffers, which the next batches fill, are the ones the previous commit
+        # wrote: it must be done first.
+        acts = sink.take()
         if in_flight:
             in_flight.pop().result()
         in_flight.append(committer.submit(
-            st.commit_batch, record, start=start, acts=acts, new_prompts=new_prompts,
-            prompt_runs=runs, tokens=tokens, site_errors=errors,
-            logit_error=max(logit_errors) if logit_errors else None,
-        ))
-        return start + tokens.num_rows
+            commit, works, acts, errors, max(logit_errors) if logit_errors else None, start))
+        return start + sum(len(w.ids) for w in works)
 
     in_flight: list[Future[Any]] = []
     committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actdb-commit")
@@ -587,10 +593,10 @@ def _run(
                         f"fields differ from the model's own by {logit_error:.3g} (relative), "
                         f"more than {LOGIT_LIMIT}; nothing of this batch was stored"
                     )
-            pending.append((batch, sink.out, sink.errors, logit_error if recorded else None))
+            pending.append((batch, sink.errors, logit_error if recorded else None))
             n = sum(len(w.ids) for w in batch)
             buffered += n
-            if buffered >= max(record.chunk_tokens, _FLUSH_TOKENS) or i + batch_size >= len(work):
+            if buffered >= group_rows or i + batch_size >= len(work):
                 start = flush()
                 buffered = 0
             bar.update(n)
