@@ -226,3 +226,29 @@ def test_probe_passes_keep_every_position_where_a_norm_follows_the_cut(family: s
     head_norm = [f.record for f in found if not f.record.module.startswith(
         model.base_model_prefix + ".")]
     assert n_layers == 2 and head_norm, [f.record.module for f in found]
+
+
+def test_the_collector_skips_what_existed_before_the_ingest_and_is_given_back(
+        model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """During an ingest the objects that existed when it started (torch, transformers, the
+    model) are frozen out of the cyclic collector's walks; after it, success or failure, the
+    collector is as it was, and a process that froze objects itself keeps them frozen."""
+    import gc
+
+    inside: list[int] = []
+    kw: dict[str, Any] = {"model": str(model_dir("gpt2")), "device": "cpu", "name": "m",
+                          "on_plan": lambda plan: inside.append(gc.get_freeze_count())}
+    assert gc.get_freeze_count() == 0
+    actdb.ingest(tmp_path / "a.actdb", prompts=["one prompt"], **kw)
+    assert inside[-1] > 10_000 and gc.get_freeze_count() == 0
+    with pytest.raises(actdb.IngestError):  # a failed ingest gives the collector back too
+        actdb.ingest(tmp_path / "a.actdb", prompts=["two"], batch_size=0, **kw)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # the caller's own arrangement
+    try:
+        mine = gc.get_freeze_count()
+        actdb.ingest(tmp_path / "a.actdb", prompts=["three prompts"], **kw)
+        # (frozen objects freed meanwhile leave the count; none were thawed or added)
+        assert mine - 1000 < inside[-1] <= mine and mine - 1000 < gc.get_freeze_count() <= mine
+    finally:
+        gc.unfreeze()

@@ -586,7 +586,14 @@ class Catalog:
     def insert_model(
         self, model: ModelRecord, sites: Sequence[SiteRecord], vocab: pa.Table
     ) -> None:
-        """Register a model, its sites and its vocabulary in one transaction."""
+        """Register a model, its sites and its vocabulary in one transaction (one open of
+        the file for the checks and the transaction)."""
+        with self._session():
+            self._insert_model(model, sites, vocab)
+
+    def _insert_model(
+        self, model: ModelRecord, sites: Sequence[SiteRecord], vocab: pa.Table
+    ) -> None:
         self._add_missing_columns()
         have = self.one("SELECT coalesce(sum(coalesce(n_heads, 1)), 0) FROM sites")
         limits.check_streams(int(have[0]) if have else 0, sum(s.n_heads or 1 for s in sites),
