@@ -92,8 +92,9 @@ def test_small_commit_groups_store_the_same_vectors(case: int, batch_size: int,
                                                     tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Commit groups of a few rows: the ingest's two sets of row buffers alternate many times
-    (padded batches of two uneven prompts, a group each), and a group's buffers grow when the
-    next prompt does not fit (prompts of 17, 31, 6, 36, 19 and 20 tokens, groups of 40)."""
+    (padded batches of two uneven prompts, a group each), and groups of several prompts fill
+    their buffers to the size the ingest computed (prompts of 17, 31, 6, 36, 19 and 20 tokens,
+    groups of at least 40)."""
     monkeypatch.setattr(pipeline, "_FLUSH_TOKENS", group_tokens)
     _check_stored_faithfully(CASES[case], tokenizer, tmp_path, batch_size=batch_size,
                              chunk_tokens=4)

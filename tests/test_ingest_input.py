@@ -241,8 +241,8 @@ def test_the_collector_skips_what_existed_before_the_ingest_and_is_given_back(
     assert gc.get_freeze_count() == 0
     actdb.ingest(tmp_path / "a.actdb", prompts=["one prompt"], **kw)
     assert inside[-1] > 10_000 and gc.get_freeze_count() == 0
-    with pytest.raises(actdb.IngestError):  # a failed ingest gives the collector back too
-        actdb.ingest(tmp_path / "a.actdb", prompts=["two"], batch_size=0, **kw)
+    with pytest.raises(actdb.IngestError, match="other sites"):  # failed after the freeze
+        actdb.ingest(tmp_path / "a.actdb", prompts=["two"], sites="final", **kw)
     assert gc.get_freeze_count() == 0
     gc.freeze()  # the caller's own arrangement
     try:

@@ -44,15 +44,6 @@ class _Group:
                 mean=np.empty((rows, *heads), np.float32),
             )
 
-    def grown(self, found: list[FoundSite], rows: int, filled: int) -> _Group:
-        """A larger group holding this one's first `filled` rows."""
-        bigger = _Group(found, rows)
-        for site, old in self.fields.items():
-            new = bigger.fields[site]
-            for k in ("direction", "norm", "mean"):
-                getattr(new, k)[:filled] = getattr(old, k)[:filled]
-        return bigger
-
 
 class _Work:
     """A float32 buffer on the ingest's device, grown on demand, viewed in any shape."""
@@ -77,6 +68,8 @@ class SiteSink:
 
     def __init__(self, found: list[FoundSite], device: torch.device, *, rows: int = 2048
                  ) -> None:
+        """`rows`: the most rows a group will hold (its buffers' pages are only taken as
+        rows are written, so a generous size costs address space, not memory)."""
         self.found = found
         self.device = device
         self.by_module = {path: (f, i) for f in found for i, (path, _) in enumerate(f.hooks)}
@@ -114,10 +107,11 @@ class SiteSink:
         self.out, self.errors, self._heads = {}, {}, {}
         group = self._groups[self._current]
         need = self._filled + self._n
-        if group is None or group.rows < need:
-            rows = max(self._rows, need, 2 * group.rows if group else 0)
-            self._groups[self._current] = (group.grown(self.found, rows, self._filled)
-                                           if group else _Group(self.found, rows))
+        if group is None:
+            self._groups[self._current] = _Group(self.found, max(self._rows, need))
+        elif group.rows < need:
+            raise RuntimeError(f"a group of {group.rows} rows cannot take a batch of {self._n} "
+                               f"after {self._filled}: the sink was sized too small")
 
     def take(self) -> dict[str, ActBatch]:
         """The current group's rows (views of its buffers), then the next batch starts the

@@ -520,7 +520,11 @@ def _run(
     backbone = getattr(loaded.model, "base_model", loaded.model)
     extra = _forward_kwargs(backbone)
     group_rows = max(record.chunk_tokens, _FLUSH_TOKENS)
-    sink = SiteSink(found, loaded.device, rows=group_rows)
+    # A group is flushed once it holds group_rows rows: at most group_rows - 1 and a batch.
+    largest = max((sum(len(w.ids) for w in work[i : i + batch_size])
+                   for i in range(0, len(work), batch_size)), default=0)
+    sink = SiteSink(found, loaded.device,
+                    rows=min(group_rows - 1 + largest, sum(len(w.ids) for w in work)))
     worst: dict[str, float] = {}
     # Batches are buffered up to one chunk of rows (in the sink), then written and committed
     # together: fewer partial-chunk rewrites, and each commit is still all-or-nothing.
