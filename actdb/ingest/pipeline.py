@@ -536,6 +536,8 @@ def _run(
                logit_error: float | None, start: int) -> None:
         # On the commit thread: the token strings of a new model are known there, once its
         # registration (the first job) has decoded the vocabulary.
+        if not token_str:  # rows of missing token strings would be stored silently
+            raise RuntimeError("a batch was committed before its model's vocabulary was read")
         new_prompts, runs, tokens = batch_tables(works, start, token_str)
         st.commit_batch(record, start=start, acts=acts, new_prompts=new_prompts,
                         prompt_runs=runs, tokens=tokens, site_errors=errors,
