@@ -71,7 +71,6 @@ class SiteSink:
         """`rows`: the most rows a group will hold (its buffers' pages are only taken as
         rows are written, so a generous size costs address space, not memory)."""
         self.found = found
-        self.device = device
         self.by_module = {path: (f, i) for f in found for i, (path, _) in enumerate(f.hooks)}
         self.params = {
             f.record.site: (

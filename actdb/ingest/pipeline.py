@@ -519,12 +519,12 @@ def _run(
     start = record.n_rows
     backbone = getattr(loaded.model, "base_model", loaded.model)
     extra = _forward_kwargs(backbone)
+    total = sum(len(w.ids) for w in work)
     group_rows = max(record.chunk_tokens, _FLUSH_TOKENS)
     # A group is flushed once it holds group_rows rows: at most group_rows - 1 and a batch.
     largest = max((sum(len(w.ids) for w in work[i : i + batch_size])
                    for i in range(0, len(work), batch_size)), default=0)
-    sink = SiteSink(found, loaded.device,
-                    rows=min(group_rows - 1 + largest, sum(len(w.ids) for w in work)))
+    sink = SiteSink(found, loaded.device, rows=min(group_rows - 1 + largest, total))
     worst: dict[str, float] = {}
     # Batches are buffered up to one chunk of rows (in the sink), then written and committed
     # together: fewer partial-chunk rewrites, and each commit is still all-or-nothing.
@@ -566,14 +566,13 @@ def _run(
 
     in_flight: list[Future[Any]] = []
     committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actdb-commit")
-    bar = progress_bar(sum(len(w.ids) for w in work), f"ingest {record.model}",
-                       enabled=progress)
+    bar = progress_bar(total, f"ingest {record.model}", enabled=progress)
     # Registering a new model and sizing its arrays only need to be done before the first
     # write: they run first on the commit thread, alongside the first forward passes.
     def prepare() -> None:
         if reg.write is not None:
             reg.write()
-        st.reserve_rows(record, records, start + sum(len(w.ids) for w in work))
+        st.reserve_rows(record, records, start + total)
 
     in_flight.append(committer.submit(prepare))
     with _drained(committer), bar, on_norm_io({p: m for f in found for p, m in f.hooks}, sink):
