@@ -88,9 +88,11 @@ def should_fold(path: Path) -> bool:
         return False
 
 
-def fold(path: Path) -> None:
+def fold(path: Path, engine: duckdb.DuckDBPyConnection | None = None) -> None:
     """Fold the log of `path` into a new file renamed over it. The caller holds the
-    catalog's lock exclusively (catalog_lock.py) and has no transaction in flight."""
+    catalog's lock exclusively (catalog_lock.py) and has no transaction in flight. With
+    `engine` (a DuckDB instance of the caller's), the copy is attached to it rather than
+    opened as a database of its own (20-30 ms of CPU less)."""
     log = log_path(path)
     try:
         copied_log = log.stat()
@@ -105,14 +107,7 @@ def fold(path: Path) -> None:
         shutil.copymode(path, tmp)  # the folded file is as readable as the one it replaces
         shutil.copyfile(log, tmp_log)
         made = tmp.stat()
-        con = duckdb.connect(str(tmp), config={"threads": 1})
-        try:
-            con.execute("CHECKPOINT")
-            # What is renamed over the catalog must be this copy, whole: a file that lost
-            # its tables (or was replaced) would pass for an empty store.
-            con.execute("SELECT count(*) FROM meta").fetchall()
-        finally:
-            con.close()
+        _checkpoint(tmp, engine)
         if tmp_log.exists():
             raise OSError(f"DuckDB left a log after checkpointing {str(tmp)!r}")
         fd = os.open(tmp, os.O_RDONLY)
@@ -133,6 +128,28 @@ def fold(path: Path) -> None:
     if _same_file(stat_log(path), copied_log):  # the log folded, not one written since
         log.unlink(missing_ok=True)
         fsync_dir(path.parent)
+
+
+def _checkpoint(path: Path, engine: duckdb.DuckDBPyConnection | None) -> None:
+    """Checkpoint the database file `path` (its log replayed into it, the log removed),
+    checking that it holds the catalog's tables: what is renamed over the catalog must be
+    this copy, whole, as a file that lost its tables (or was replaced) would pass for an
+    empty store."""
+    if engine is None:
+        con = duckdb.connect(str(path), config={"threads": 1})
+        try:
+            con.execute("CHECKPOINT")
+            con.execute("SELECT count(*) FROM meta").fetchall()
+        finally:
+            con.close()
+        return
+    quoted = str(path).replace("'", "''")
+    engine.execute(f"ATTACH '{quoted}' AS actdb_fold")
+    try:
+        engine.execute("CHECKPOINT actdb_fold")
+        engine.execute("SELECT count(*) FROM actdb_fold.meta").fetchall()
+    finally:
+        engine.execute("DETACH actdb_fold")
 
 
 def _same_file(now: os.stat_result | None, seen: os.stat_result | None) -> bool:

@@ -56,8 +56,11 @@ def remove_partials(root: Path) -> int:
 def is_disk_full(e: BaseException) -> bool:
     if isinstance(e, OSError) and e.errno in _FULL:
         return True
-    # DuckDB reports a full disk as an IOException whose text carries strerror.
-    return type(e).__module__.startswith("duckdb") and "No space left on device" in str(e)
+    # DuckDB reports a full disk as an error (an IOException, or a TransactionException for
+    # a commit that could not write its log) whose text carries strerror; its classes live
+    # in the module `_duckdb`.
+    return (type(e).__module__.lstrip("_").startswith("duckdb")
+            and "No space left on device" in str(e))
 
 
 @contextmanager

@@ -67,7 +67,8 @@ class LocalBackend:
                 tmp.mkdir()
                 Arrays.create(tmp / TENSORS_NAME, version=LOCAL_FORMAT_VERSION)
                 fault("create_before_catalog")
-                Catalog.create(tmp / CATALOG_NAME, version=LOCAL_FORMAT_VERSION).close(strict=True)
+                Catalog.create(tmp / CATALOG_NAME, version=LOCAL_FORMAT_VERSION,
+                               hold=False).close(strict=True)
                 fault("create_after_catalog")
                 durable.sync_tree(tmp)
                 try:
