@@ -184,7 +184,14 @@ def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
     def stop(*a: Any, **kw: Any) -> None:
         raise Stop
 
+    real_attach = catalog_module.Catalog._attach
+
+    def attach(self: Any) -> Any:
+        opened.append(f"attached {self.path}")
+        return real_attach(self)
+
     monkeypatch.setattr(catalog_module.duckdb, "connect", connect)
+    monkeypatch.setattr(catalog_module.Catalog, "_attach", attach)
     monkeypatch.setattr(pipeline, "_run", stop)
     try:
         with pytest.raises(Stop):
@@ -196,6 +203,10 @@ def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
     # the store's own check at open, its format version, then the model's reads and the
     # prompts' reads (eleven before they were grouped)
     assert len(catalog_opens) <= 4, catalog_opens
+    # each an attach of the file to one DuckDB instance, started once (20-30 ms of CPU each
+    # time one starts)
+    assert all(p.startswith("attached") for p in catalog_opens), opened
+    assert len(opened) - len(catalog_opens) == 1, opened
     assert locked_during == [False, False], locked_during
     # find_sites' two probe passes (3 rows each, one position kept), then the logit fit's
     # pass over every probe position
@@ -252,3 +263,27 @@ def test_the_collector_skips_what_existed_before_the_ingest_and_is_given_back(
         assert mine - 1000 < inside[-1] <= mine and mine - 1000 < gc.get_freeze_count() <= mine
     finally:
         gc.unfreeze()
+
+
+def test_the_last_batch_is_committed_alone(model_dir: Callable[[str], Path], tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches are committed in groups, but the last batch is a group of its own: its commit
+    is the one no forward pass overlaps, so the batches before it are written meanwhile."""
+    from actdb.store.store import Store
+
+    sizes: list[int] = []
+    real = Store.commit_batch
+
+    def commit_batch(self: Store, *a: Any, **kw: Any) -> int:
+        sizes.append(kw["tokens"].num_rows)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Store, "commit_batch", commit_batch)
+    prompts = [f"prompt number {i} is here" for i in range(5)]
+    summary = actdb.ingest(tmp_path / "s.actdb", model=str(model_dir("gpt2")), prompts=prompts,
+                           batch_size=2, device="cpu", name="m")
+    with actdb.connect(tmp_path / "s.actdb") as db:
+        last = db.sql("SELECT n_tokens FROM prompts ORDER BY prompt_id DESC LIMIT 1").fetchall()
+    # batches of 2, 2 and 1 prompts, far below a group's 2,048 rows: the first two together
+    assert len(sizes) == 2 and sizes[1] == last[0][0], sizes
+    assert sum(sizes) == summary.tokens_written
