@@ -99,6 +99,47 @@ def test_a_writer_starts_one_duckdb_instance_for_all_its_sessions_and_folds(
     assert _texts(created) == [f"prompt {j}" for j in range(40)]
 
 
+def test_a_new_models_registration_is_folded_at_once_but_not_under_a_holder(
+    created: Path,
+) -> None:
+    """An ingest writer folds the log right after registering a model (its vocabulary is
+    most of what an ingest logs, which every later session would replay); a holder, whose
+    connection stays on the file, leaves it in the log until it closes."""
+    from actdb.store.records import ModelRecord, SiteRecord
+
+    sites = [SiteRecord(site="s0", site_id=0, layer=0, role="pre_attn", kind="rmsnorm", d=4,
+                        n_heads=None, eps=1e-5, module="m0", has_gain=False, has_bias=False)]
+    vocab = pa.table({"token_id": pa.array(range(5000), pa.int32()),
+                      "token": [f"t{i}" for i in range(5000)],
+                      "piece": [f"p{i}" for i in range(5000)]})
+
+    def model(name: str, model_id: int) -> ModelRecord:
+        return ModelRecord(model=name, model_id=model_id, source="test", revision=None,
+                           architecture="X", d_model=4, n_layers=1, vocab_size=5000, n_sites=1,
+                           has_lm_head=False, has_lm_head_bias=False, tied_embeddings=False,
+                           final_site=None, dtype="float32", max_length=None, sites_glob=None,
+                           chunk_tokens=8)
+
+    writer = Catalog(created, read_only=False, hold=False)
+    writer.insert_model(model("a", 0), sites, vocab)
+    assert not catalog_log.log_path(created).exists()
+    writer.close()
+    holder = Catalog(created, read_only=False)
+    try:
+        holder.insert_model(model("b", 1), sites, vocab)
+        assert catalog_log.log_bytes(created) > 0
+        holder.con.execute("INSERT INTO meta VALUES ('after', 'b')")  # still on the file
+    finally:
+        holder.close()
+    reader = Catalog(created, read_only=True)
+    try:
+        assert reader.all("SELECT model, count(*) FROM vocab GROUP BY model ORDER BY model") == [
+            ("a", 5000), ("b", 5000)]
+        assert reader.meta()["after"] == "b"
+    finally:
+        reader.close()
+
+
 def test_a_commit_that_cannot_write_the_log_is_a_full_disk() -> None:
     """DuckDB reports a log it cannot write at COMMIT as a TransactionException (class of
     the module `_duckdb`): it is a full disk, said in one sentence, like its IOException."""
