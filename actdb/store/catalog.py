@@ -578,7 +578,8 @@ class Catalog:
         with self._session() as con:
             rows = con.execute(
                 "SELECT column_name, data_type FROM information_schema.columns "
-                "WHERE table_name = 'prompts' ORDER BY ordinal_position"
+                "WHERE table_name = 'prompts' AND table_catalog = current_database() "
+                "ORDER BY ordinal_position"
             ).fetchall()
         return {name: dtype for name, dtype in rows}
 
