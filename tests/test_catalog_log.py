@@ -140,6 +140,61 @@ def test_a_new_models_registration_is_folded_at_once_but_not_under_a_holder(
         reader.close()
 
 
+def test_a_registration_inside_an_outer_session_waits_for_its_end_to_fold(
+    created: Path,
+) -> None:
+    """Folding renames a new file over the one attached: inside a session opened by the
+    caller, whose later writes go to the attached file, the fold waits for the session's end
+    (else those writes would be lost without an error)."""
+    from actdb.store.records import ModelRecord, SiteRecord
+
+    sites = [SiteRecord(site="s0", site_id=0, layer=0, role="pre_attn", kind="rmsnorm", d=4,
+                        n_heads=None, eps=1e-5, module="m0", has_gain=False, has_bias=False)]
+    record = ModelRecord(model="a", model_id=0, source="test", revision=None, architecture="X",
+                         d_model=4, n_layers=1, vocab_size=1, n_sites=1, has_lm_head=False,
+                         has_lm_head_bias=False, tied_embeddings=False, final_site=None,
+                         dtype="float32", max_length=None, sites_glob=None, chunk_tokens=8)
+    vocab = pa.table({"token_id": pa.array([0], pa.int32()), "token": ["t"], "piece": ["p"]})
+    writer = Catalog(created, read_only=False, hold=False)
+    with writer.session():
+        writer.insert_model(record, sites, vocab)
+        _commit(writer, 0, 3)  # after the registration, in the same session
+    writer.close()
+    assert _texts(created) == ["prompt 0", "prompt 1", "prompt 2"]
+
+
+def test_an_interrupted_session_leaves_the_file_neither_attached_nor_locked(
+    created: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session that fails between attaching the file and its end (here a Ctrl-C while it
+    is being set up) detaches it: the next session works and nothing keeps DuckDB's lock;
+    one left attached anyway is found and its instance closed at the next session."""
+    import duckdb
+
+    writer = Catalog(created, read_only=False, hold=False)
+    real = catalog_log.log_only
+
+    def interrupted(con: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(catalog_log, "log_only", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _commit(writer, 0, 2)
+    monkeypatch.setattr(catalog_log, "log_only", real)
+    assert writer._engine is not None and writer._engine.execute(
+        "SELECT database_name FROM duckdb_databases() WHERE NOT internal").fetchall() == [
+        ("memory",)]
+    other = duckdb.connect(str(created))  # DuckDB's own lock is free
+    other.close()
+    _commit(writer, 0, 2)
+    # attached and never detached (an interrupt just after the ATTACH returned)
+    quoted = str(created).replace("'", "''")
+    writer._engine.execute(f"ATTACH '{quoted}' AS actdb_catalog")
+    _commit(writer, 2, 2)
+    writer.close()
+    assert _texts(created) == [f"prompt {j}" for j in range(4)]
+
+
 def test_a_commit_that_cannot_write_the_log_is_a_full_disk() -> None:
     """DuckDB reports a log it cannot write at COMMIT as a TransactionException (class of
     the module `_duckdb`): it is a full disk, said in one sentence, like its IOException."""

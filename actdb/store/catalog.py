@@ -269,10 +269,15 @@ class Catalog:
                 con = duckdb.connect(str(self.path), read_only=read_only, config=config)
             if not log_only:
                 return con
-            if not self._swept:
-                catalog_log.remove_leftovers(self.path)
-                self._swept = True
-            return catalog_log.log_only(con)
+            try:
+                if not self._swept:
+                    catalog_log.remove_leftovers(self.path)
+                    self._swept = True
+                return catalog_log.log_only(con)
+            except BaseException:  # the file is not left open (or attached) by a failed open
+                with suppress(Exception):
+                    self._release(con)
+                raise
 
         def remove_stale() -> None:
             # A log a killed fold left, older than the file and folded into it: a writer
@@ -296,6 +301,13 @@ class Catalog:
         its own costs 20-30 ms of CPU apiece (DuckDB starts an instance), about ten times
         an ingest of 4k tokens; attaching it costs 1-2 ms. The instance never checkpoints
         (LOG_ONLY_CONFIG): commits stay in the log when the file is detached (`_release`)."""
+        if self._engine is not None and self._engine.execute(
+                "SELECT 1 FROM duckdb_databases() WHERE database_name = ?", [_ATTACHED]
+        ).fetchall():
+            # left attached by a session interrupted between its ATTACH and its end (a
+            # Ctrl-C): the whole instance is closed, which rolls back and closes the file
+            engine, self._engine = self._engine, None
+            engine.close()
         if self._engine is None:
             self._engine = catalog_log.log_only(
                 duckdb.connect(":memory:", config=catalog_log.LOG_ONLY_CONFIG))
@@ -636,14 +648,18 @@ class Catalog:
     ) -> None:
         """Register a model, its sites and its vocabulary in one transaction (one open of
         the file for the checks and the transaction)."""
+        opened_here = self._con is None
         with self._session():
             self._insert_model(model, sites, vocab)
-            if self._logged and not self._hold:
+            if opened_here and self._logged:
                 # The vocabulary is most of what an ingest logs (50k rows and more): folded
                 # now, beside the first forward passes, each later session of the ingest
-                # attaches the file without replaying it (20-40 ms apiece). Not under a
-                # holder's connection, which would go on writing to the file folded away.
-                self._fold()
+                # attaches the file without replaying it (20-40 ms apiece). Only at the end
+                # of a session opened here: a holder's connection, or an outer session's,
+                # would go on writing to the file folded away. A fold that fails (a full
+                # disk) leaves the log, which every open replays: the close folds it.
+                with suppress(Exception):
+                    self._fold()
 
     def _insert_model(
         self, model: ModelRecord, sites: Sequence[SiteRecord], vocab: pa.Table

@@ -144,6 +144,7 @@ def _checkpoint(path: Path, engine: duckdb.DuckDBPyConnection | None) -> None:
             con.close()
         return
     quoted = str(path).replace("'", "''")
+    engine.execute("DETACH DATABASE IF EXISTS actdb_fold")  # an interrupted fold's
     engine.execute(f"ATTACH '{quoted}' AS actdb_fold")
     try:
         engine.execute("CHECKPOINT actdb_fold")
