@@ -613,10 +613,9 @@ def _run(
             pending.append((batch, sink.errors, logit_error if recorded else None))
             n = sum(len(w.ids) for w in batch)
             buffered += n
-            # The last batch is a group of its own: its commit is the one that nothing
-            # overlaps, so the batches before it are committed while it runs.
-            if (buffered >= group_rows or i + batch_size >= len(work)
-                    or i + 2 * batch_size >= len(work)):
+            # Flushed before the last batch as well as after it: the last batch is a group of
+            # its own, since its commit is the one that nothing overlaps.
+            if buffered >= group_rows or i + 2 * batch_size >= len(work):
                 start = flush()
                 buffered = 0
             bar.update(n)

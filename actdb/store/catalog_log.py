@@ -134,23 +134,21 @@ def _checkpoint(path: Path, engine: duckdb.DuckDBPyConnection | None) -> None:
     """Checkpoint the database file `path` (its log replayed into it, the log removed),
     checking that it holds the catalog's tables: what is renamed over the catalog must be
     this copy, whole, as a file that lost its tables (or was replaced) would pass for an
-    empty store."""
-    if engine is None:
-        con = duckdb.connect(str(path), config={"threads": 1})
-        try:
-            con.execute("CHECKPOINT")
-            con.execute("SELECT count(*) FROM meta").fetchall()
-        finally:
-            con.close()
-        return
-    quoted = str(path).replace("'", "''")
-    engine.execute("DETACH DATABASE IF EXISTS actdb_fold")  # an interrupted fold's
-    engine.execute(f"ATTACH '{quoted}' AS actdb_fold")
+    empty store. The file is attached to `engine`, or to an instance of its own."""
+    own = engine is None
+    con = duckdb.connect(":memory:", config={"threads": 1}) if engine is None else engine
     try:
-        engine.execute("CHECKPOINT actdb_fold")
-        engine.execute("SELECT count(*) FROM actdb_fold.meta").fetchall()
+        quoted = str(path).replace("'", "''")
+        con.execute("DETACH DATABASE IF EXISTS actdb_fold")  # an interrupted fold's
+        con.execute(f"ATTACH '{quoted}' AS actdb_fold")
+        try:
+            con.execute("CHECKPOINT actdb_fold")
+            con.execute("SELECT count(*) FROM actdb_fold.meta").fetchall()
+        finally:
+            con.execute("DETACH actdb_fold")
     finally:
-        engine.execute("DETACH actdb_fold")
+        if own:
+            con.close()
 
 
 def _same_file(now: os.stat_result | None, seen: os.stat_result | None) -> bool:
