@@ -40,11 +40,12 @@ class ShiftyRMSNorm(_Norm):
 
 
 class _Offset(GenForCausalLM):
-    """Logits that follow W_U . h when measured (length 11), and add an offset otherwise."""
+    """Logits that follow W_U . h when measured (the probe passes' lengths, 11 and 7), and add
+    an offset otherwise."""
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = super()._logits(h)
-        return logits if h.shape[1] == 11 else logits + 0.3
+        return logits if h.shape[1] in (7, 11) else logits + 0.3
 
 
 def _rows(store: Path) -> int:

@@ -140,8 +140,8 @@ def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
     model_dir: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Before its first batch an ingest opens the catalog file for its reads once (each open
-    replays DuckDB's log), not once a read; the site-finding probe passes ask the LM head for
-    one position, not every one. The stored values are checked elsewhere: this is the cost."""
+    replays DuckDB's log), not once a read; it runs two small forward passes, the LM head in
+    only one of them. The stored values are checked elsewhere: this is the cost."""
     import duckdb
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -177,6 +177,9 @@ def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
     head_rows: list[int] = []
     hook = model.get_output_embeddings().register_forward_hook(
         lambda m, args, out: head_rows.append(int(args[0].shape[:-1].numel())))
+    passes: list[int] = []
+    base_hook = model.base_model.register_forward_pre_hook(
+        lambda m, args: passes.append(1))
 
     class Stop(Exception):
         pass
@@ -199,6 +202,7 @@ def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
                          prompts=["a second prompt", "and a third one here"])
     finally:
         hook.remove()
+        base_hook.remove()
     catalog_opens = [p for p in opened if p.endswith("catalog.duckdb")]
     # the store's own check at open, its format version, then the model's reads and the
     # prompts' reads (eleven before they were grouped)
@@ -208,9 +212,10 @@ def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
     assert all(p.startswith("attached") for p in catalog_opens), opened
     assert len(opened) - len(catalog_opens) == 1, opened
     assert locked_during == [False, False], locked_during
-    # find_sites' two probe passes (3 rows each, one position kept), then the logit fit's
-    # pass over every probe position
-    assert head_rows[:2] == [3, 3], head_rows
+    # two forward passes before the first batch: find_sites' first runs the base model alone
+    # (no LM head), its second the whole model with the logit fit hooked on the final norm,
+    # the LM head over its 3 x 7 positions
+    assert len(passes) == 2 and head_rows == [21], (passes, head_rows)
 
 
 @pytest.mark.parametrize("family", ["roberta", "bert"])

@@ -84,78 +84,111 @@ def _config_numbers(config: Any) -> list[float]:
     return [1.0] + nums + [1.0 / v for v in nums]
 
 
+class LogitFit:
+    """The logit fit, in two halves around one forward pass of the whole model: as the final
+    norm's forward hook, it replaces the norm's output with vectors we choose (every position
+    its own magnitude); `ran` takes the model's output; `transform` fits its logits.
+
+    find_sites runs its second pass this way (sites.FinalProbe), so the fit costs no forward
+    pass of its own; `measure_logits` runs one where that pass could not carry it."""
+
+    def __init__(self, head: nn.Module, sample: Mapping[str, torch.Tensor],
+                 kwargs: Mapping[str, Any], config: Any = None) -> None:
+        self.head = head
+        self.kwargs = kwargs
+        self.hints = _config_numbers(config)
+        self.bsz, self.t = (int(n) for n in sample["input_ids"].shape)
+        d = int(head.weight.shape[1])  # type: ignore[index]
+        gen = torch.Generator().manual_seed(7)
+        r = torch.randn(self.bsz * self.t, d, generator=gen, dtype=torch.float64)
+        self.r = r / torch.linalg.vector_norm(r, dim=-1, keepdim=True) * math.sqrt(d)
+        self.product = _pre(self.r, head, bias=False)  # [n, V]
+        self.base = self.product.abs().amax(-1).clamp_min(1e-30)  # [n]
+        self.dtype = torch.float32
+        self.target = self.base
+        self.sent: torch.Tensor | None = None
+        self.path: str | None = None
+        self.output: Any = None
+
+    @torch.no_grad()
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        p = next(module.parameters(), None)
+        self.dtype = p.dtype if p is not None else torch.float32
+        top = 4.0 if self.dtype == torch.float16 else 8.0  # float16 logits overflow past 65504
+        # Each token gets its own magnitude: max |W_U . h| from 1e-2 (linear) to saturating.
+        self.target = 10.0 ** torch.linspace(-2.0, top, self.bsz * self.t, dtype=torch.float64)
+        out = output_tensor(output)
+        assert out is not None
+        h = self.r * (self.target / self.base).unsqueeze(-1)
+        sent = h.to(dtype=out.dtype, device=out.device).reshape(out.shape)
+        self.sent = sent
+        return sent if isinstance(output, torch.Tensor) else (sent, *output[1:])
+
+    def ran(self, module_path: str, output: Any) -> None:
+        self.path, self.output = module_path, output
+
+    @torch.no_grad()
+    def transform(self, final: FoundSite, name: str) -> LogitTransform:
+        """Fit the model's logits as a scale and soft-cap of `W_U . final_norm + b_U`.
+
+        Raises IngestError when no such transform reproduces them."""
+        bsz, t, head = self.bsz, self.t, self.head
+        real = model_logits(self.output).double().cpu() if self.output is not None else None
+        if self.sent is None or real is None or real.shape[:2] != (bsz, t):
+            raise IngestError(f"model {name!r}: its logits do not come from its final norm "
+                              f"{final.record.module!r}")
+        if self.sent.dtype in (torch.float32, torch.float64):
+            # h is r scaled row by row (rounded to float32 at most, 1e-7 relative): its
+            # product is r's, scaled, within the product's own rounding (a second pass over
+            # the LM head cost the ingest 0.04 s)
+            pre = self.product * (self.target / self.base).unsqueeze(-1)
+            b = getattr(head, "bias", None)
+            if isinstance(b, torch.Tensor):
+                pre = pre + b.detach().to(device="cpu", dtype=torch.float64)
+        else:  # rounded to the model's 8 or 11 bits: the product of what was sent
+            pre = _pre(self.sent.double().cpu().reshape(bsz * t, -1), head)
+        real = real.reshape(bsz * t, -1)[:, : pre.shape[1]]
+        tol = _FIT_TOLERANCE.get(self.dtype, 3e-2)
+        hints = self.hints
+
+        def error(tr: LogitTransform) -> float:
+            diff = torch.linalg.vector_norm(tr.apply(pre) - real, dim=-1)
+            return float((diff / torch.linalg.vector_norm(real, dim=-1).clamp_min(1e-30)).max())
+
+        scale = float((pre * real).sum() / (pre * pre).sum())
+        fit = LogitTransform(scale=_snap(scale, hints), softcap=None, error=0.0)
+        if error(fit) > tol:
+            cap = _snap(float(real.abs().max()), hints)
+            ok = real.abs() < 0.9 * cap  # far from saturation: atanh is well conditioned
+            y = cap * torch.atanh((real / cap).clamp(-1 + 1e-12, 1 - 1e-12))
+            scale = float((pre[ok] * y[ok]).sum() / (pre[ok] * pre[ok]).sum())
+            fit = LogitTransform(scale=_snap(scale, hints), softcap=cap, error=0.0)
+        err = error(fit)
+        if not err <= tol:
+            raise IngestError(
+                f"model {name!r}: its logits are not a scale and soft-cap of W_U . final_norm(x) "
+                f"+ b_U (the best fit leaves a relative error of {err:.3g}); actdb cannot "
+                "reproduce them"
+            )
+        return LogitTransform(scale=None if fit.scale == 1.0 else fit.scale, softcap=fit.softcap,
+                              error=err)
+
+
 @torch.no_grad()
 def measure_logits(model: nn.Module, sample: Mapping[str, torch.Tensor], final: FoundSite,
                    head: nn.Module, extra: Mapping[str, Any], name: str) -> LogitTransform:
-    """Fit the model's logits as a scale and soft-cap of `W_U . final_norm + b_U`.
+    """The logit fit (LogitFit) with a forward pass of its own over `sample`.
 
-    Raises IngestError when no such transform reproduces them.
+    Raises IngestError when no scale and soft-cap reproduce the model's logits.
     """
-    bsz, t = (int(n) for n in sample["input_ids"].shape)
-    d = int(head.weight.shape[1])  # type: ignore[index]
-    gen = torch.Generator().manual_seed(7)
-    r = torch.randn(bsz * t, d, generator=gen, dtype=torch.float64)
-    r = r / torch.linalg.vector_norm(r, dim=-1, keepdim=True) * math.sqrt(d)
-    product = _pre(r, head, bias=False)  # [n, V]
-    base = product.abs().amax(-1).clamp_min(1e-30)  # [n]
-    module = final.module
-    p = next(module.parameters(), None)
-    dtype = p.dtype if p is not None else torch.float32
-    top = 4.0 if dtype == torch.float16 else 8.0  # float16 logits overflow past 65504
-    # Each token gets its own magnitude: max |W_U . h| from 1e-2 (linear) to saturating.
-    target = 10.0 ** torch.linspace(-2.0, top, bsz * t, dtype=torch.float64)
-    h = (r * (target / base).unsqueeze(-1)).reshape(bsz, t, d)
-    sent: dict[str, torch.Tensor] = {}
-
-    def replace(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        out = output_tensor(output)
-        assert out is not None
-        hh = h.to(dtype=out.dtype, device=out.device).reshape(out.shape)
-        sent["h"] = hh
-        return hh if isinstance(output, torch.Tensor) else (hh, *output[1:])
-
-    handle = module.register_forward_hook(replace)
+    fit = LogitFit(head, sample, extra, getattr(model, "config", None))
+    handle = final.module.register_forward_hook(fit)
     try:
-        real = model_logits(model(**sample, **extra)).double().cpu()
+        out = model(**sample, **extra)
     finally:
         handle.remove()
-    if "h" not in sent or real.shape[:2] != (bsz, t):
-        raise IngestError(f"model {name!r}: its logits do not come from its final norm "
-                          f"{final.record.module!r}")
-    if sent["h"].dtype in (torch.float32, torch.float64):
-        # h is r scaled row by row (rounded to float32 at most, 1e-7 relative): its product
-        # is r's, scaled, within the product's own rounding (a second pass over the LM head
-        # cost the ingest 0.04 s)
-        pre = product * (target / base).unsqueeze(-1)
-        b = getattr(head, "bias", None)
-        if isinstance(b, torch.Tensor):
-            pre = pre + b.detach().to(device="cpu", dtype=torch.float64)
-    else:  # rounded to the model's 8 or 11 bits: the product of what was sent
-        pre = _pre(sent["h"].double().cpu().reshape(bsz * t, d), head)
-    real = real.reshape(bsz * t, -1)[:, : pre.shape[1]]
-    tol = _FIT_TOLERANCE.get(dtype, 3e-2)
-    hints = _config_numbers(getattr(model, "config", None))
-
-    def error(tr: LogitTransform) -> float:
-        diff = torch.linalg.vector_norm(tr.apply(pre) - real, dim=-1)
-        return float((diff / torch.linalg.vector_norm(real, dim=-1).clamp_min(1e-30)).max())
-
-    scale = float((pre * real).sum() / (pre * pre).sum())
-    fit = LogitTransform(scale=_snap(scale, hints), softcap=None, error=0.0)
-    if error(fit) > tol:
-        cap = _snap(float(real.abs().max()), hints)
-        ok = real.abs() < 0.9 * cap  # far from saturation: atanh is well conditioned
-        y = cap * torch.atanh((real / cap).clamp(-1 + 1e-12, 1 - 1e-12))
-        scale = float((pre[ok] * y[ok]).sum() / (pre[ok] * pre[ok]).sum())
-        fit = LogitTransform(scale=_snap(scale, hints), softcap=cap, error=0.0)
-    err = error(fit)
-    if not err <= tol:
-        raise IngestError(
-            f"model {name!r}: its logits are not a scale and soft-cap of W_U . final_norm(x) + "
-            f"b_U (the best fit leaves a relative error of {err:.3g}); actdb cannot reproduce them"
-        )
-    return LogitTransform(scale=None if fit.scale == 1.0 else fit.scale, softcap=fit.softcap,
-                          error=err)
+    fit.ran(final.record.module, out)
+    return fit.transform(final, name)
 
 
 class LogitCheck:

@@ -31,7 +31,14 @@ from ..store.store import ActBatch, Store
 from .capture import on_norm_io
 from .fields import SiteSink
 from .load import LoadedModel, load
-from .logits import LOGIT_LIMIT, LogitCheck, LogitTransform, measure_logits, model_logits
+from .logits import (
+    LOGIT_LIMIT,
+    LogitCheck,
+    LogitFit,
+    LogitTransform,
+    measure_logits,
+    model_logits,
+)
 from .progress import progress_bar
 from .prompts import Prompt, PromptsLike, apply_chat_template, extra_columns, read_prompts
 from .rows import Work, batch_tables
@@ -161,13 +168,18 @@ def ingest(
         ids, truncated = _tokenize(loaded.tokenizer, [p.text for p in prompt_list], limit,
                                    special=not chat_template)
         sample, sample_alt = _probe_batch(loaded, ids, 11), _probe_batch(loaded, ids, 7)
-        found, n_layers = find_sites(loaded.model, sample, sample_alt, sites_glob=sites)
         head = _lm_head(loaded.model)
+        # The logit fit rides on the site-finding's second pass, hooked on the final norm.
+        fit = None if head is None else LogitFit(
+            head, sample_alt, _forward_kwargs(loaded.model), getattr(loaded.model, "config", None))
+        found, n_layers = find_sites(loaded.model, sample, sample_alt, sites_glob=sites,
+                                     final_probe=fit)
         final = next((f for f in found if f.record.role == "final"), None)
         transform = None
-        if head is not None and final is not None:
-            transform = measure_logits(loaded.model, sample, final, head,
-                                       _forward_kwargs(loaded.model), model_name)
+        if fit is not None and head is not None and final is not None:
+            transform = (fit.transform(final, model_name) if fit.path == final.record.module
+                         else measure_logits(loaded.model, sample, final, head,
+                                             _forward_kwargs(loaded.model), model_name))
 
         started = time.perf_counter()
         shard_label = shard_name(*shard_of) if shard_of else None

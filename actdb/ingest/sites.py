@@ -11,10 +11,10 @@ sublayer (`inner`: a latent's norm, a sub-norm before an output projection).
 from __future__ import annotations
 
 import fnmatch
-import inspect
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -151,26 +151,40 @@ def _feeds(out: torch.Tensor | None, into: torch.Tensor | None) -> bool:
             and out.dtype == into.dtype and torch.equal(out.reshape(-1), into.reshape(-1)))
 
 
-def _lean_kwargs(model: nn.Module, norm_paths: list[str]) -> dict[str, Any]:
-    """Arguments that spare a probe pass the LM head's product at every position (a tenth of
-    a second for a 50k vocabulary on a CPU): `logits_to_keep=1`, only where the model's
-    forward takes it, every norm module is inside its base model (BERT- and RoBERTa-style
-    heads hold a LayerNorm that runs after the cut), and the base model's own forward does not
-    take it (Gemma 4 cuts the sequence inside, before its KV-shared layers)."""
-    try:
-        if "logits_to_keep" not in inspect.signature(model.forward).parameters:
-            return {}
-        prefix = str(getattr(model, "base_model_prefix", "") or "")
-        base = getattr(model, "base_model", None)
-        if not prefix or not isinstance(base, nn.Module) or base is model:
-            return {}
-        if any(not p.startswith(prefix + ".") for p in norm_paths):
-            return {}
-        if "logits_to_keep" in inspect.signature(base.forward).parameters:
-            return {}
-    except (TypeError, ValueError):
-        return {}
-    return {"logits_to_keep": 1}
+def _probe_module(model: nn.Module, norm_paths: list[str]) -> nn.Module:
+    """The module the site-finding pass runs: the base model where every norm module is inside
+    it (the forward the ingest itself runs, without the LM head's product at every position: a
+    tenth of a second for a 50k vocabulary on a CPU), else the whole model (BERT- and
+    RoBERTa-style heads hold a LayerNorm that runs after the base model)."""
+    prefix = str(getattr(model, "base_model_prefix", "") or "")
+    base = getattr(model, "base_model", None)
+    if (prefix and isinstance(base, nn.Module) and base is not model
+            and all(p.startswith(prefix + ".") for p in norm_paths)):
+        return base
+    return model
+
+
+class FinalProbe(Protocol):
+    """What may ride on find_sites' second pass (logits.py's LogitFit): a forward hook for the
+    final norm, then the whole model's output. That pass then runs the whole model, so the
+    logit fit costs no forward pass of its own."""
+
+    kwargs: Mapping[str, Any]  # for the whole model's forward
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any: ...
+
+    def ran(self, module_path: str, output: Any) -> None: ...
+
+
+def _final_path(log: dict[str, list[Call]], norm_paths: list[str], block_path: str,
+                first_block: int) -> str | None:
+    """The norm module that `_place` will call the final site: the first to run after the
+    first block, outside the blocks."""
+    inside = re.compile(re.escape(block_path) + r"\.(\d+)\.(.*)$") if block_path else None
+    outside = [(log[p][0].start, p) for p in norm_paths
+               if log.get(p) and log[p][0].input is not None and log[p][0].start >= first_block
+               and not (inside and inside.match(p))]
+    return min(outside)[1] if outside else None
 
 
 def find_sites(
@@ -179,13 +193,15 @@ def find_sites(
     sample_alt: dict[str, torch.Tensor],
     *,
     sites_glob: str | None = None,
+    final_probe: FinalProbe | None = None,
 ) -> tuple[list[FoundSite], int]:
     """All norm sites of `model` in call order, and the number of blocks.
 
     `sample` and `sample_alt` are unpadded batches of the same batch size and different
     lengths (the layouts of per-head inputs are read from how their shapes follow the
     length); `sites_glob` (comma-separated globs matched against canonical names and module
-    paths) keeps a subset.
+    paths) keeps a subset. With `final_probe`, the second pass runs the whole model with the
+    probe hooked on the final norm, and hands it the model's output.
     """
     norm_modules = {p: m for p, m in model.named_modules() if p and is_norm_module(m)}
     # A norm nested inside another norm module is part of it, not a site of its own.
@@ -214,16 +230,26 @@ def find_sites(
                     if sub and _is_projection(m):
                         watched[f"{prefix}.{child}.{sub}"] = m
 
-    lean = _lean_kwargs(model, list(norm_modules))
+    target = _probe_module(model, list(norm_modules))
     with torch.no_grad(), record_calls(watched) as log:
-        model(**sample, **lean)
+        target(**sample)
+    block_calls = [log.calls.get(f"{block_path}.{i}", [None])[0] for i in range(len(block_list))]
+    first_block = min((c.start for c in block_calls if c), default=0)
+    final_path = _final_path(log.calls, list(norm_modules), block_path, first_block)
     with torch.no_grad(), record_calls(norm_modules) as log_alt:
-        model(**sample_alt, **lean)
+        if final_probe is not None and final_path is not None:
+            # its inputs' shapes are recorded before the probe replaces its output
+            handle = norm_modules[final_path].register_forward_hook(final_probe)
+            try:
+                output = model(**sample_alt, **final_probe.kwargs)
+            finally:
+                handle.remove()
+            final_probe.ran(final_path, output)
+        else:
+            target(**sample_alt)
     b, t1 = sample["input_ids"].shape
     t2 = sample_alt["input_ids"].shape[1]
 
-    block_calls = [log.calls.get(f"{block_path}.{i}", [None])[0] for i in range(len(block_list))]
-    first_block = min((c.start for c in block_calls if c), default=0)
     n_layers = len(block_list)
     found: list[tuple[int, SiteRecord, FoundSite]] = []
     used: set[str] = set()
