@@ -32,7 +32,7 @@ from actdb.ingest import pipeline  # noqa: E402
 from actdb.store.store import Store  # noqa: E402
 
 STEPS = {
-    pipeline: ["find_sites", "measure_logits", "_register", "_plan_work", "_run"],
+    pipeline: ["find_sites", "_register", "_plan_work", "_run"],
     Store: ["open_or_create", "register_model", "reserve_rows", "commit_batch"],
 }
 seconds: dict[str, float] = defaultdict(float)

@@ -114,10 +114,14 @@ def ingest_overhead(scale: Any, work: Path, repeats: int) -> Result:
             _sync(out.last_hidden_state)
 
     t_full = timed(full_model, repeats)
-    t_ingest = timed(ingest, repeats)
-    t_backbone = timed(backbone, repeats)
-    t_fixed = timed(ingest_one, repeats)
-    t_backbone_one = timed(backbone_one, repeats)
+    # The ratio's two sides in alternating rounds, so that both meet the same load (on a
+    # shared two-core machine the forward pass alone drifted by 20% between minutes); the
+    # median of at least three rounds.
+    rounds = max(repeats, 3)
+    paired = alternating({"ingest": ingest, "backbone": backbone}, rounds)
+    t_ingest, t_backbone = paired["ingest"], paired["backbone"]
+    fixed = alternating({"ingest": ingest_one, "backbone": backbone_one}, rounds)
+    t_fixed, t_backbone_one = fixed["ingest"], fixed["backbone"]
     n_tokens = int(enc["attention_mask"].sum())
     r = Result(
         title="1. Ingest overhead",
@@ -127,7 +131,9 @@ def ingest_overhead(scale: Any, work: Path, repeats: int) -> Result:
               f"{scale.batch_size}, {DEVICE}, into a new store each run (weights and vocabulary "
               "written too). Baselines over the same batches: the forward pass the ingest "
               "itself runs (the model without its LM head, `model.transformer`, no cache), and "
-              "the full model with `output_hidden_states=True`, as users run it."),
+              "the full model with `output_hidden_states=True`, as users run it. The ingest and "
+              "the forward pass it runs are timed in alternating rounds (median of "
+              f"{max(repeats, 3)}), so that both meet the same load."),
     )
     r.figure("forward pass the ingest runs (no LM head)",
              f"{t_backbone:.2f} s ({n_tokens / t_backbone:.0f} tokens/s)")

@@ -292,3 +292,87 @@ def test_the_last_batch_is_committed_alone(model_dir: Callable[[str], Path], tmp
     # batches of 2, 2 and 1 prompts, far below a group's 2,048 rows: the first two together
     assert len(sizes) == 2 and sizes[1] == last[0][0], sizes
     assert sum(sizes) == summary.tokens_written
+
+
+def test_the_last_batch_is_written_during_its_forward_pass_and_every_row_is_the_models(
+        model_dir: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last batch's whole direction chunks are written while its forward pass runs (each
+    site's once its hook has checked it), the chunks it shares with other rows at its commit;
+    every stored row is then the norm input the model computes, edges included (a float64
+    reference from the model's own forward, one prompt at a time)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from actdb.store.store import Store
+
+    events: list[tuple[str, int, int]] = []
+    real_ahead, real_commit = Store.write_ahead, Store.commit_batch
+
+    def write_ahead(self: Store, model: Any, site: str, start: int, direction: Any) -> Any:
+        events.append(("ahead", start, len(direction)))
+        return real_ahead(self, model, site, start, direction)
+
+    def commit_batch(self: Store, *a: Any, **kw: Any) -> int:
+        events.append(("commit", kw["start"], kw["tokens"].num_rows))
+        return real_commit(self, *a, **kw)
+
+    monkeypatch.setattr(Store, "write_ahead", write_ahead)
+    monkeypatch.setattr(Store, "commit_batch", commit_batch)
+    path = model_dir("gpt2")
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = ["one two three", "four five six seven eight", "nine ten eleven",
+               "a last prompt of a few more words than the others!"]
+    store = tmp_path / "s.actdb"
+    actdb.ingest(store, model=model, tokenizer=tok, prompts=prompts, batch_size=2,
+                 device="cpu", name="m", chunk_tokens=4)
+    commits = [e for e in events if e[0] == "commit"]
+    aheads = [e for e in events if e[0] == "ahead"]
+    with actdb.connect(store) as db:
+        runs = db.sql("SELECT p.text, r.row_start, r.n_tokens FROM prompt_runs r "
+                      "JOIN prompts p USING (prompt_id) ORDER BY r.row_start").fetchall()
+        sites = dict(db.sql("SELECT module, site FROM sites").fetchall())
+    # two batches of two prompts: the last is committed alone, and its rows of every site were
+    # handed to the writers before that commit began
+    assert len(commits) == 2 and len(aheads) == len(sites), events
+    last_start, last_n = commits[-1][1:]
+    assert all(e[1:] == (last_start, last_n) for e in aheads), events
+    assert events.index(commits[-1]) > max(events.index(e) for e in aheads), events
+    # chunks of 4 rows: the last batch shares a chunk with earlier rows and ends in a partial
+    # one, and fills at least one whole (what is written ahead)
+    assert last_start % 4 and (last_start + last_n) % 4 and last_n >= 8, events
+
+    norms = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)}
+    assert sorted(sites) == sorted(norms)
+    expected: dict[str, list[np.ndarray]] = {s: [] for s in sites.values()}
+
+    def keep(seen: dict[str, np.ndarray], name: str) -> Callable[..., None]:
+        def hook(mod: Any, args: tuple[Any, ...]) -> None:
+            seen.setdefault(name, args[0][0].double().numpy())
+        return hook
+
+    for text, _, n in runs:
+        seen: dict[str, np.ndarray] = {}
+        hooks = [m.register_forward_pre_hook(keep(seen, name)) for name, m in norms.items()]
+        try:
+            with torch.no_grad():
+                model(**tok(text, return_tensors="pt"))
+        finally:
+            for h in hooks:
+                h.remove()
+        for module, site in sites.items():
+            assert len(seen[module]) == n
+            expected[site].append(seen[module])
+    total = runs[-1][1] + runs[-1][2]
+    with Store(store) as st:
+        for site, parts in expected.items():
+            x = np.concatenate(parts)  # [rows, d], float64
+            ref_norm = np.linalg.norm(x, axis=-1)
+            got = st.arrays.read_chunks(0, site, "direction", 0, -(-total // 4))[:total]
+            norm = st.arrays.read_chunks(0, site, "norm", 0, 1)[:total]
+            np.testing.assert_allclose(norm, ref_norm, rtol=1e-5)
+            # float16 directions: within float16's rounding of the reference
+            np.testing.assert_allclose(got.astype(np.float64), x / ref_norm[:, None],
+                                       rtol=1e-3, atol=1e-4)

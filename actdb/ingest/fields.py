@@ -11,6 +11,8 @@ time than the hooks' arithmetic.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -92,6 +94,9 @@ class SiteSink:
         self.out: dict[str, ActBatch] = {}
         self.errors: dict[str, float] = {}
         self._heads: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # Called with (site, its direction rows of the current group) once a site's rows of
+        # the batch are stored and checked; the ingest sets it for its last batch.
+        self.on_site: Callable[[str, np.ndarray], None] | None = None
 
     def start(self, mask: torch.Tensor) -> None:
         """A new forward pass over a batch whose real tokens are `mask` [B, T]."""
@@ -195,3 +200,5 @@ class SiteSink:
         self.errors[s.site] = worst
         self.out[s.site] = ActBatch(direction=stored.direction[lo:hi], norm=stored.norm[lo:hi],
                                     mean=stored.mean[lo:hi])
+        if self.on_site is not None:
+            self.on_site(s.site, stored.direction[:hi])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import os
@@ -521,6 +522,12 @@ def _drained(committer: ThreadPoolExecutor) -> Iterator[ThreadPoolExecutor]:
         committer.shutdown(wait=False)
 
 
+def _write_ahead(st: Store, record: ModelRecord, start: int,
+                 ahead: dict[str, Future[tuple[int, int]]], site: str,
+                 direction: np.ndarray) -> None:
+    ahead[site] = st.write_ahead(record, site, start, direction)
+
+
 def _run(
     st: Store, loaded: LoadedModel, reg: _Registration, found: list[FoundSite],
     work: list[Work], batch_size: int, progress: bool, check: LogitCheck | None,
@@ -545,7 +552,8 @@ def _run(
     keeps = "logits_to_keep" in inspect.signature(loaded.model.forward).parameters
 
     def commit(works: list[Work], acts: dict[str, ActBatch], errors: dict[str, float],
-               logit_error: float | None, start: int) -> None:
+               logit_error: float | None, start: int,
+               ahead: dict[str, Future[tuple[int, int]]]) -> None:
         # On the commit thread: the token strings of a new model are known there, once its
         # registration (the first job) has decoded the vocabulary.
         if not token_str:  # rows of missing token strings would be stored silently
@@ -553,9 +561,9 @@ def _run(
         new_prompts, runs, tokens = batch_tables(works, start, token_str)
         st.commit_batch(record, start=start, acts=acts, new_prompts=new_prompts,
                         prompt_runs=runs, tokens=tokens, site_errors=errors,
-                        logit_error=logit_error)
+                        logit_error=logit_error, ahead=ahead)
 
-    def flush() -> int:
+    def flush(ahead: dict[str, Future[tuple[int, int]]]) -> int:
         works = [w for p in pending for w in p[0]]
         errors: dict[str, float] = {}
         logit_errors = [p[2] for p in pending if p[2] is not None]
@@ -573,7 +581,8 @@ def _run(
         if in_flight:
             in_flight.pop().result()
         in_flight.append(committer.submit(
-            commit, works, acts, errors, max(logit_errors) if logit_errors else None, start))
+            commit, works, acts, errors, max(logit_errors) if logit_errors else None, start,
+            ahead))
         return start + sum(len(w.ids) for w in works)
 
     in_flight: list[Future[Any]] = []
@@ -586,7 +595,8 @@ def _run(
             reg.write()
         st.reserve_rows(record, records, start + total)
 
-    in_flight.append(committer.submit(prepare))
+    prepared = committer.submit(prepare)
+    in_flight.append(prepared)
     with _drained(committer), bar, on_norm_io({p: m for f in found for p, m in f.hooks}, sink):
         buffered = 0
         for i in range(0, len(work), batch_size):
@@ -594,6 +604,13 @@ def _run(
             inputs = _pad(loaded, [w.ids for w in batch])
             mask = inputs["attention_mask"].bool()
             sink.start(mask)
+            # The last batch is committed alone (below) and nothing overlaps that commit: the
+            # direction chunks it fills whole are written while its forward pass still runs,
+            # each site's once its hook has stored and checked them (the arrays must exist).
+            ahead: dict[str, Future[tuple[int, int]]] = {}
+            if (i > 0 and i + batch_size >= len(work) and buffered == 0 and prepared.done()
+                    and prepared.exception() is None):
+                sink.on_site = functools.partial(_write_ahead, st, record, start, ahead)
             logit_error = None
             # The first batch of every run (a guard before anything is stored) and a sample
             # also run the LM head, at a few positions, so that logits recomputed from the
@@ -628,7 +645,7 @@ def _run(
             # Flushed before the last batch as well as after it: the last batch is a group of
             # its own, since its commit is the one that nothing overlaps.
             if buffered >= group_rows or i + 2 * batch_size >= len(work):
-                start = flush()
+                start = flush(ahead)
                 buffered = 0
             bar.update(n)
         if in_flight:

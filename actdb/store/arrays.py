@@ -482,19 +482,49 @@ class Arrays:
         parts = [self.read_chunk(model_id, site, field, first + i) for i in range(count)]
         return parts[0] if count == 1 else np.concatenate(parts)
 
+    def write_whole_chunks(self, model_id: int, site: str, start: int,
+                           direction: np.ndarray) -> tuple[int, int]:
+        """Write the direction chunks that rows [start, start + n) fill whole, where the array
+        is stored raw on a local disk; returns the rows written, [a, b) (empty: none). No other
+        rows share those chunks, so no other write touches their files: this may run beside
+        the commit of earlier rows (`write_rows` with `done` then writes the rest)."""
+        raw = self.act_layout(model_id, site, "direction")
+        if not isinstance(raw, RawLayout):
+            return start, start
+        c, stop = raw.shape[0], start + direction.shape[0]
+        a, b = -(-start // c) * c, stop // c * c
+        if a >= b:
+            return start, start
+        self._write_raw(raw, a, direction[a - start : b - start])
+        return a, b
+
     def write_rows(
-        self, model_id: int, site: str, start: int, values: dict[str, np.ndarray]
+        self, model_id: int, site: str, start: int, values: dict[str, np.ndarray],
+        *, done: tuple[int, int] | None = None,
     ) -> None:
-        """Write token rows [start, start + n) of a site's direction, norm and mean."""
+        """Write token rows [start, start + n) of a site's direction, norm and mean; the
+        direction's rows `done` ([a, b), by `write_whole_chunks`) are written already."""
         for name in ACT_FIELDS:
             value = values[name]
-            raw = self.act_layout(model_id, site, name)
-            if isinstance(raw, ShardedChunks):
-                raw.write_rows(start, value)
-            elif isinstance(raw, RawLayout):
-                self._write_raw(raw, start, value)
-            else:
-                self.act_array(model_id, site, name)[start : start + value.shape[0]] = value
+            if name == "direction" and done is not None and done[0] < done[1]:
+                a, b = done
+                if a > start:
+                    self._write_field(model_id, site, name, start, value[: a - start])
+                if b < start + value.shape[0]:
+                    self._write_field(model_id, site, name, b, value[b - start :])
+                continue
+            self._write_field(model_id, site, name, start, value)
+
+    def _write_field(self, model_id: int, site: str, name: str, start: int,
+                     value: np.ndarray) -> None:
+        """Write token rows [start, start + n) of one field of a site."""
+        raw = self.act_layout(model_id, site, name)
+        if isinstance(raw, ShardedChunks):
+            raw.write_rows(start, value)
+        elif isinstance(raw, RawLayout):
+            self._write_raw(raw, start, value)
+        else:
+            self.act_array(model_id, site, name)[start : start + value.shape[0]] = value
 
     def _write_raw(self, raw: RawLayout, start: int, value: np.ndarray) -> None:
         """Write rows straight into raw chunk files, each replaced whole and atomically (a

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,6 +217,16 @@ class Store:
             # Sites are independent arrays: sized concurrently (round trips on object storage)
             list(self._writers.map(ensure, sites))
 
+    def write_ahead(self, model: ModelRecord, site: str, start: int,
+                    direction: np.ndarray) -> Future[tuple[int, int]]:
+        """Start writing, on the writer threads, the direction chunks that rows
+        [start, start + n) of one site fill whole, before the `commit_batch` of these rows
+        (pass it the future in `ahead`): the ingest writes its last batch's chunks while the
+        batch's forward pass still runs. Rows past the committed count are invisible, so what
+        is written ahead of a commit that never comes is overwritten by the next ingest."""
+        return self._writers.submit(self.arrays.write_whole_chunks, model.model_id, site,
+                                    start, direction)
+
     def commit_batch(
         self,
         model: ModelRecord,
@@ -228,8 +238,10 @@ class Store:
         tokens: pa.Table,
         site_errors: dict[str, float],
         logit_error: float | None = None,
+        ahead: Mapping[str, Future[tuple[int, int]]] | None = None,
     ) -> int:
         """Write one batch: tensors into rows [start, start + n), then the catalog rows.
+        `ahead`: per site, the chunks `write_ahead` is writing of these rows.
 
         Returns the new committed row count. A crash before the catalog commit leaves rows
         past `n_rows` that no reader sees and the next ingest overwrites.
@@ -240,10 +252,11 @@ class Store:
         # Arrays are independent files: write them concurrently, make the renames durable,
         # then commit the catalog.
         with self.backend.writing(f"vectors of model {model.model!r}"):
+            done = {site: f.result() for site, f in (ahead or {}).items()}
             list(self._writers.map(
                 lambda item: self.arrays.write_rows(model.model_id, item[0], start, {
                     "direction": item[1].direction, "norm": item[1].norm,
-                    "mean": item[1].mean}),
+                    "mean": item[1].mean}, done=done.get(item[0])),
                 acts.items(),
             ))
             self.arrays.sync(self._writers)
