@@ -294,65 +294,35 @@ def test_the_last_batch_is_committed_alone(model_dir: Callable[[str], Path], tmp
     assert sum(sizes) == summary.tokens_written
 
 
-def test_the_last_batch_is_written_during_its_forward_pass_and_every_row_is_the_models(
-        model_dir: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The last batch's whole direction chunks are written while its forward pass runs (each
-    site's once its hook has checked it), the chunks it shares with other rows at its commit;
-    every stored row is then the norm input the model computes, edges included (a float64
-    reference from the model's own forward, one prompt at a time)."""
+
+# Prompts of 8, 15, 8 and 26 tokens for the tiny GPT-2: in batches of two, the last batch's
+# rows (23 to 57) share a chunk of 4 rows with the first batch's, fill some whole and end in a
+# partial one.
+_AHEAD_PROMPTS = ["one two three", "four five six seven eight", "nine ten eleven",
+                  "a last prompt of a few more words than the others!"]
+
+
+def _rows_are_the_models(store: Path, model: Any, tok: Any) -> None:
+    """Every stored direction and norm row of every site is the norm input the model computes
+    for its prompt (a float64 reference from the model's own forward, one prompt at a time)."""
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from actdb.store.store import Store
 
-    events: list[tuple[str, int, int]] = []
-    real_ahead, real_commit = Store.write_ahead, Store.commit_batch
-
-    def write_ahead(self: Store, model: Any, site: str, start: int, direction: Any) -> Any:
-        events.append(("ahead", start, len(direction)))
-        return real_ahead(self, model, site, start, direction)
-
-    def commit_batch(self: Store, *a: Any, **kw: Any) -> int:
-        events.append(("commit", kw["start"], kw["tokens"].num_rows))
-        return real_commit(self, *a, **kw)
-
-    monkeypatch.setattr(Store, "write_ahead", write_ahead)
-    monkeypatch.setattr(Store, "commit_batch", commit_batch)
-    path = model_dir("gpt2")
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    prompts = ["one two three", "four five six seven eight", "nine ten eleven",
-               "a last prompt of a few more words than the others!"]
-    store = tmp_path / "s.actdb"
-    actdb.ingest(store, model=model, tokenizer=tok, prompts=prompts, batch_size=2,
-                 device="cpu", name="m", chunk_tokens=4)
-    commits = [e for e in events if e[0] == "commit"]
-    aheads = [e for e in events if e[0] == "ahead"]
+    norms = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)}
     with actdb.connect(store) as db:
         runs = db.sql("SELECT p.text, r.row_start, r.n_tokens FROM prompt_runs r "
                       "JOIN prompts p USING (prompt_id) ORDER BY r.row_start").fetchall()
         sites = dict(db.sql("SELECT module, site FROM sites").fetchall())
-    # two batches of two prompts: the last is committed alone, and its rows of every site were
-    # handed to the writers before that commit began
-    assert len(commits) == 2 and len(aheads) == len(sites), events
-    last_start, last_n = commits[-1][1:]
-    assert all(e[1:] == (last_start, last_n) for e in aheads), events
-    assert events.index(commits[-1]) > max(events.index(e) for e in aheads), events
-    # chunks of 4 rows: the last batch shares a chunk with earlier rows and ends in a partial
-    # one, and fills at least one whole (what is written ahead)
-    assert last_start % 4 and (last_start + last_n) % 4 and last_n >= 8, events
-
-    norms = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)}
-    assert sorted(sites) == sorted(norms)
-    expected: dict[str, list[np.ndarray]] = {s: [] for s in sites.values()}
+    assert sorted(sites) == sorted(norms) and [r[0] for r in runs] == _AHEAD_PROMPTS
 
     def keep(seen: dict[str, np.ndarray], name: str) -> Callable[..., None]:
         def hook(mod: Any, args: tuple[Any, ...]) -> None:
             seen.setdefault(name, args[0][0].double().numpy())
         return hook
 
+    expected: dict[str, list[np.ndarray]] = {s: [] for s in sites.values()}
     for text, _, n in runs:
         seen: dict[str, np.ndarray] = {}
         hooks = [m.register_forward_pre_hook(keep(seen, name)) for name, m in norms.items()]
@@ -376,3 +346,107 @@ def test_the_last_batch_is_written_during_its_forward_pass_and_every_row_is_the_
             # float16 directions: within float16's rounding of the reference
             np.testing.assert_allclose(got.astype(np.float64), x / ref_norm[:, None],
                                        rtol=1e-3, atol=1e-4)
+
+
+def test_the_last_batch_is_written_during_its_forward_pass_and_every_row_is_the_models(
+        model_dir: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last batch's whole direction chunks are written while its forward pass runs (each
+    site's once its hook has checked it), and only the chunks it shares with other rows at its
+    commit; every stored row is then the model's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from actdb.store.arrays import Arrays
+    from actdb.store.store import Store
+
+    path = model_dir("gpt2")
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    inside = [False]  # in a forward pass of the model (the one the ingest runs)
+    model.base_model.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, True))
+    model.base_model.register_forward_hook(lambda m, a, o: inside.__setitem__(0, False))
+    events: list[tuple[str, int, int]] = []
+    ahead: list[tuple[str, bool, tuple[int, int]]] = []
+    writes: list[tuple[str, int, int]] = []
+    real_ahead, real_whole = Store.write_ahead, Arrays.write_whole_chunks
+    real_commit, real_write = Store.commit_batch, Arrays._write_raw
+
+    def write_ahead(self: Store, model: Any, site: str, start: int, direction: Any) -> Any:
+        events.append(("ahead", start, len(direction)))
+        during = inside[0]
+        future = real_ahead(self, model, site, start, direction)
+        ahead.append((site, during, future.result()))
+        return future
+
+    def commit_batch(self: Store, *a: Any, **kw: Any) -> int:
+        events.append(("commit", kw["start"], kw["tokens"].num_rows))
+        return real_commit(self, *a, **kw)
+
+    def write_raw(self: Arrays, raw: Any, start: int, value: Any) -> None:
+        writes.append((raw.label, start, start + len(value)))
+        real_write(self, raw, start, value)
+
+    monkeypatch.setattr(Store, "write_ahead", write_ahead)
+    monkeypatch.setattr(Store, "commit_batch", commit_batch)
+    monkeypatch.setattr(Arrays, "_write_raw", write_raw)
+    store = tmp_path / "s.actdb"
+    actdb.ingest(store, model=model, tokenizer=tok, prompts=_AHEAD_PROMPTS, batch_size=2,
+                 device="cpu", name="m", chunk_tokens=4)
+    assert real_whole is Arrays.write_whole_chunks
+    commits = [e for e in events if e[0] == "commit"]
+    # two batches of two prompts: the last is committed alone, its rows of every site handed
+    # to the writers during its forward pass, before that commit began
+    assert len(commits) == 2 and len(ahead) == 5, events
+    last_start, last_n = commits[-1][1:]
+    assert last_start % 4 and (last_start + last_n) % 4 and last_n >= 8, events
+    assert all(e[1:] == (last_start, last_n) for e in events if e[0] == "ahead"), events
+    assert events.index(commits[-1]) > max(i for i, e in enumerate(events) if e[0] == "ahead")
+    a, b = -(-last_start // 4) * 4, (last_start + last_n) // 4 * 4
+    for site, during, done in ahead:
+        assert during and done == (a, b), (site, during, done)
+        # each of those rows written once (ahead), the rest of the batch's rows once more
+        direction = [w for w in writes if w[0].endswith(f"/{site}/direction")]
+        covered = sorted(r for lo, hi in (w[1:] for w in direction) for r in range(lo, hi))
+        assert covered == list(range(last_start + last_n)), (site, direction)
+    _rows_are_the_models(store, model, tok)
+
+
+def test_a_last_batch_that_fails_its_check_leaves_rows_a_rerun_replaces(
+        model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """A site that fails its faithfulness check in the last batch, after earlier sites' rows
+    were written ahead: nothing of the batch is committed, and the rerun (resuming) stores the
+    model's rows over what was written ahead."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_dir("gpt2")
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    broken = [True]
+
+    def shift(module: Any, args: Any, output: Any) -> Any:
+        # the last batch's width (26 tokens); the probe passes and the first batch pass
+        first = output[0] if isinstance(output, tuple) else output
+        if not (broken[0] and first.shape[1] == 26):
+            return None
+        return (output[0] + 0.5, *output[1:]) if isinstance(output, tuple) else output + 0.5
+
+    # the first attention's output shifted (what the next norms see differs from the model
+    # fixed below, but each norm's output still follows from its input), then the second
+    # block's second norm made unfaithful: the rows of three sites are written ahead first
+    handles = [model.transformer.h[0].attn.register_forward_hook(shift),
+               model.transformer.h[1].ln_2.register_forward_hook(shift)]
+    store = tmp_path / "s.actdb"
+    kw: dict[str, Any] = {"model": model, "tokenizer": tok, "prompts": _AHEAD_PROMPTS,
+                          "batch_size": 2, "device": "cpu", "name": "m", "chunk_tokens": 4}
+    with pytest.raises(actdb.IngestError, match=r"blocks.1.ln2.*differs from the module"):
+        actdb.ingest(store, **kw)
+    with actdb.connect(store) as db:
+        assert db.sql("SELECT count(*) FROM prompt_runs").fetchall() == [(2,)]
+    broken[0] = False
+    for h in handles:
+        h.remove()
+    # one prompt a batch: the last prompt's batch is written ahead again, over chunks the
+    # failed run wrote ahead with other values
+    summary = actdb.ingest(store, **{**kw, "batch_size": 1})
+    assert summary.prompts_new == 2 and summary.prompts_skipped == 2
+    _rows_are_the_models(store, model, tok)

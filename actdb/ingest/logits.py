@@ -90,7 +90,9 @@ class LogitFit:
     its own magnitude); `ran` takes the model's output; `transform` fits its logits.
 
     find_sites runs its second pass this way (sites.FinalProbe), so the fit costs no forward
-    pass of its own; `measure_logits` runs one where that pass could not carry it."""
+    pass of its own; `measure_logits` runs one where that pass could not carry it. The sample
+    is that pass's (3 rows of 7 tokens: 21 magnitudes from 1e-2 to saturation, each position
+    compared over the whole vocabulary)."""
 
     def __init__(self, head: nn.Module, sample: Mapping[str, torch.Tensor],
                  kwargs: Mapping[str, Any], config: Any = None) -> None:
@@ -102,23 +104,30 @@ class LogitFit:
         gen = torch.Generator().manual_seed(7)
         r = torch.randn(self.bsz * self.t, d, generator=gen, dtype=torch.float64)
         self.r = r / torch.linalg.vector_norm(r, dim=-1, keepdim=True) * math.sqrt(d)
-        self.product = _pre(self.r, head, bias=False)  # [n, V]
-        self.base = self.product.abs().amax(-1).clamp_min(1e-30)  # [n]
+        self.product = self.base = self.target = torch.empty(0, dtype=torch.float64)
         self.dtype = torch.float32
-        self.target = self.base
         self.sent: torch.Tensor | None = None
         self.path: str | None = None
         self.output: Any = None
 
+    @property
+    def ready(self) -> bool:
+        """Whether the hook replaced the output of the module the pass handed over."""
+        return self.sent is not None and self.output is not None
+
     @torch.no_grad()
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        out = output_tensor(output)
+        if out is None or out.numel() != self.r.numel():
+            return None  # not a norm of the LM head's width over the sample: left alone
         p = next(module.parameters(), None)
         self.dtype = p.dtype if p is not None else torch.float32
         top = 4.0 if self.dtype == torch.float16 else 8.0  # float16 logits overflow past 65504
         # Each token gets its own magnitude: max |W_U . h| from 1e-2 (linear) to saturating.
         self.target = 10.0 ** torch.linspace(-2.0, top, self.bsz * self.t, dtype=torch.float64)
-        out = output_tensor(output)
-        assert out is not None
+        if not self.product.numel():  # computed once, and only where the hook runs
+            self.product = _pre(self.r, self.head, bias=False)  # [n, V]
+            self.base = self.product.abs().amax(-1).clamp_min(1e-30)  # [n]
         h = self.r * (self.target / self.base).unsqueeze(-1)
         sent = h.to(dtype=out.dtype, device=out.device).reshape(out.shape)
         self.sent = sent

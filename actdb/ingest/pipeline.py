@@ -178,7 +178,8 @@ def ingest(
         final = next((f for f in found if f.record.role == "final"), None)
         transform = None
         if fit is not None and head is not None and final is not None:
-            transform = (fit.transform(final, model_name) if fit.path == final.record.module
+            transform = (fit.transform(final, model_name)
+                         if fit.ready and fit.path == final.record.module
                          else measure_logits(loaded.model, sample, final, head,
                                              _forward_kwargs(loaded.model), model_name))
 
@@ -502,10 +503,12 @@ def _forward_kwargs(model: nn.Module) -> dict[str, Any]:
 
 
 @contextmanager
-def _drained(committer: ThreadPoolExecutor) -> Iterator[ThreadPoolExecutor]:
-    """The commit thread, waited for on the way out however the ingest ends: a second Ctrl-C
-    while a commit is being written is ignored until it has finished, since the store's lock
-    is released once this returns and nothing may write after that."""
+def _drained(committer: ThreadPoolExecutor, also: Callable[[], list[Future[Any]]] = list
+             ) -> Iterator[ThreadPoolExecutor]:
+    """The commit thread, and the writes `also` names, waited for on the way out however the
+    ingest ends: a second Ctrl-C while a commit is being written is ignored until it has
+    finished, since the store's lock is released once this returns and nothing may write
+    after that."""
     try:
         yield committer
     finally:
@@ -515,7 +518,7 @@ def _drained(committer: ThreadPoolExecutor) -> Iterator[ThreadPoolExecutor]:
         last = committer.submit(lambda: None)
         while True:
             try:
-                wait([last])
+                wait([last, *also()])
                 break
             except KeyboardInterrupt:
                 continue
@@ -597,7 +600,9 @@ def _run(
 
     prepared = committer.submit(prepare)
     in_flight.append(prepared)
-    with _drained(committer), bar, on_norm_io({p: m for f in found for p, m in f.hooks}, sink):
+    ahead: dict[str, Future[tuple[int, int]]] = {}  # the last batch's writes ahead (below)
+    hooks = {p: m for f in found for p, m in f.hooks}
+    with _drained(committer, lambda: list(ahead.values())), bar, on_norm_io(hooks, sink):
         buffered = 0
         for i in range(0, len(work), batch_size):
             batch = work[i : i + batch_size]
@@ -607,7 +612,7 @@ def _run(
             # The last batch is committed alone (below) and nothing overlaps that commit: the
             # direction chunks it fills whole are written while its forward pass still runs,
             # each site's once its hook has stored and checked them (the arrays must exist).
-            ahead: dict[str, Future[tuple[int, int]]] = {}
+            ahead = {}
             if (i > 0 and i + batch_size >= len(work) and buffered == 0 and prepared.done()
                     and prepared.exception() is None):
                 sink.on_site = functools.partial(_write_ahead, st, record, start, ahead)
@@ -637,7 +642,7 @@ def _run(
                     raise IngestError(
                         f"model {record.model!r}: logits recomputed from the stored final-site "
                         f"fields differ from the model's own by {logit_error:.3g} (relative), "
-                        f"more than {LOGIT_LIMIT}; nothing of this batch was stored"
+                        f"more than {LOGIT_LIMIT}; nothing of this batch was committed"
                     )
             pending.append((batch, sink.errors, logit_error if recorded else None))
             n = sum(len(w.ids) for w in batch)
