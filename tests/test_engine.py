@@ -249,7 +249,7 @@ def test_scan_runs_read_what_zarr_reads_and_name_a_damaged_chunk(big, tmp_path):
             assert got.shape[0] == count * c and got.dtype == arr.dtype
             want = arr[first * c : (first + count) * c]  # ends at the array's end
             np.testing.assert_array_equal(got[: len(want)], want)
-    chunk = store / "tensors.zarr" / "models" / "0" / "acts" / site / "direction" / "c" / "4" / "0"
+    chunk = store / "tensors.zarr" / "models" / "0" / "acts" / site / "direction" / "c.4.0"
     data = bytearray(chunk.read_bytes())
     data[100] ^= 0x10
     chunk.write_bytes(bytes(data))
@@ -330,7 +330,7 @@ def test_a_scan_shares_its_runs_products_with_the_read_ahead_thread(big, tmp_pat
     farthest = max(r for _, r in made)
     c = group[f"models/0/acts/{site}/direction"].chunks[0]
     assert farthest * 2 * c > max(rows[: sum(1 for p, _, _ in got if p <= k)]), "none ahead"
-    chunk = store / "tensors.zarr/models/0/acts" / site / "direction/c" / str(2 * farthest) / "0"
+    chunk = store / "tensors.zarr/models/0/acts" / site / "direction" / f"c.{2 * farthest}.0"
     data = bytearray(chunk.read_bytes())
     data[100] ^= 0x10
     chunk.write_bytes(bytes(data))

@@ -30,9 +30,10 @@ TOUCH_CATALOG = "SELECT count(*) FROM tokens"
 
 # kind of file -> (path inside the store, a query that reads it)
 FILES = {
-    "direction chunk": (f"tensors.zarr/models/0/acts/{SITE}/direction/c/0/0", TOUCH_SITE),
-    "norm chunk": (f"tensors.zarr/models/0/acts/{SITE}/norm/c/0", TOUCH_SITE),
-    "mean chunk": (f"tensors.zarr/models/0/acts/{SITE}/mean/c/0", TOUCH_SITE),
+    # a local store's vectors: chunk keys with the separator "." (weights: zarr's default "/")
+    "direction chunk": (f"tensors.zarr/models/0/acts/{SITE}/direction/c.0.0", TOUCH_SITE),
+    "norm chunk": (f"tensors.zarr/models/0/acts/{SITE}/norm/c.0", TOUCH_SITE),
+    "mean chunk": (f"tensors.zarr/models/0/acts/{SITE}/mean/c.0", TOUCH_SITE),
     "weight chunk": ("tensors.zarr/models/0/embed/c/0/0", TOUCH_EMBED),
     "site gain": (f"tensors.zarr/models/0/sites/{SITE}/gain/c/0", TOUCH_SITE),
     "array metadata": (f"tensors.zarr/models/0/acts/{SITE}/direction/zarr.json", TOUCH_SITE),
@@ -121,7 +122,8 @@ def _to_format_1(store: Path) -> None:
         doc = json.loads(meta.read_text())
         if doc.get("node_type") == "array":
             doc["codecs"] = [c for c in doc["codecs"] if c["name"] != "crc32c"]
-            for chunk in (meta.parent / "c").rglob("*"):
+            chunks = [*(meta.parent / "c").rglob("*"), *meta.parent.glob("c.*")]
+            for chunk in chunks:
                 if chunk.is_file():
                     chunk.write_bytes(chunk.read_bytes()[:-4])
         if meta.parent.name == "tensors.zarr":
@@ -151,6 +153,46 @@ def test_format_1_store_opens_reads_the_same_and_says_it_has_no_checksums(
         assert db.verify()
         with pytest.raises(StoreCorruptError, match="has 5 bytes"):
             db.sql(TOUCH_SITE).fetchall()
+
+
+def _to_folder_per_chunk(store: Path) -> int:
+    """Rewrite a local store's vectors with the chunk keys stores had before 2026-11-27:
+    separator "/", each chunk file in a folder of its own (`c/{i}/0`). Returns the files moved."""
+    moved = 0
+    for meta in (store / "tensors.zarr" / "models").rglob("acts/*/*/zarr.json"):
+        doc = json.loads(meta.read_text())
+        doc["chunk_key_encoding"] = {"name": "default", "configuration": {"separator": "/"}}
+        meta.write_text(json.dumps(doc))
+        for chunk in meta.parent.glob("c.*"):
+            target = meta.parent / "c" / "/".join(chunk.name.split(".")[1:])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            chunk.rename(target)
+            moved += 1
+    return moved
+
+
+def test_a_store_with_a_folder_per_chunk_reads_the_same_and_takes_more_prompts(
+    family_store: Callable[[str], Path], tmp_path: Path, reference_answers: dict[str, object],
+    model_dir: Callable[[str], Path],
+) -> None:
+    """Stores written before the separator "." keep theirs: read, verified and appended to
+    (the new rows' chunks in folders of their own, as their metadata says)."""
+    store = tmp_path / "old.actdb"
+    shutil.copytree(family_store("gpt2"), store)
+    assert _to_folder_per_chunk(store) > 0
+    with actdb.connect(store) as db:
+        for query, expected in reference_answers.items():
+            assert db.sql(query).fetchall() == expected
+        assert db.verify(full=True) == []
+        before = db.sql(TOUCH_SITE).fetchall()
+    actdb.ingest(store, model=str(model_dir("gpt2")), prompts=["one more prompt, appended"],
+                 device="cpu", name="gpt2")
+    acts = store / "tensors.zarr" / "models" / "0" / "acts" / SITE / "direction"
+    assert not list(acts.glob("c.*")) and list((acts / "c").rglob("*"))
+    with actdb.connect(store) as db:
+        assert db.verify(full=True) == []
+        n = db.sql("SELECT count(*) FROM prompts").fetchall()[0][0]
+        assert db.sql(f"{TOUCH_SITE} AND prompt_id < {n - 1}").fetchall() == before
 
 
 def test_plain_zarr_checks_the_checksums_too(

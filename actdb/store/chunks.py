@@ -2,7 +2,8 @@
 one whole, checked (size and CRC-32C) and atomic (temporary file, fsync, rename).
 
 A raw array has the `bytes` codec (little-endian), optionally followed by `crc32c` (format 2):
-chunk `i` is the file `{folder}/{i}{tail}`, the chunk's values, then their CRC-32C in 4 bytes
+chunk `i` is the file `{array}/c/{i}/0` (key separator "/") or `{array}/c.{i}.0` (separator
+"."), the chunk's values, then their CRC-32C in 4 bytes
 little-endian, exactly as Zarr's own codec writes it, so zarr-python reads these files too.
 """
 
@@ -95,9 +96,10 @@ class RawLayout(ChunkFormat):
     """Where the chunk files of one raw array lie on a local disk."""
 
     folder: str
+    prefix: str = ""  # before the chunk's number: "c." where the key separator is "."
 
     def path(self, chunk: int) -> str:
-        return f"{self.folder}/{chunk}{self.tail}"
+        return f"{self.folder}/{self.prefix}{chunk}{self.tail}"
 
     def read(self, chunk: int, *, check: bool = True) -> np.ndarray:
         """Chunk `chunk` read straight from its file, its size and (`check`) checksum
@@ -208,12 +210,14 @@ def raw_layout(arr: zarr.Array, zstore: Any) -> RawLayout | None:
         and np.little_endian
         and all(s == c for s, c in zip(arr.shape[1:], arr.chunks[1:], strict=True))
         and type(encoding).__name__ == "DefaultChunkKeyEncoding"
-        and getattr(encoding, "separator", None) == "/"
+        and getattr(encoding, "separator", None) in ("/", ".")
     )
     if not raw:
         return None
+    folder = Path(str(zstore.root)) / arr.path
+    sep = encoding.separator
     return RawLayout(
-        label=arr.path, folder=str(Path(str(zstore.root)) / arr.path / "c"),
-        tail="/0" * (arr.ndim - 1), shape=(arr.chunks[0], *arr.shape[1:]),
-        dtype=np.dtype(arr.dtype), crc=len(codecs) == 2,
+        label=arr.path, folder=str(folder / "c" if sep == "/" else folder),
+        prefix="" if sep == "/" else "c.", tail=f"{sep}0" * (arr.ndim - 1),
+        shape=(arr.chunks[0], *arr.shape[1:]), dtype=np.dtype(arr.dtype), crc=len(codecs) == 2,
     )

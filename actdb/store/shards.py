@@ -3,7 +3,8 @@
 Two layouts, both exactly Zarr v3's own encodings (a plain `zarr.open_group` reads them):
 
 - `ObjectChunks`: an unsharded raw array (`bytes` then `crc32c`): chunk `i` is the object
-  `{array}/c/{i}{tail}`, its values then their CRC-32C. Weights on object storage.
+  `{array}/c/{i}{tail}` (or `{array}/c.{i}.0`, a local store's vectors copied up), its values
+  then their CRC-32C. Weights on object storage.
 - `ShardedChunks`: the `sharding_indexed` codec, index at the end, inner codecs and index
   codecs both `bytes` then `crc32c`: the vectors on object storage. A shard holds
   `per_shard` inner chunks of `chunk_rows` rows; actdb writes every inner chunk of a shard,
@@ -40,9 +41,10 @@ class ObjectChunks(ChunkFormat):
     """Where the chunk objects of one raw unsharded array lie."""
 
     objects: Objects  # the tensors group's prefix
+    sep: str = "/"  # the chunk key separator: "." in a local store's vectors, copied up
 
     def key(self, chunk: int) -> str:
-        return f"{self.label}/c/{chunk}{self.tail}"
+        return f"{self.label}/c{self.sep}{chunk}{self.tail}"
 
     def read(self, chunk: int, *, check: bool = True) -> np.ndarray:
         try:
@@ -192,11 +194,14 @@ def object_layout(arr: zarr.Array, objects: Objects) -> ObjectChunks | ShardedCh
     meta: Any = arr.metadata
     codecs: tuple[Any, ...] = tuple(getattr(meta, "codecs", ()))
     encoding: Any = getattr(meta, "chunk_key_encoding", None)
-    if not (type(encoding).__name__ == "DefaultChunkKeyEncoding"
-            and getattr(encoding, "separator", None) == "/" and np.little_endian):
+    sep = getattr(encoding, "separator", None)
+    if not (type(encoding).__name__ == "DefaultChunkKeyEncoding" and sep in ("/", ".")
+            and np.little_endian):
         return None
-    tail = "/0" * (arr.ndim - 1)
+    tail = f"{sep}0" * (arr.ndim - 1)
     if len(codecs) == 1 and type(codecs[0]).__name__ == "ShardingCodec":
+        if sep != "/":  # actdb shards only with zarr's default keys
+            return None
         sh = codecs[0]
         inner = [type(c).__name__ for c in sh.codecs]
         index = [type(c).__name__ for c in sh.index_codecs]
@@ -216,7 +221,7 @@ def object_layout(arr: zarr.Array, objects: Objects) -> ObjectChunks | ShardedCh
     if (names not in (["BytesCodec"], ["BytesCodec", "Crc32cCodec"]) or not _little(codecs[0])
             or any(s != c for s, c in zip(arr.shape[1:], arr.chunks[1:], strict=True))):
         return None
-    return ObjectChunks(label=arr.path, objects=objects, tail=tail,
+    return ObjectChunks(label=arr.path, objects=objects, tail=tail, sep=sep,
                         shape=(arr.chunks[0], *arr.shape[1:]), dtype=np.dtype(arr.dtype),
                         crc=len(codecs) == 2)
 
