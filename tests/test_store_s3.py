@@ -190,8 +190,11 @@ def test_damaged_vectors_are_found(copied: str) -> None:
     """A changed byte fails its CRC-32C (verify --full and any query reading it); a short
     or missing shard or chunk is found by the quick verify too. Never a number."""
     for field, how in DAMAGE.items():
-        key = f"tensors.zarr/models/0/acts/final/{field}/c/0" + ("/0" if field == "direction"
-                                                                 else "")
+        # vectors on object storage are sharded (zarr's keys, "/"); a local store's chunk keys
+        # use the separator "."
+        sep = "/" if copied.startswith("s3://") else "."
+        key = f"tensors.zarr/models/0/acts/final/{field}/c{sep}0" + (
+            f"{sep}0" if field == "direction" else "")
         if copied.startswith("s3://"):
             _damage_s3(copied, key, how)
         else:
