@@ -291,8 +291,13 @@ def full_scan(scan: ScanData, repeats: int) -> Result:
             for lo in range(0, scan.scale.scan_tokens, 65536):
                 np.asarray(arr[lo : lo + 65536])
 
-    chunk_files = sorted((scan.store / "tensors.zarr" / "models" / "0" / "acts").glob(
-        "*/direction/c/*/0"))
+    # chunk keys with the separator "." (a local store's vectors since 2026-11-27) or "/"
+    acts = scan.store / "tensors.zarr" / "models" / "0" / "acts"
+    chunk_files = sorted([*acts.glob("*/direction/c.*"), *acts.glob("*/direction/c/*/0")])
+    n_chunks = sum(-(-group[f"models/0/acts/{s}/direction"].shape[0]
+                     // group[f"models/0/acts/{s}/direction"].chunks[0]) for s in sites)
+    if len(chunk_files) != n_chunks:  # a floor that reads less than the scan is no floor
+        raise RuntimeError(f"found {len(chunk_files)} direction chunk files, not {n_chunks}")
 
     def raw_read() -> None:
         for f in chunk_files:
