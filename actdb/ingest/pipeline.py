@@ -598,8 +598,7 @@ def _run(
             reg.write()
         st.reserve_rows(record, records, start + total)
 
-    prepared = committer.submit(prepare)
-    in_flight.append(prepared)
+    in_flight.append(committer.submit(prepare))
     ahead: dict[str, Future[tuple[int, int]]] = {}  # the last batch's writes ahead (below)
     hooks = {p: m for f in found for p, m in f.hooks}
     with _drained(committer, lambda: list(ahead.values())), bar, on_norm_io(hooks, sink):
@@ -611,10 +610,10 @@ def _run(
             sink.start(mask)
             # The last batch is committed alone (below) and nothing overlaps that commit: the
             # direction chunks it fills whole are written while its forward pass still runs,
-            # each site's once its hook has stored and checked them (the arrays must exist).
+            # each site's once its hook has stored and checked them. The arrays exist: the
+            # flush before it waited for `prepare`.
             ahead = {}
-            if (i > 0 and i + batch_size >= len(work) and buffered == 0 and prepared.done()
-                    and prepared.exception() is None):
+            if i > 0 and i + batch_size >= len(work) and buffered == 0:
                 sink.on_site = functools.partial(_write_ahead, st, record, start, ahead)
             logit_error = None
             # The first batch of every run (a guard before anything is stored) and a sample

@@ -176,14 +176,18 @@ class FinalProbe(Protocol):
     def ran(self, module_path: str, output: Any) -> None: ...
 
 
+def _in_block(block_path: str, path: str) -> re.Match[str] | None:
+    """`path` inside block i of the block list: group 1 is i, group 2 the rest."""
+    return re.match(re.escape(block_path) + r"\.(\d+)\.(.*)$", path) if block_path else None
+
+
 def _final_path(log: dict[str, list[Call]], norm_paths: list[str], block_path: str,
                 first_block: int) -> str | None:
     """The norm module that `_place` will call the final site: the first to run after the
     first block, outside the blocks."""
-    inside = re.compile(re.escape(block_path) + r"\.(\d+)\.(.*)$") if block_path else None
     outside = [(log[p][0].start, p) for p in norm_paths
                if log.get(p) and log[p][0].input is not None and log[p][0].start >= first_block
-               and not (inside and inside.match(p))]
+               and _in_block(block_path, p) is None]
     return min(outside)[1] if outside else None
 
 
@@ -351,7 +355,7 @@ def _place(
     sublayers: dict[str, str],
 ) -> tuple[int, str]:
     """(layer, role) of a norm from where it ran and where its output went."""
-    m = re.match(re.escape(block_path) + r"\.(\d+)\.(.*)$", path) if block_path else None
+    m = _in_block(block_path, path)
     if m is None:
         if call.start < first_block:
             return -1, "embed"
