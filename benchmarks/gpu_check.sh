@@ -11,7 +11,9 @@
 #    others still run; the report is rewritten after each workload.
 # 2. The test suite with ACTDB_TEST_DEVICE=cuda (tests/conftest.py): every query and ingest a
 #    test runs in-process computes on the GPU and is checked against its float64 reference.
-# Each step has a time limit (BENCH_S, TESTS_S seconds), so the call ends inside its lease.
+# 3. `benchmarks/run.py --device cpu --only ingest`: the ingest against its forward pass on the
+#    host's CPUs, a machine with more cores than the two the CPU figures come from.
+# Each step has a time limit (BENCH_S, TESTS_S, CPU_S seconds), so the call ends inside its lease.
 set -u
 OUT=${OUT:-/tmp/actdb-gpu}
 PY=${PY:-python3}
@@ -19,6 +21,7 @@ DEVICE=${DEVICE:-cuda}
 SCALE=${SCALE:-medium}
 BENCH_S=${BENCH_S:-240}  # 102 s on an H100 machine (2026-11-26)
 TESTS_S=${TESTS_S:-240}  # 13 modules reached 97% in 130 s with 12 workers there
+CPU_S=${CPU_S:-120}     # 0 skips step 3
 WORKERS=${WORKERS:-12}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -49,9 +52,19 @@ ACTDB_TEST_DEVICE=$DEVICE timeout "$TESTS_S" $PY -m pytest -v --tb=short -n "$WO
     >"$OUT/tests.log" 2>&1
 echo "tests: exit $? after $(( $(date +%s) - start )) s"
 
+if [ "$CPU_S" -gt 0 ]; then
+    start=$(date +%s)
+    timeout "$CPU_S" $PY benchmarks/run.py --scale "$SCALE" --device cpu --only ingest \
+        --output "$OUT/BENCHMARKS-cpu-ingest.md" --workdir /tmp/actdb-bench-cpu \
+        >"$OUT/cpu-ingest.log" 2>&1
+    echo "cpu ingest: exit $? after $(( $(date +%s) - start )) s"
+fi
+
 echo "--- benchmark summary"
 sed -n '/^## Summary/,/^## 1\./p' "$OUT/BENCHMARKS-$DEVICE.md" 2>/dev/null | head -40
 grep -A3 "(failed)" "$OUT/BENCHMARKS-$DEVICE.md" 2>/dev/null | head -20
+echo "--- cpu ingest"
+grep -E "^\| 1\. Ingest" "$OUT/BENCHMARKS-cpu-ingest.md" 2>/dev/null | head -5
 echo "--- tests"
 echo "$(grep -c '] PASSED ' "$OUT/tests.log") passed, $(grep -c '] SKIPPED ' "$OUT/tests.log") skipped"
 grep -E "\] (FAILED|ERROR) |^(FAILED|ERROR) | passed| failed" "$OUT/tests.log" | cut -c1-200 | tail -45
