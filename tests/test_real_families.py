@@ -17,6 +17,7 @@ from real_families import TESTED, build
 from tiny_models import build_family_tokenizer
 
 import actdb
+from actdb import devices
 
 # Roles that must appear, by dataflow (not names): latent norms are inner, per-head norms
 # q/k, parallel blocks' MLP norm pre_mlp.
@@ -37,18 +38,22 @@ def tokenizer() -> Any:
     return build_family_tokenizer("llama")
 
 
-def _reference(model: torch.nn.Module, tok: Any, modules: set[str]
+def _reference(model: torch.nn.Module, tok: Any, modules: set[str], device: torch.device
                ) -> tuple[dict[str, list[np.ndarray]], list[np.ndarray]]:
-    # The model in its own float32 (grouped MoE kernels take no float64), outputs in float64.
-    m64 = model
-    named = dict(m64.named_modules())
+    """The model's own run, one prompt at a time, on the device the ingest ran on: in its own
+    float32 (grouped MoE kernels take no float64), outputs in float64. On a GPU an MoE family
+    computes its experts with other kernels than on the CPU (ernie4_5_moe's final site moves
+    by up to 10%), so the store is compared with the model as it ran there."""
+    named = dict(model.named_modules())
     outs: dict[str, list[np.ndarray]] = {p: [] for p in modules}
     seen: dict[str, np.ndarray] = {}
 
     def keep(path: str, out: Any) -> None:
         out = out[0] if isinstance(out, tuple) else out
-        seen.setdefault(path, out.detach().double().numpy())
+        seen.setdefault(path, out.detach().double().cpu().numpy())
 
+    home = next(model.parameters()).device
+    model.to(device)
     handles = [named[p].register_forward_hook(lambda _m, _a, o, p=p: keep(p, o))
                for p in modules]
     logits = []
@@ -56,12 +61,14 @@ def _reference(model: torch.nn.Module, tok: Any, modules: set[str]
         for text in PROMPTS:
             seen.clear()
             with torch.no_grad():
-                logits.append(m64(**tok(text, return_tensors="pt")).logits[0].double().numpy())
+                out = model(**tok(text, return_tensors="pt").to(device))
+            logits.append(out.logits[0].double().cpu().numpy())
             for p in modules:
                 outs[p].append(seen[p])
     finally:
         for h in handles:
             h.remove()
+        model.to(home)
     return outs, logits
 
 
@@ -78,7 +85,8 @@ def test_real_family_is_faithful(family: str, tokenizer: Any, tmp_path: Path) ->
             "SELECT logit_scale, logit_softcap, logit_max_rel_error FROM models").fetchall()[0]
         named = dict(model.named_modules())
         single = {s[2] for s in sites if not isinstance(named[s[2]], torch.nn.ModuleList)}
-        outs, ref_logits = _reference(model, tokenizer, single)
+        # (`cpu` unless ACTDB_TEST_DEVICE names another, tests/conftest.py)
+        outs, ref_logits = _reference(model, tokenizer, single, devices.resolve_device("cpu"))
         assert MUST_HAVE.get(family, set()) <= {s[1] for s in sites}
         if family in WANT_LOGITS:
             assert (scale, cap) == pytest.approx(WANT_LOGITS[family])
