@@ -87,7 +87,8 @@ def _config_numbers(config: Any) -> list[float]:
 class LogitFit:
     """The logit fit, in two halves around one forward pass of the whole model: as the final
     norm's forward hook, it replaces the norm's output with vectors we choose (every position
-    its own magnitude); `ran` takes the model's output; `transform` fits its logits.
+    its own magnitude); `run` makes that pass and keeps its output; `transform` fits its
+    logits.
 
     find_sites runs its second pass this way (sites.FinalProbe), so the fit costs no forward
     pass of its own; `measure_logits` runs one where that pass could not carry it. The sample
@@ -133,8 +134,16 @@ class LogitFit:
         self.sent = sent
         return sent if isinstance(output, torch.Tensor) else (sent, *output[1:])
 
-    def ran(self, module_path: str, output: Any) -> None:
-        self.path, self.output = module_path, output
+    def run(self, model: nn.Module, module: nn.Module, path: str,
+            sample: Mapping[str, torch.Tensor]) -> None:
+        """One forward pass of the whole model over `sample`, hooked on the final norm
+        `module` (at `path`); its output is kept for `transform`."""
+        handle = module.register_forward_hook(self)
+        try:
+            output = model(**sample, **self.kwargs)
+        finally:
+            handle.remove()
+        self.path, self.output = path, output
 
     @torch.no_grad()
     def transform(self, final: FoundSite, name: str) -> LogitTransform:
@@ -191,12 +200,7 @@ def measure_logits(model: nn.Module, sample: Mapping[str, torch.Tensor], final: 
     Raises IngestError when no scale and soft-cap reproduce the model's logits.
     """
     fit = LogitFit(head, sample, extra, getattr(model, "config", None))
-    handle = final.module.register_forward_hook(fit)
-    try:
-        out = model(**sample, **extra)
-    finally:
-        handle.remove()
-    fit.ran(final.record.module, out)
+    fit.run(model, final.module, final.record.module, sample)
     return fit.transform(final, name)
 
 

@@ -177,11 +177,11 @@ def ingest(
                                      final_probe=fit)
         final = next((f for f in found if f.record.role == "final"), None)
         transform = None
-        if fit is not None and head is not None and final is not None:
+        if fit is not None and final is not None:
             transform = (fit.transform(final, model_name)
                          if fit.ready and fit.path == final.record.module
-                         else measure_logits(loaded.model, sample, final, head,
-                                             _forward_kwargs(loaded.model), model_name))
+                         else measure_logits(loaded.model, sample, final, fit.head, fit.kwargs,
+                                             model_name))
 
         started = time.perf_counter()
         shard_label = shard_name(*shard_of) if shard_of else None

@@ -14,7 +14,7 @@ import fnmatch
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -165,15 +165,12 @@ def _probe_module(model: nn.Module, norm_paths: list[str]) -> nn.Module:
 
 
 class FinalProbe(Protocol):
-    """What may ride on find_sites' second pass (logits.py's LogitFit): a forward hook for the
-    final norm, then the whole model's output. That pass then runs the whole model, so the
-    logit fit costs no forward pass of its own."""
+    """What may ride on find_sites' second pass (logits.py's LogitFit): that pass is then the
+    probe's own forward pass of the whole model, hooked on the final norm, so the logit fit
+    costs no forward pass of its own."""
 
-    kwargs: Mapping[str, Any]  # for the whole model's forward
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any: ...
-
-    def ran(self, module_path: str, output: Any) -> None: ...
+    def run(self, model: nn.Module, module: nn.Module, path: str,
+            sample: Mapping[str, torch.Tensor]) -> None: ...
 
 
 def _in_block(block_path: str, path: str) -> re.Match[str] | None:
@@ -204,8 +201,8 @@ def find_sites(
     `sample` and `sample_alt` are unpadded batches of the same batch size and different
     lengths (the layouts of per-head inputs are read from how their shapes follow the
     length); `sites_glob` (comma-separated globs matched against canonical names and module
-    paths) keeps a subset. With `final_probe`, the second pass runs the whole model with the
-    probe hooked on the final norm, and hands it the model's output.
+    paths) keeps a subset. With `final_probe`, the second pass is the probe's own pass of the
+    whole model, hooked on the final norm.
     """
     norm_modules = {p: m for p, m in model.named_modules() if p and is_norm_module(m)}
     # A norm nested inside another norm module is part of it, not a site of its own.
@@ -243,12 +240,7 @@ def find_sites(
     with torch.no_grad(), record_calls(norm_modules) as log_alt:
         if final_probe is not None and final_path is not None:
             # its inputs' shapes are recorded before the probe replaces its output
-            handle = norm_modules[final_path].register_forward_hook(final_probe)
-            try:
-                output = model(**sample_alt, **final_probe.kwargs)
-            finally:
-                handle.remove()
-            final_probe.ran(final_path, output)
+            final_probe.run(model, norm_modules[final_path], final_path, sample_alt)
         else:
             target(**sample_alt)
     b, t1 = sample["input_ids"].shape
