@@ -94,6 +94,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "doge": {},
     "internlm2": {},
     "csm": {},
+    # Causal LMs whose LM head holds a LayerNorm (after a dense layer), so a site lies outside
+    # the base model: the ingest runs the whole model, and the logits come from the head's norm.
+    "bert": {"is_decoder": True},
+    "roberta": {"is_decoder": True},
+    "electra": {"is_decoder": True, "embedding_size": D},
+    # and a second norm after the blocks: the base model's last LayerNorm, then the head's
+    "roberta-prelayernorm": {"is_decoder": True},
+    "xlm-roberta-xl": {"is_decoder": True},
 }
 
 

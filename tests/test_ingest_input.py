@@ -244,6 +244,31 @@ def test_probe_passes_keep_every_position_where_a_norm_follows_the_cut(family: s
     assert n_layers == 2 and head_norm, [f.record.module for f in found]
 
 
+def test_a_site_filter_without_the_norm_the_lm_head_reads_is_refused(tmp_path: Path) -> None:
+    """RoBERTa-PreLayerNorm has two norms after its blocks: the base model's last LayerNorm
+    ("final") and one inside the LM head, after a dense layer ("final_2"), whose output the
+    unembedding reads. A site filter that keeps the first and not the second takes the logit
+    fit's fallback (a pass of its own, hooked on the site kept); the logits are no scale of
+    W_U . final(x) there, so the ingest is refused in one sentence naming the module to add,
+    before anything is written; with the head's norm kept, the logits come from it."""
+    from real_families import build
+    from tiny_models import build_family_tokenizer
+
+    tok = build_family_tokenizer("llama")
+    model = build("roberta-prelayernorm", len(tok))
+    kw: dict[str, Any] = {"model": model, "tokenizer": tok, "prompts": ["one prompt here"],
+                          "device": "cpu", "name": "m"}
+    with pytest.raises(actdb.IngestError) as e:
+        actdb.ingest(tmp_path / "a.actdb", sites="embed,blocks.*,final", **kw)
+    assert "leaves out 'lm_head.layer_norm', the norm whose output the LM head reads" in str(
+        e.value)
+    assert not (tmp_path / "a.actdb").exists()
+    actdb.ingest(tmp_path / "b.actdb", sites="embed,final_2", **kw)
+    with actdb.connect(tmp_path / "b.actdb") as db:
+        assert db.sql("SELECT final_site, logit_max_rel_error < 1e-2 FROM models").fetchall() == [
+            ("final_2", True)]
+
+
 def test_the_collector_skips_what_existed_before_the_ingest_and_is_given_back(
         model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     """During an ingest the objects that existed when it started (torch, transformers, the

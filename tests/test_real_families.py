@@ -30,6 +30,10 @@ WANT_LOGITS = {"cohere": (0.125, None), "cohere2": (0.25, None), "granite": (0.2
                "granitemoe": (0.125, None), "gemma3_text": (None, 30.0)}
 
 
+# The norm inside the LM head, whose output the unembedding reads (the final site of logits).
+HEAD_NORM = {"bert": "cls.predictions.transform.LayerNorm", "roberta": "lm_head.layer_norm",
+             "electra": "generator_predictions.LayerNorm",
+             "roberta-prelayernorm": "lm_head.layer_norm", "xlm-roberta-xl": "lm_head.layer_norm"}
 PROMPTS = ALL_PROMPTS[:3]  # padded batches still (lengths differ); fewer keep 47 families fast
 
 
@@ -81,8 +85,8 @@ def test_real_family_is_faithful(family: str, tokenizer: Any, tmp_path: Path) ->
                  device="cpu", name=family)
     with actdb.connect(store) as db:
         sites = db.sql("SELECT site, role, module, n_heads FROM sites ORDER BY site_id").fetchall()
-        scale, cap, err = db.sql(
-            "SELECT logit_scale, logit_softcap, logit_max_rel_error FROM models").fetchall()[0]
+        scale, cap, err, final = db.sql("SELECT logit_scale, logit_softcap, logit_max_rel_error, "
+                                        "final_site FROM models").fetchall()[0]
         named = dict(model.named_modules())
         single = {s[2] for s in sites if not isinstance(named[s[2]], torch.nn.ModuleList)}
         # (`cpu` unless ACTDB_TEST_DEVICE names another, tests/conftest.py)
@@ -91,6 +95,11 @@ def test_real_family_is_faithful(family: str, tokenizer: Any, tmp_path: Path) ->
         if family in WANT_LOGITS:
             assert (scale, cap) == pytest.approx(WANT_LOGITS[family])
         assert err is not None and err < 1e-2
+        # the logits come from the last final site: the one whose output the LM head reads
+        finals = [s[0] for s in sites if s[1] == "final"]
+        assert finals and final == finals[-1], (final, finals)
+        if family in HEAD_NORM:
+            assert dict((s[0], s[2]) for s in sites)[final] == HEAD_NORM[family]
 
         for site, _role, module, n_heads in sites:
             if module not in single:
@@ -117,7 +126,7 @@ def test_real_family_is_faithful(family: str, tokenizer: Any, tmp_path: Path) ->
         tokens = [3, 50, len(tokenizer) - 1]
         cols = ", ".join(f"logit(vec, {t})" for t in tokens)
         rows = db.sql(f"SELECT p.text, a.position, {cols} FROM acts a JOIN prompts p "
-                      "USING (prompt_id) WHERE a.site = 'final'").fetchall()
+                      "USING (prompt_id) WHERE a.site = $s", params={"s": final}).fetchall()
     by_text = dict(zip(PROMPTS, ref_logits, strict=True))
     assert len(rows) == sum(len(r) for r in ref_logits)
     for text, pos, *vals in rows:

@@ -44,7 +44,7 @@ from .progress import progress_bar
 from .prompts import Prompt, PromptsLike, apply_chat_template, extra_columns, read_prompts
 from .rows import Work, batch_tables
 from .shards import nothing_to_do, parse_shard, plan_shard
-from .sites import FoundSite, find_sites
+from .sites import FoundSite, find_sites, forward_module
 
 # Batches are buffered to at least this many token rows before a write and commit: fewer
 # DuckDB transactions and partial-chunk rewrites (a crash loses at most this much work).
@@ -175,13 +175,25 @@ def ingest(
             head, sample_alt, _forward_kwargs(loaded.model), getattr(loaded.model, "config", None))
         found, n_layers = find_sites(loaded.model, sample, sample_alt, sites_glob=sites,
                                      final_probe=fit)
-        final = next((f for f in found if f.record.role == "final"), None)
+        # The final site whose output the LM head reads: the last of them (sites._final_path).
+        final = next((f for f in reversed(found) if f.record.role == "final"), None)
         transform = None
         if fit is not None and final is not None:
-            transform = (fit.transform(final, model_name)
-                         if fit.ready and fit.path == final.record.module
-                         else measure_logits(loaded.model, sample, final, fit.head, fit.kwargs,
-                                             model_name))
+            if fit.ready and fit.path == final.record.module:
+                transform = fit.transform(final, model_name)
+            else:  # the site filter left out the norm the fit rode on: a pass of its own
+                try:
+                    transform = measure_logits(loaded.model, sample, final, fit.head,
+                                               fit.kwargs, model_name)
+                except IngestError as e:
+                    if fit.path is None or fit.path == final.record.module:
+                        raise
+                    raise IngestError(
+                        f"model {model_name!r}: --sites keeps the final site "
+                        f"{final.record.site!r} ({final.record.module}) but leaves out "
+                        f"{fit.path!r}, the norm whose output the LM head reads, and the "
+                        f"logits cannot be recomputed from the site kept: add {fit.path!r} "
+                        "to --sites") from e
 
         started = time.perf_counter()
         shard_label = shard_name(*shard_of) if shard_of else None
@@ -435,7 +447,7 @@ def _register(
     config = getattr(model, "config", None)
     d_model = int(getattr(config, "hidden_size", 0) or embed.shape[1])
     vocab_size = (lm_head.shape[0] if lm_head is not None else embed.shape[0])
-    final = next((s.site for s in records if s.role == "final"), None)
+    final = next((s.site for s in reversed(records) if s.role == "final"), None)
     widest = max(s.d * (s.n_heads or 1) for s in records)
     record = ModelRecord(
         model=name, model_id=model_id, source=loaded.source,
@@ -539,7 +551,9 @@ def _run(
     record, token_str = reg.record, reg.token_str
     records = [f.record for f in found]
     start = record.n_rows
-    backbone = getattr(loaded.model, "base_model", loaded.model)
+    # The base model alone where every site is inside it; the whole model where a site is in
+    # the LM head (BERT- and RoBERTa-style causal LMs), whose norm must then see every position.
+    backbone = forward_module(loaded.model, [p for f in found for p, _ in f.hooks])
     extra = _forward_kwargs(backbone)
     total = sum(len(w.ids) for w in work)
     group_rows = max(record.chunk_tokens, _FLUSH_TOKENS)
@@ -552,7 +566,8 @@ def _run(
     # together: fewer partial-chunk rewrites, and each commit is still all-or-nothing.
     pending: list[tuple[list[Work], dict[str, float], float | None]] = []
     full_extra = _forward_kwargs(loaded.model)
-    keeps = "logits_to_keep" in inspect.signature(loaded.model.forward).parameters
+    keeps = (backbone is not loaded.model
+             and "logits_to_keep" in inspect.signature(loaded.model.forward).parameters)
 
     def commit(works: list[Work], acts: dict[str, ActBatch], errors: dict[str, float],
                logit_error: float | None, start: int,

@@ -151,15 +151,15 @@ def _feeds(out: torch.Tensor | None, into: torch.Tensor | None) -> bool:
             and out.dtype == into.dtype and torch.equal(out.reshape(-1), into.reshape(-1)))
 
 
-def _probe_module(model: nn.Module, norm_paths: list[str]) -> nn.Module:
-    """The module the site-finding pass runs: the base model where every norm module is inside
-    it (the forward the ingest itself runs, without the LM head's product at every position: a
-    tenth of a second for a 50k vocabulary on a CPU), else the whole model (BERT- and
-    RoBERTa-style heads hold a LayerNorm that runs after the base model)."""
+def forward_module(model: nn.Module, paths: list[str]) -> nn.Module:
+    """The module a pass that must reach the norm modules at `paths` runs: the base model where
+    every one is inside it (the LM head's product at every position is a tenth of a second for
+    a 50k vocabulary on a CPU), else the whole model (BERT- and RoBERTa-style causal LMs hold a
+    LayerNorm in their LM head, which runs after the base model)."""
     prefix = str(getattr(model, "base_model_prefix", "") or "")
     base = getattr(model, "base_model", None)
     if (prefix and isinstance(base, nn.Module) and base is not model
-            and all(p.startswith(prefix + ".") for p in norm_paths)):
+            and all(p.startswith(prefix + ".") for p in paths)):
         return base
     return model
 
@@ -180,12 +180,15 @@ def _in_block(block_path: str, path: str) -> re.Match[str] | None:
 
 def _final_path(log: dict[str, list[Call]], norm_paths: list[str], block_path: str,
                 first_block: int) -> str | None:
-    """The norm module that `_place` will call the final site: the first to run after the
-    first block, outside the blocks."""
+    """The norm module whose output the LM head reads: the last to run outside the blocks,
+    after the first block. `_place` calls every such norm a final site ("final", "final_2",
+    ... in call order); where there are several (RoBERTa-PreLayerNorm: the base model's last
+    LayerNorm, then one inside its LM head, after a dense layer), the logits come from the
+    last."""
     outside = [(log[p][0].start, p) for p in norm_paths
                if log.get(p) and log[p][0].input is not None and log[p][0].start >= first_block
                and _in_block(block_path, p) is None]
-    return min(outside)[1] if outside else None
+    return max(outside)[1] if outside else None
 
 
 def find_sites(
@@ -231,7 +234,7 @@ def find_sites(
                     if sub and _is_projection(m):
                         watched[f"{prefix}.{child}.{sub}"] = m
 
-    target = _probe_module(model, list(norm_modules))
+    target = forward_module(model, list(norm_modules))
     with torch.no_grad(), record_calls(watched) as log:
         target(**sample)
     block_calls = [log.calls.get(f"{block_path}.{i}", [None])[0] for i in range(len(block_list))]
