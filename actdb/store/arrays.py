@@ -276,7 +276,7 @@ class Arrays:
                 part = np.concatenate([part, np.zeros((step - part.shape[0], *part.shape[1:]),
                                                       dtype=part.dtype)])
             os.makedirs(os.path.dirname(raw.path(chunk)), exist_ok=True)
-            raw.write(chunk, part, point="weight_write")
+            raw.write(chunk, part, point="weight_write", direct=True)
 
         list((pool.map if pool else map)(one, range(n)))
 

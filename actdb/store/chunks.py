@@ -9,7 +9,9 @@ little-endian, exactly as Zarr's own codec writes it, so zarr-python reads these
 
 from __future__ import annotations
 
+import errno
 import math
+import mmap
 import os
 import threading
 from dataclasses import dataclass
@@ -171,14 +173,20 @@ class RawLayout(ChunkFormat):
             size = None
         self.check_size(chunk, size)
 
-    def write(self, chunk: int, data: np.ndarray, *, point: str = "chunk_write") -> None:
+    def write(self, chunk: int, data: np.ndarray, *, point: str = "chunk_write",
+              direct: bool = False) -> None:
         """Replace chunk `chunk` whole: a temporary file beside it, fsynced, renamed over it
         (the caller fsyncs the folder). Its folder must exist. `point`: the fault point
-        that tests inject at mid-write (faults.py)."""
+        that tests inject at mid-write (faults.py). `direct`: past the page cache where the
+        file system allows it (`write_direct`), for large chunks written once (weights)."""
         path = self.path(chunk)
         data = np.ascontiguousarray(data, dtype=self.dtype)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{PARTIAL_SUFFIX}"
         try:
+            if direct and data.nbytes >= DIRECT_MIN_BYTES and write_direct(
+                    tmp, data, crc32c(data) if self.crc else None, point):
+                os.replace(tmp, path)
+                return
             with open(tmp, "wb") as f:
                 f.write(data.data.cast("B"))
                 fault(point)  # a kill here leaves a torn temporary file
@@ -194,6 +202,82 @@ class RawLayout(ChunkFormat):
 
     def where(self, chunk: int) -> str:
         return self.path(chunk)
+
+
+# Chunks at least this large may be written past the page cache (RawLayout.write's `direct`).
+DIRECT_MIN_BYTES = 4 << 20
+_DIRECT_PIECE = 4 << 20  # written through a page-aligned buffer this size, one per thread
+_DIRECT_ALIGN = 4096  # O_DIRECT's alignment of buffer, offset and length on Linux file systems
+_direct = threading.local()
+_direct_refused: set[int] = set()  # devices (st_dev) whose file system refused O_DIRECT
+
+
+def write_direct(tmp: str, data: np.ndarray, crc: int | None, point: str) -> bool:
+    """Write `data` (then its CRC-32C, 4 bytes little-endian) as the new file `tmp` with
+    O_DIRECT, and fsync it; False, with nothing left at `tmp`, where the system or its file
+    system does not take O_DIRECT (tmpfs before Linux 6.6, some FUSE and network file systems).
+
+    A buffered write of a 25 MB weight chunk into fresh page-cache pages cost 3.4 ms of system
+    time per MB here (0.53-0.63 s for GPT-2's 154 MB embedding, on the commit thread beside the
+    first forward pass); past the page cache, through one reused 4 MiB buffer, it is the copy
+    into that buffer. The file's length is not a multiple of the alignment (the CRC's 4 bytes):
+    the last piece is written padded, and the file cut to its size."""
+    flag = getattr(os, "O_DIRECT", 0)
+    folder = os.path.dirname(tmp) or "."
+    if not flag:
+        return False
+    try:
+        dev = os.stat(folder).st_dev
+    except OSError:
+        return False
+    if dev in _direct_refused:
+        return False
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            _direct_refused.add(dev)
+            return False
+        raise
+    buf = getattr(_direct, "buf", None)
+    if buf is None or len(buf) != _DIRECT_PIECE:  # anonymous memory: page-aligned
+        buf = _direct.buf = mmap.mmap(-1, _DIRECT_PIECE)
+    payload = data.reshape(-1).view(np.uint8).data
+    tail = crc.to_bytes(CRC_BYTES, "little") if crc is not None else b""
+    size = len(payload) + len(tail)
+    view = memoryview(buf)
+    try:
+        at = 0
+        while at < size:
+            n = min(_DIRECT_PIECE, size - at)
+            body = max(0, min(n, len(payload) - at))
+            view[:body] = payload[at : at + body]
+            view[body:n] = tail[at + body - len(payload) : at + n - len(payload)]
+            padded = -(-n // _DIRECT_ALIGN) * _DIRECT_ALIGN
+            view[n:padded] = bytes(padded - n)
+            done = 0
+            while done < padded:
+                done += os.write(fd, view[done:padded])
+            at += n
+            if at == n:
+                fault(point)  # a kill here leaves a torn temporary file
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    except OSError as e:
+        os.close(fd)
+        os.unlink(tmp)
+        if e.errno == errno.EINVAL:  # opened, but the file system takes no aligned write
+            _direct_refused.add(dev)
+            return False
+        raise
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    finally:
+        view.release()
+    os.close(fd)
+    return True
 
 
 def raw_layout(arr: zarr.Array, zstore: Any) -> RawLayout | None:
