@@ -483,7 +483,295 @@ done:
     return result;
 }
 
+/* -- The ingest's hook: a norm input's rows turned into the stored fields, and checked -------
+
+   split_rows(x, y, h, norm, mean, gain, bias, d, centered, eps, portable=False) -> worst: for
+   each row of x (float32 [n, d], the norm module's input) its norm ||x|| and mean (sums in
+   float64, stored as float32), its direction x / norm (a float32 division) rounded to float16
+   (to nearest, ties to even) into h (zeros where the norm is 0 or NaN, as norms.split gives);
+   then the module's output rebuilt from what is stored (v = float(h) * norm in float32, the
+   site's formula w = v - mean(v) if centred, y' = gain * w / sqrt(mean(w^2) + eps) + bias, in
+   float64) and compared with its real output y: the worst ||y' - y|| / (||y|| + 1e-6) over
+   the rows (NaN if any is). gain and bias are float32 [d] or empty (ones, zeros). Three passes
+   over memory (x, y, h) where torch's ops made about twenty, one thread, the GIL released. */
+
+/* binary32 -> binary16, to nearest, ties to even: what F16C's vcvtps2ph and NumPy give. */
+static uint16_t float_to_half(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    uint32_t absb = bits & 0x7fffffffu;
+    if (absb >= 0x7f800000u) { /* inf or NaN (quiet, payload's top bits kept) */
+        return sign | 0x7c00u | (absb > 0x7f800000u ? (uint16_t)(0x200u | ((absb >> 13) & 0x3ffu)) : 0);
+    }
+    if (absb >= 0x477ff000u) { /* rounds to 65536 or more: infinity */
+        return sign | 0x7c00u;
+    }
+    if (absb >= 0x38800000u) { /* normal in binary16 */
+        uint32_t mant = absb & 0x7fffffu;
+        uint32_t exp = (absb >> 23) - 112u;
+        uint32_t half = (exp << 10) | (mant >> 13);
+        uint32_t rest = mant & 0x1fffu;
+        if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) {
+            half += 1u; /* a carry into the exponent is right */
+        }
+        return sign | (uint16_t)half;
+    }
+    if (absb < 0x33000000u) { /* below half the smallest subnormal: zero */
+        return sign;
+    }
+    /* subnormal in binary16: the value in units of 2^-24, rounded to nearest even */
+    uint32_t e = absb >> 23;
+    uint32_t mant = (absb & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126u - e; /* 2^-24 units: mant * 2^(e - 150) / 2^-24 = mant >> (126 - e) */
+    uint32_t half = mant >> shift;
+    uint32_t rest = mant & ((1u << shift) - 1u);
+    uint32_t mid = 1u << (shift - 1u);
+    if (rest > mid || (rest == mid && (half & 1u))) {
+        half += 1u;
+    }
+    return sign | (uint16_t)half;
+}
+
+typedef struct {
+    const float *gain, *bias;
+    int centered;
+    double eps;
+    Py_ssize_t d;
+} SplitSite;
+
+/* The row's error given its stored fields (h, nrm): shared by both paths' last passes. */
+static double check_row(const SplitSite *s, const uint16_t *h, float nrm, const float *y) {
+    Py_ssize_t d = s->d;
+    double m = 0.0;
+    if (s->centered) {
+        for (Py_ssize_t j = 0; j < d; j++) {
+            m += (double)(half_to_float(h[j]) * nrm);
+        }
+        m /= (double)d;
+    }
+    double ws = 0.0;
+    for (Py_ssize_t j = 0; j < d; j++) {
+        double w = (double)(half_to_float(h[j]) * nrm) - m;
+        ws += w * w;
+    }
+    double r = 1.0 / sqrt(ws / (double)d + s->eps);
+    double e2 = 0.0, yy = 0.0;
+    for (Py_ssize_t j = 0; j < d; j++) {
+        double yh = ((double)(half_to_float(h[j]) * nrm) - m) * r;
+        if (s->gain) yh *= (double)s->gain[j];
+        if (s->bias) yh += (double)s->bias[j];
+        double diff = yh - (double)y[j];
+        e2 += diff * diff;
+        yy += (double)y[j] * (double)y[j];
+    }
+    return sqrt(e2) / (sqrt(yy) + 1e-6);
+}
+
+static double split_portable(const SplitSite *s, const float *x, const float *y, uint16_t *h,
+                             float *norm, float *mean, Py_ssize_t n) {
+    Py_ssize_t d = s->d;
+    double worst = 0.0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const float *xr = x + i * d;
+        uint16_t *hr = h + i * d;
+        double sum = 0.0, ss = 0.0;
+        for (Py_ssize_t j = 0; j < d; j++) {
+            sum += (double)xr[j];
+            ss += (double)xr[j] * (double)xr[j];
+        }
+        float nrm = (float)sqrt(ss);
+        norm[i] = nrm;
+        mean[i] = (float)(sum / (double)d);
+        for (Py_ssize_t j = 0; j < d; j++) {
+            hr[j] = nrm > 0.0f ? float_to_half(xr[j] / nrm) : 0;
+        }
+        double e = check_row(s, hr, nrm, y + i * d);
+        if (isnan(e) || e > worst) {
+            worst = e;
+        }
+    }
+    return worst;
+}
+
+#ifdef ACTDB_X86
+__attribute__((target("avx2,fma,f16c")))
+static inline double hsum_pd(__m256d v) {
+    __m128d lo = _mm256_castpd256_pd128(v), hi = _mm256_extractf128_pd(v, 1);
+    lo = _mm_add_pd(lo, hi);
+    return _mm_cvtsd_f64(_mm_add_sd(lo, _mm_unpackhi_pd(lo, lo)));
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static double split_avx2(const SplitSite *s, const float *x, const float *y, uint16_t *h,
+                         float *norm, float *mean, Py_ssize_t n) {
+    Py_ssize_t d = s->d, body = d - d % 8;
+    double worst = 0.0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const float *xr = x + i * d, *yr = y + i * d;
+        uint16_t *hr = h + i * d;
+        __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+        __m256d q0 = _mm256_setzero_pd(), q1 = _mm256_setzero_pd();
+        for (Py_ssize_t j = 0; j < body; j += 8) {
+            __m256 v = _mm256_loadu_ps(xr + j);
+            __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+            __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+            s0 = _mm256_add_pd(s0, a);
+            s1 = _mm256_add_pd(s1, b);
+            q0 = _mm256_fmadd_pd(a, a, q0);
+            q1 = _mm256_fmadd_pd(b, b, q1);
+        }
+        double sum = hsum_pd(_mm256_add_pd(s0, s1)), ss = hsum_pd(_mm256_add_pd(q0, q1));
+        for (Py_ssize_t j = body; j < d; j++) {
+            sum += (double)xr[j];
+            ss += (double)xr[j] * (double)xr[j];
+        }
+        float nrm = (float)sqrt(ss);
+        norm[i] = nrm;
+        mean[i] = (float)(sum / (double)d);
+        if (nrm > 0.0f) {
+            __m256 nv = _mm256_set1_ps(nrm);
+            for (Py_ssize_t j = 0; j < body; j += 8) {
+                __m256 q = _mm256_div_ps(_mm256_loadu_ps(xr + j), nv);
+                _mm_storeu_si128((__m128i *)(hr + j),
+                                 _mm256_cvtps_ph(q, _MM_FROUND_TO_NEAREST_INT));
+            }
+            for (Py_ssize_t j = body; j < d; j++) {
+                hr[j] = float_to_half(xr[j] / nrm);
+            }
+        } else {
+            memset(hr, 0, (size_t)d * sizeof *hr);
+        }
+        /* the rebuilt vector v = float(h) * norm, in float32 as check_row makes it */
+        __m256 nv = _mm256_set1_ps(nrm);
+        double m = 0.0;
+        if (s->centered) {
+            __m256d m0 = _mm256_setzero_pd(), m1 = _mm256_setzero_pd();
+            for (Py_ssize_t j = 0; j < body; j += 8) {
+                __m256 v = _mm256_mul_ps(
+                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hr + j))), nv);
+                m0 = _mm256_add_pd(m0, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+                m1 = _mm256_add_pd(m1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+            }
+            m = hsum_pd(_mm256_add_pd(m0, m1));
+            for (Py_ssize_t j = body; j < d; j++) {
+                m += (double)(half_to_float(hr[j]) * nrm);
+            }
+            m /= (double)d;
+        }
+        __m256d mv = _mm256_set1_pd(m);
+        __m256d w0 = _mm256_setzero_pd(), w1 = _mm256_setzero_pd();
+        for (Py_ssize_t j = 0; j < body; j += 8) {
+            __m256 v = _mm256_mul_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hr + j))), nv);
+            __m256d a = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), mv);
+            __m256d b = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), mv);
+            w0 = _mm256_fmadd_pd(a, a, w0);
+            w1 = _mm256_fmadd_pd(b, b, w1);
+        }
+        double ws = hsum_pd(_mm256_add_pd(w0, w1));
+        for (Py_ssize_t j = body; j < d; j++) {
+            double w = (double)(half_to_float(hr[j]) * nrm) - m;
+            ws += w * w;
+        }
+        double r = 1.0 / sqrt(ws / (double)d + s->eps);
+        __m256d rv = _mm256_set1_pd(r);
+        __m256d e0 = _mm256_setzero_pd(), e1 = _mm256_setzero_pd();
+        __m256d y0 = _mm256_setzero_pd(), y1 = _mm256_setzero_pd();
+        for (Py_ssize_t j = 0; j < body; j += 8) {
+            __m256 v = _mm256_mul_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hr + j))), nv);
+            __m256 yv = _mm256_loadu_ps(yr + j);
+            __m256 gv = s->gain ? _mm256_loadu_ps(s->gain + j) : _mm256_set1_ps(1.0f);
+            __m256 bv = s->bias ? _mm256_loadu_ps(s->bias + j) : _mm256_setzero_ps();
+            __m256d a = _mm256_mul_pd(
+                _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), mv), rv);
+            __m256d b = _mm256_mul_pd(
+                _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), mv), rv);
+            a = s->gain ? _mm256_mul_pd(a, _mm256_cvtps_pd(_mm256_castps256_ps128(gv))) : a;
+            b = s->gain ? _mm256_mul_pd(b, _mm256_cvtps_pd(_mm256_extractf128_ps(gv, 1))) : b;
+            a = _mm256_add_pd(a, _mm256_cvtps_pd(_mm256_castps256_ps128(bv)));
+            b = _mm256_add_pd(b, _mm256_cvtps_pd(_mm256_extractf128_ps(bv, 1)));
+            __m256d ya = _mm256_cvtps_pd(_mm256_castps256_ps128(yv));
+            __m256d yb = _mm256_cvtps_pd(_mm256_extractf128_ps(yv, 1));
+            __m256d da = _mm256_sub_pd(a, ya), db = _mm256_sub_pd(b, yb);
+            e0 = _mm256_fmadd_pd(da, da, e0);
+            e1 = _mm256_fmadd_pd(db, db, e1);
+            y0 = _mm256_fmadd_pd(ya, ya, y0);
+            y1 = _mm256_fmadd_pd(yb, yb, y1);
+        }
+        double e2 = hsum_pd(_mm256_add_pd(e0, e1)), yy = hsum_pd(_mm256_add_pd(y0, y1));
+        for (Py_ssize_t j = body; j < d; j++) {
+            double yh = ((double)(half_to_float(hr[j]) * nrm) - m) * r;
+            if (s->gain) yh *= (double)s->gain[j];
+            if (s->bias) yh += (double)s->bias[j];
+            double diff = yh - (double)yr[j];
+            e2 += diff * diff;
+            yy += (double)yr[j] * (double)yr[j];
+        }
+        double e = sqrt(e2) / (sqrt(yy) + 1e-6);
+        if (isnan(e) || e > worst) {
+            worst = e;
+        }
+    }
+    return worst;
+}
+#endif
+
+typedef double (*split_fn)(const SplitSite *, const float *, const float *, uint16_t *, float *,
+                           float *, Py_ssize_t);
+static split_fn split_chosen = split_portable;
+
+static PyObject *split_rows(PyObject *self, PyObject *args) {
+    Py_buffer x, y, h, nrm, mean, gain, bias;
+    Py_ssize_t d;
+    int centered, portable = 0;
+    double eps;
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*y*y*npd|p", &x, &y, &h, &nrm, &mean, &gain, &bias,
+                          &d, &centered, &eps, &portable)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_buffer *all[] = {&x, &y, &h, &nrm, &mean, &gain, &bias};
+    const char *names[] = {"x", "y", "h", "norm", "mean", "gain", "bias"};
+    const Py_ssize_t items[] = {4, 4, 2, 4, 4, 4, 4};
+    for (int k = 0; k < 7; k++) {
+        if (!PyBuffer_IsContiguous(all[k], 'C') || all[k]->len % items[k] != 0) {
+            PyErr_Format(PyExc_ValueError, "split_rows: %s is not a C-contiguous buffer of "
+                         "%zd-byte items", names[k], items[k]);
+            goto done;
+        }
+    }
+    Py_ssize_t n = nrm.len / 4;
+    if (d <= 0 || x.len / 4 % d != 0 || x.len / 4 / d != n || y.len != x.len ||
+        h.len / 2 != x.len / 4 || mean.len != nrm.len ||
+        (gain.len != 0 && gain.len / 4 != d) || (bias.len != 0 && bias.len / 4 != d)) {
+        PyErr_Format(PyExc_ValueError, "split_rows: sizes disagree (x %zd values, y %zd, h %zd, "
+                     "norm %zd, mean %zd, gain %zd, bias %zd, d %zd)", x.len / 4, y.len / 4,
+                     h.len / 2, n, mean.len / 4, gain.len / 4, bias.len / 4, d);
+        goto done;
+    }
+    SplitSite site = {gain.len ? (const float *)gain.buf : NULL,
+                      bias.len ? (const float *)bias.buf : NULL, centered, eps, d};
+    split_fn fn = portable ? split_portable : split_chosen;
+    double worst;
+    Py_BEGIN_ALLOW_THREADS
+    worst = fn(&site, (const float *)x.buf, (const float *)y.buf, (uint16_t *)h.buf,
+               (float *)nrm.buf, (float *)mean.buf, n);
+    Py_END_ALLOW_THREADS
+    result = PyFloat_FromDouble(worst);
+done:
+    for (int k = 0; k < 7; k++) {
+        PyBuffer_Release(all[k]);
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"split_rows", split_rows, METH_VARARGS,
+     "split_rows(x, y, h, norm, mean, gain, bias, d, centered, eps, portable=False) -> worst: "
+     "a norm input's rows (float32 [n, d]) to their float16 directions, norms and means, and "
+     "the worst relative error of the output rebuilt from them against y; the GIL released."},
     {"f16_dots", f16_dots, METH_VARARGS,
      "f16_dots(x, v, out, portable=False): out[i] = sum_j x[i, j] * v[j], x float16 [n, d] "
      "C-contiguous, v float32 [d], out float32 [n]; each row reduced on its own in a fixed "
@@ -511,6 +799,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         __builtin_cpu_supports("f16c")) {
         chosen = dots_avx2;
         chosen_name = "avx2";
+        split_chosen = split_avx2;
     }
 #endif
     PyObject *m = PyModule_Create(&module);

@@ -352,3 +352,103 @@ def test_two_threads_waiting_on_reads_never_take_the_same_queued_read() -> None:
         for gate in gates.values():
             gate.set()
         cache.close()
+
+
+def _split_reference(x: np.ndarray, y: np.ndarray, gain: np.ndarray | None,
+                     bias: np.ndarray | None, centered: bool, eps: float
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """The ingest's stored fields and faithfulness figure from their definitions: norm and mean
+    in float64 (stored as float32), the direction a float32 division rounded by NumPy to
+    float16 (zeros where the norm is 0 or NaN), and the output rebuilt from those in float64."""
+    x64 = x.astype(np.float64)
+    norm = np.sqrt((x64 * x64).sum(-1)).astype(np.float32)
+    mean = x64.mean(-1).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        h = np.where((norm > 0)[:, None], x / norm[:, None], np.float32(0)).astype(np.float16)
+    v = (h.astype(np.float32) * norm[:, None]).astype(np.float64)
+    w = v - v.mean(-1, keepdims=True) if centered else v
+    yh = w / np.sqrt((w * w).mean(-1, keepdims=True) + eps)
+    if gain is not None:
+        yh = yh * gain.astype(np.float64)
+    if bias is not None:
+        yh = yh + bias.astype(np.float64)
+    y64 = y.astype(np.float64)
+    err = np.linalg.norm(yh - y64, axis=-1) / (np.linalg.norm(y64, axis=-1) + 1e-6)
+    return h, norm, mean, float(err.max())
+
+
+@pytest.mark.parametrize("d", [1, 7, 8, 64, 100, 768])
+@pytest.mark.parametrize("centered,affine", [(True, "gain_bias"), (False, "gain"),
+                                             (True, "none"), (False, "bias")])
+@pytest.mark.parametrize("portable", [False, True])
+def test_split_rows_gives_the_stored_fields_and_check_of_their_definitions(
+        d: int, centered: bool, affine: str, portable: bool) -> None:
+    """`split_rows`, the ingest's compiled hook, against `_split_reference` (NumPy, float64):
+    the float16 directions bit for bit (rows spanning 1e-9 to 1e3 within a row, so that
+    directions fall in float16's subnormal range and round to zero; a row of zeros; NaN
+    handling apart), the norms and means to float32 rounding, and the worst relative error of
+    the rebuilt output against an output that differs from it by a known amount."""
+    rng = np.random.default_rng(d * 10 + portable)
+    n = 257
+    scale = 10.0 ** rng.uniform(-9, 3, (n, d))
+    x = (rng.standard_normal((n, d)) * scale).astype(np.float32)
+    x[5] = 0.0
+    x[6] = x[6] * 1e-30  # tiny: a norm of about 1e-30 still gives unit directions
+    gain = rng.uniform(0.5, 1.5, d).astype(np.float32) if "gain" in affine else None
+    bias = rng.normal(0, 0.1, d).astype(np.float32) if "bias" in affine else None
+    eps = 1e-5
+    # the module's "real" output: the exact one, moved by a known relative amount per row
+    x64 = x.astype(np.float64)
+    w = x64 - x64.mean(-1, keepdims=True) if centered else x64
+    exact = w / np.sqrt((w * w).mean(-1, keepdims=True) + eps)
+    exact = exact * (gain if gain is not None else 1.0) + (bias if bias is not None else 0.0)
+    y = (exact * (1 + rng.uniform(0, 1e-3, (n, 1)))).astype(np.float32)
+    h = np.empty((n, d), np.float16)
+    norm, mean = np.empty(n, np.float32), np.empty(n, np.float32)
+    worst = _native.split_rows(x, y, h, norm, mean, b"" if gain is None else gain.tobytes(),
+                               b"" if bias is None else bias.tobytes(), d, centered, eps,
+                               portable)
+    ref_h, ref_norm, ref_mean, ref_worst = _split_reference(x, y, gain, bias, centered, eps)
+    assert np.array_equal(h.view(np.uint16), ref_h.view(np.uint16))
+    np.testing.assert_allclose(norm, ref_norm, rtol=2**-23, atol=0)
+    np.testing.assert_allclose(mean, ref_mean, rtol=2**-23, atol=1e-45)
+    assert worst == pytest.approx(ref_worst, rel=1e-9, abs=1e-15)
+    assert (h[5] == 0).all() and norm[5] == 0
+
+
+def test_split_rows_paths_agree_and_a_nan_is_the_worst() -> None:
+    """The AVX2 path (F16C rounding) and the portable path (rounding in C) store the same
+    float16 bits over a million values of every magnitude, ties included, and report the same
+    figure; a row holding NaN makes the figure NaN (so the ingest's check fails) and stores a
+    zero direction, as norms.split does."""
+    rng = np.random.default_rng(0)
+    n, d = 2048, 512
+    x = (rng.standard_normal((n, d)) * 10.0 ** rng.uniform(-9, 3, (n, d))).astype(np.float32)
+    y = rng.standard_normal((n, d)).astype(np.float32)
+    out = []
+    for portable in (False, True):
+        h = np.empty((n, d), np.float16)
+        norm, mean = np.empty(n, np.float32), np.empty(n, np.float32)
+        worst = _native.split_rows(x, y, h, norm, mean, b"", b"", d, True, 1e-5, portable)
+        out.append((h.view(np.uint16).copy(), norm, mean, worst))
+    assert np.array_equal(out[0][0], out[1][0])
+    assert np.array_equal(out[0][1], out[1][1]) and np.array_equal(out[0][2], out[1][2])
+    assert out[0][3] == pytest.approx(out[1][3], rel=1e-12)
+    x[3, 7] = np.nan
+    h = np.empty((n, d), np.float16)
+    norm, mean = np.empty(n, np.float32), np.empty(n, np.float32)
+    assert np.isnan(_native.split_rows(x, y, h, norm, mean, b"", b"", d, True, 1e-5))
+    assert (h[3] == 0).all()
+
+
+def test_split_rows_refuses_sizes_that_disagree() -> None:
+    x = np.zeros((4, 8), np.float32)
+    h = np.empty((4, 8), np.float16)
+    norm, mean = np.empty(4, np.float32), np.empty(4, np.float32)
+    for args in ((x, x[:3], h, norm, mean, b"", b"", 8),
+                 (x, x, h[:3], norm, mean, b"", b"", 8),
+                 (x, x, h, norm[:3], mean, b"", b"", 8),
+                 (x, x, h, norm, mean, b"\0" * 12, b"", 8),
+                 (x, x, h, norm, mean, b"", b"", 5)):
+        with pytest.raises(ValueError, match="split_rows"):
+            _native.split_rows(*args, True, 1e-5)

@@ -186,8 +186,8 @@ def ingest(
                     transform = measure_logits(loaded.model, sample, final, fit.head,
                                                fit.kwargs, model_name)
                 except IngestError as e:
-                    if fit.path is None or fit.path == final.record.module:
-                        raise
+                    if not sites or fit.path is None or fit.path == final.record.module:
+                        raise  # not the filter's doing
                     raise IngestError(
                         f"model {model_name!r}: --sites keeps the final site "
                         f"{final.record.site!r} ({final.record.module}) but leaves out "
