@@ -25,6 +25,8 @@ try:  # the compiled kernels (actdb/_native.c), built at install when a C compil
     from .. import _native
 except ImportError:  # pragma: no cover - a build without a C compiler
     _native = None  # type: ignore[assignment]
+if _native is not None and not hasattr(_native, "split_rows"):  # pragma: no cover
+    _native = None  # type: ignore[assignment]  # a build older than its source: torch's path
 
 FAITHFULNESS_LIMIT = 1e-2
 
