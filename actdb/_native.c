@@ -540,43 +540,33 @@ typedef struct {
     Py_ssize_t d;
 } SplitSite;
 
-/* The row's error given its stored fields (h, nrm): shared by both paths' last passes. */
-static double check_row(const SplitSite *s, const uint16_t *h, float nrm, const float *y) {
-    Py_ssize_t d = s->d;
-    double m = 0.0;
-    if (s->centered) {
-        for (Py_ssize_t j = 0; j < d; j++) {
-            m += (double)(half_to_float(h[j]) * nrm);
-        }
-        m /= (double)d;
-    }
-    double ws = 0.0;
-    for (Py_ssize_t j = 0; j < d; j++) {
-        double w = (double)(half_to_float(h[j]) * nrm) - m;
-        ws += w * w;
-    }
-    double r = 1.0 / sqrt(ws / (double)d + s->eps);
-    double e2 = 0.0, yy = 0.0;
-    for (Py_ssize_t j = 0; j < d; j++) {
-        double yh = ((double)(half_to_float(h[j]) * nrm) - m) * r;
-        if (s->gain) yh *= (double)s->gain[j];
-        if (s->bias) yh += (double)s->bias[j];
-        double diff = yh - (double)y[j];
-        e2 += diff * diff;
-        yy += (double)y[j] * (double)y[j];
-    }
-    return sqrt(e2) / (sqrt(yy) + 1e-6);
+/* The portable path makes exactly the AVX2 path's operations, so both store the same bits:
+   each float64 sum over a row's first d - d mod 8 elements in 8 lanes (lane k takes the
+   elements j = k mod 8; squares by fused multiply-add), the lanes added as split_avx2's
+   registers are ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then the last d mod 8
+   elements one after another without fusing (ISO C: no contraction). */
+static double lanes_total(const double *l) {
+    double c0 = l[0] + l[4], c1 = l[1] + l[5], c2 = l[2] + l[6], c3 = l[3] + l[7];
+    return (c0 + c2) + (c1 + c3);
 }
 
 static double split_portable(const SplitSite *s, const float *x, const float *y, uint16_t *h,
                              float *norm, float *mean, Py_ssize_t n) {
-    Py_ssize_t d = s->d;
+    Py_ssize_t d = s->d, body = d - d % 8;
     double worst = 0.0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        const float *xr = x + i * d;
+        const float *xr = x + i * d, *yr = y + i * d;
         uint16_t *hr = h + i * d;
-        double sum = 0.0, ss = 0.0;
-        for (Py_ssize_t j = 0; j < d; j++) {
+        double a[8] = {0}, q[8] = {0};
+        for (Py_ssize_t j = 0; j < body; j += 8) {
+            for (int k = 0; k < 8; k++) {
+                double v = (double)xr[j + k];
+                a[k] = a[k] + v;
+                q[k] = fma(v, v, q[k]);
+            }
+        }
+        double sum = lanes_total(a), ss = lanes_total(q);
+        for (Py_ssize_t j = body; j < d; j++) {
             sum += (double)xr[j];
             ss += (double)xr[j] * (double)xr[j];
         }
@@ -586,9 +576,56 @@ static double split_portable(const SplitSite *s, const float *x, const float *y,
         for (Py_ssize_t j = 0; j < d; j++) {
             hr[j] = nrm > 0.0f ? float_to_half(xr[j] / nrm) : 0;
         }
-        double e = check_row(s, hr, nrm, y + i * d);
-        if (isnan(e) || e > worst) {
-            worst = e;
+        double m = 0.0;
+        if (s->centered) {
+            double l[8] = {0};
+            for (Py_ssize_t j = 0; j < body; j += 8) {
+                for (int k = 0; k < 8; k++) {
+                    l[k] = l[k] + (double)(half_to_float(hr[j + k]) * nrm);
+                }
+            }
+            m = lanes_total(l);
+            for (Py_ssize_t j = body; j < d; j++) {
+                m += (double)(half_to_float(hr[j]) * nrm);
+            }
+            m /= (double)d;
+        }
+        double l[8] = {0};
+        for (Py_ssize_t j = 0; j < body; j += 8) {
+            for (int k = 0; k < 8; k++) {
+                double w = (double)(half_to_float(hr[j + k]) * nrm) - m;
+                l[k] = fma(w, w, l[k]);
+            }
+        }
+        double ws = lanes_total(l);
+        for (Py_ssize_t j = body; j < d; j++) {
+            double w = (double)(half_to_float(hr[j]) * nrm) - m;
+            ws += w * w;
+        }
+        double r = 1.0 / sqrt(ws / (double)d + s->eps);
+        double e[8] = {0}, yl[8] = {0};
+        for (Py_ssize_t j = 0; j < body; j += 8) {
+            for (int k = 0; k < 8; k++) {
+                double yh = ((double)(half_to_float(hr[j + k]) * nrm) - m) * r;
+                if (s->gain) yh = yh * (double)s->gain[j + k];
+                yh = yh + (s->bias ? (double)s->bias[j + k] : 0.0);
+                double yv = (double)yr[j + k], diff = yh - yv;
+                e[k] = fma(diff, diff, e[k]);
+                yl[k] = fma(yv, yv, yl[k]);
+            }
+        }
+        double e2 = lanes_total(e), yy = lanes_total(yl);
+        for (Py_ssize_t j = body; j < d; j++) {
+            double yh = ((double)(half_to_float(hr[j]) * nrm) - m) * r;
+            if (s->gain) yh *= (double)s->gain[j];
+            if (s->bias) yh += (double)s->bias[j];
+            double diff = yh - (double)yr[j];
+            e2 += diff * diff;
+            yy += (double)yr[j] * (double)yr[j];
+        }
+        double err = sqrt(e2) / (sqrt(yy) + 1e-6);
+        if (isnan(err) || err > worst) {
+            worst = err;
         }
     }
     return worst;
@@ -642,7 +679,7 @@ static double split_avx2(const SplitSite *s, const float *x, const float *y, uin
         } else {
             memset(hr, 0, (size_t)d * sizeof *hr);
         }
-        /* the rebuilt vector v = float(h) * norm, in float32 as check_row makes it */
+        /* the rebuilt vector v = float(h) * norm, in float32 */
         __m256 nv = _mm256_set1_ps(nrm);
         double m = 0.0;
         if (s->centered) {

@@ -96,7 +96,8 @@ class SiteSink:
             for site, (g, b) in self.params.items():
                 if all(t is None or t.dim() == 1 for t in (g, b)):
                     self.native[site] = tuple(  # type: ignore[assignment]
-                        b"" if t is None else t.contiguous().numpy().tobytes() for t in (g, b))
+                        b"" if t is None else t.detach().contiguous().numpy().tobytes()
+                        for t in (g, b))
         self.mask = torch.zeros(0, dtype=torch.bool)
         self._lengths: list[int] | None = None  # each row's real tokens, when they come first
         self._no_padding = False
@@ -214,7 +215,7 @@ class SiteSink:
         [n, h, d] are n * h rows of d."""
         s = self.found[self.by_site[site]].record
         gain, bias = self.native[site]
-        x, y = x.contiguous(), y.contiguous()
+        x, y = x.detach().contiguous(), y.detach().contiguous()
         return _native.split_rows(
             x.numpy(), y.numpy(), stored.direction[lo:hi], stored.norm[lo:hi],
             stored.mean[lo:hi], gain, bias, int(x.shape[-1]), bool(s.centered), float(s.eps))

@@ -44,7 +44,7 @@ from .progress import progress_bar
 from .prompts import Prompt, PromptsLike, apply_chat_template, extra_columns, read_prompts
 from .rows import Work, batch_tables
 from .shards import nothing_to_do, parse_shard, plan_shard
-from .sites import FoundSite, find_sites, forward_module
+from .sites import FoundSite, find_sites, forward_module, outside_base
 
 # Batches are buffered to at least this many token rows before a write and commit: fewer
 # DuckDB transactions and partial-chunk rewrites (a crash loses at most this much work).
@@ -233,6 +233,9 @@ def ingest(
             if on_plan:
                 on_plan(plan)
             check = None
+            # A model already in the store keeps the final site its logit transform was fitted
+            # on (stores written before the last final site was chosen may name an earlier one).
+            final = next((f for f in found if f.record.site == reg.record.final_site), final)
             if head is not None and final is not None and reg.record.has_lm_head:
                 recorded = LogitTransform(scale=reg.record.logit_scale,
                                           softcap=reg.record.logit_softcap, error=0.0)
@@ -553,7 +556,8 @@ def _run(
     start = record.n_rows
     # The base model alone where every site is inside it; the whole model where a site is in
     # the LM head (BERT- and RoBERTa-style causal LMs), whose norm must then see every position.
-    backbone = forward_module(loaded.model, [p for f in found for p, _ in f.hooks])
+    paths = [p for f in found for p, _ in f.hooks]
+    backbone = forward_module(loaded.model, paths)
     extra = _forward_kwargs(backbone)
     total = sum(len(w.ids) for w in work)
     group_rows = max(record.chunk_tokens, _FLUSH_TOKENS)
@@ -566,7 +570,9 @@ def _run(
     # together: fewer partial-chunk rewrites, and each commit is still all-or-nothing.
     pending: list[tuple[list[Work], dict[str, float], float | None]] = []
     full_extra = _forward_kwargs(loaded.model)
-    keeps = (backbone is not loaded.model
+    # The checked batches' logits at their few positions only, unless a site's norm follows
+    # the cut (in the LM head): it must see every position, as the other batches' runs do.
+    keeps = (not outside_base(loaded.model, paths)
              and "logits_to_keep" in inspect.signature(loaded.model.forward).parameters)
 
     def commit(works: list[Work], acts: dict[str, ActBatch], errors: dict[str, float],

@@ -151,17 +151,23 @@ def _feeds(out: torch.Tensor | None, into: torch.Tensor | None) -> bool:
             and out.dtype == into.dtype and torch.equal(out.reshape(-1), into.reshape(-1)))
 
 
+def outside_base(model: nn.Module, paths: list[str]) -> bool:
+    """Whether a norm module at one of `paths` lies outside the model's base model (BERT- and
+    RoBERTa-style causal LMs hold a LayerNorm in their LM head, which runs after it)."""
+    prefix = str(getattr(model, "base_model_prefix", "") or "")
+    base = getattr(model, "base_model", None)
+    return (bool(prefix) and isinstance(base, nn.Module) and base is not model
+            and not all(p.startswith(prefix + ".") for p in paths))
+
+
 def forward_module(model: nn.Module, paths: list[str]) -> nn.Module:
     """The module a pass that must reach the norm modules at `paths` runs: the base model where
     every one is inside it (the LM head's product at every position is a tenth of a second for
-    a 50k vocabulary on a CPU), else the whole model (BERT- and RoBERTa-style causal LMs hold a
-    LayerNorm in their LM head, which runs after the base model)."""
-    prefix = str(getattr(model, "base_model_prefix", "") or "")
+    a 50k vocabulary on a CPU), else the whole model."""
     base = getattr(model, "base_model", None)
-    if (prefix and isinstance(base, nn.Module) and base is not model
-            and all(p.startswith(prefix + ".") for p in paths)):
-        return base
-    return model
+    if outside_base(model, paths) or not isinstance(base, nn.Module):
+        return model
+    return base
 
 
 class FinalProbe(Protocol):

@@ -9,6 +9,7 @@ little-endian, exactly as Zarr's own codec writes it, so zarr-python reads these
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import mmap
@@ -182,16 +183,17 @@ class RawLayout(ChunkFormat):
         path = self.path(chunk)
         data = np.ascontiguousarray(data, dtype=self.dtype)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{PARTIAL_SUFFIX}"
+        crc = crc32c(data) if self.crc else None
         try:
-            if direct and data.nbytes >= DIRECT_MIN_BYTES and write_direct(
-                    tmp, data, crc32c(data) if self.crc else None, point):
+            if direct and data.nbytes >= DIRECT_MIN_BYTES and write_direct(tmp, data, crc,
+                                                                           point):
                 os.replace(tmp, path)
                 return
             with open(tmp, "wb") as f:
                 f.write(data.data.cast("B"))
                 fault(point)  # a kill here leaves a torn temporary file
-                if self.crc:
-                    f.write(crc32c(data).to_bytes(CRC_BYTES, "little"))
+                if crc is not None:
+                    f.write(crc.to_bytes(CRC_BYTES, "little"))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -232,6 +234,12 @@ def write_direct(tmp: str, data: np.ndarray, crc: int | None, point: str) -> boo
         return False
     if dev in _direct_refused:
         return False
+    buf = getattr(_direct, "buf", None)
+    if buf is None or len(buf) != _DIRECT_PIECE:  # anonymous memory: page-aligned
+        buf = _direct.buf = mmap.mmap(-1, _DIRECT_PIECE)
+    payload = data.reshape(-1).view(np.uint8).data
+    tail = crc.to_bytes(CRC_BYTES, "little") if crc is not None else b""
+    size = len(payload) + len(tail)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag | os.O_CLOEXEC, 0o644)
     except OSError as e:
@@ -239,12 +247,6 @@ def write_direct(tmp: str, data: np.ndarray, crc: int | None, point: str) -> boo
             _direct_refused.add(dev)
             return False
         raise
-    buf = getattr(_direct, "buf", None)
-    if buf is None or len(buf) != _DIRECT_PIECE:  # anonymous memory: page-aligned
-        buf = _direct.buf = mmap.mmap(-1, _DIRECT_PIECE)
-    payload = data.reshape(-1).view(np.uint8).data
-    tail = crc.to_bytes(CRC_BYTES, "little") if crc is not None else b""
-    size = len(payload) + len(tail)
     view = memoryview(buf)
     try:
         at = 0
@@ -265,14 +267,16 @@ def write_direct(tmp: str, data: np.ndarray, crc: int | None, point: str) -> boo
         os.fsync(fd)
     except OSError as e:
         os.close(fd)
-        os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         if e.errno == errno.EINVAL:  # opened, but the file system takes no aligned write
             _direct_refused.add(dev)
             return False
         raise
     except BaseException:
         os.close(fd)
-        os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
     finally:
         view.release()
