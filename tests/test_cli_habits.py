@@ -206,7 +206,11 @@ def test_ctrl_c_during_ingest_says_what_is_saved_and_exits_130(
         [*ACTDB, "ingest", str(store), "--model", str(model_dir("llama")), "--prompts",
          str(prompts), "--batch-size", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        # A test run started in the background (`cmd &` without job control) ignores SIGINT,
+        # and a child inherits that, as a user's Ctrl-C in a terminal never is: Python then
+        # installs no KeyboardInterrupt handler. The child starts with the default.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # The first plain progress line comes 10 s into the forward passes, after the first
     # commit (every 2048 tokens, about 100 of these prompts): interrupt then.
     assert proc.stderr is not None
