@@ -1,4 +1,8 @@
-/* actdb._native: the full scan's inner loops, compiled.
+/* actdb._native: the full scan's inner loops and the ingest's hook, compiled.
+
+   split_rows(x, y, h, norm, mean, gain, bias, d, centered, eps): a norm input's rows turned
+   into their stored fields (float16 direction, norm, mean) and checked against the module's
+   output, the GIL released (below, "The ingest's hook").
 
    read_chunks(paths, buf, nbytes, crc, check): the chunk files of a run read into their places
    in one buffer and their CRC-32C checked, with the GIL released for the whole run (below).
