@@ -554,6 +554,48 @@ static double lanes_total(const double *l) {
     return (c0 + c2) + (c1 + c3);
 }
 
+/* The last d mod 8 elements of each sum, one after another: shared by both paths. */
+static void tail_norm(const float *xr, Py_ssize_t body, Py_ssize_t d, double *sum, double *ss) {
+    for (Py_ssize_t j = body; j < d; j++) {
+        *sum += (double)xr[j];
+        *ss += (double)xr[j] * (double)xr[j];
+    }
+}
+
+static double tail_mean(const uint16_t *hr, float nrm, Py_ssize_t body, Py_ssize_t d,
+                        double m) {
+    for (Py_ssize_t j = body; j < d; j++) {
+        m += (double)(half_to_float(hr[j]) * nrm);
+    }
+    return m;
+}
+
+static double tail_squares(const uint16_t *hr, float nrm, double m, Py_ssize_t body,
+                           Py_ssize_t d, double ws) {
+    for (Py_ssize_t j = body; j < d; j++) {
+        double w = (double)(half_to_float(hr[j]) * nrm) - m;
+        ws += w * w;
+    }
+    return ws;
+}
+
+/* The row's relative error once its last elements are added; the worst so far kept, NaN
+   for good once a row is NaN. */
+static double row_worst(const SplitSite *s, const uint16_t *hr, const float *yr, float nrm,
+                        double m, double r, Py_ssize_t body, double e2, double yy,
+                        double worst) {
+    for (Py_ssize_t j = body; j < s->d; j++) {
+        double yh = ((double)(half_to_float(hr[j]) * nrm) - m) * r;
+        if (s->gain) yh *= (double)s->gain[j];
+        if (s->bias) yh += (double)s->bias[j];
+        double diff = yh - (double)yr[j];
+        e2 += diff * diff;
+        yy += (double)yr[j] * (double)yr[j];
+    }
+    double err = sqrt(e2) / (sqrt(yy) + 1e-6);
+    return isnan(err) || err > worst ? err : worst;
+}
+
 static double split_portable(const SplitSite *s, const float *x, const float *y, uint16_t *h,
                              float *norm, float *mean, Py_ssize_t n) {
     Py_ssize_t d = s->d, body = d - d % 8;
@@ -570,10 +612,7 @@ static double split_portable(const SplitSite *s, const float *x, const float *y,
             }
         }
         double sum = lanes_total(a), ss = lanes_total(q);
-        for (Py_ssize_t j = body; j < d; j++) {
-            sum += (double)xr[j];
-            ss += (double)xr[j] * (double)xr[j];
-        }
+        tail_norm(xr, body, d, &sum, &ss);
         float nrm = (float)sqrt(ss);
         norm[i] = nrm;
         mean[i] = (float)(sum / (double)d);
@@ -588,11 +627,7 @@ static double split_portable(const SplitSite *s, const float *x, const float *y,
                     l[k] = l[k] + (double)(half_to_float(hr[j + k]) * nrm);
                 }
             }
-            m = lanes_total(l);
-            for (Py_ssize_t j = body; j < d; j++) {
-                m += (double)(half_to_float(hr[j]) * nrm);
-            }
-            m /= (double)d;
+            m = tail_mean(hr, nrm, body, d, lanes_total(l)) / (double)d;
         }
         double l[8] = {0};
         for (Py_ssize_t j = 0; j < body; j += 8) {
@@ -601,11 +636,7 @@ static double split_portable(const SplitSite *s, const float *x, const float *y,
                 l[k] = fma(w, w, l[k]);
             }
         }
-        double ws = lanes_total(l);
-        for (Py_ssize_t j = body; j < d; j++) {
-            double w = (double)(half_to_float(hr[j]) * nrm) - m;
-            ws += w * w;
-        }
+        double ws = tail_squares(hr, nrm, m, body, d, lanes_total(l));
         double r = 1.0 / sqrt(ws / (double)d + s->eps);
         double e[8] = {0}, yl[8] = {0};
         for (Py_ssize_t j = 0; j < body; j += 8) {
@@ -618,19 +649,7 @@ static double split_portable(const SplitSite *s, const float *x, const float *y,
                 yl[k] = fma(yv, yv, yl[k]);
             }
         }
-        double e2 = lanes_total(e), yy = lanes_total(yl);
-        for (Py_ssize_t j = body; j < d; j++) {
-            double yh = ((double)(half_to_float(hr[j]) * nrm) - m) * r;
-            if (s->gain) yh *= (double)s->gain[j];
-            if (s->bias) yh += (double)s->bias[j];
-            double diff = yh - (double)yr[j];
-            e2 += diff * diff;
-            yy += (double)yr[j] * (double)yr[j];
-        }
-        double err = sqrt(e2) / (sqrt(yy) + 1e-6);
-        if (isnan(err) || err > worst) {
-            worst = err;
-        }
+        worst = row_worst(s, hr, yr, nrm, m, r, body, lanes_total(e), lanes_total(yl), worst);
     }
     return worst;
 }
@@ -663,10 +682,7 @@ static double split_avx2(const SplitSite *s, const float *x, const float *y, uin
             q1 = _mm256_fmadd_pd(b, b, q1);
         }
         double sum = hsum_pd(_mm256_add_pd(s0, s1)), ss = hsum_pd(_mm256_add_pd(q0, q1));
-        for (Py_ssize_t j = body; j < d; j++) {
-            sum += (double)xr[j];
-            ss += (double)xr[j] * (double)xr[j];
-        }
+        tail_norm(xr, body, d, &sum, &ss);
         float nrm = (float)sqrt(ss);
         norm[i] = nrm;
         mean[i] = (float)(sum / (double)d);
@@ -694,11 +710,7 @@ static double split_avx2(const SplitSite *s, const float *x, const float *y, uin
                 m0 = _mm256_add_pd(m0, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
                 m1 = _mm256_add_pd(m1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
             }
-            m = hsum_pd(_mm256_add_pd(m0, m1));
-            for (Py_ssize_t j = body; j < d; j++) {
-                m += (double)(half_to_float(hr[j]) * nrm);
-            }
-            m /= (double)d;
+            m = tail_mean(hr, nrm, body, d, hsum_pd(_mm256_add_pd(m0, m1))) / (double)d;
         }
         __m256d mv = _mm256_set1_pd(m);
         __m256d w0 = _mm256_setzero_pd(), w1 = _mm256_setzero_pd();
@@ -710,11 +722,7 @@ static double split_avx2(const SplitSite *s, const float *x, const float *y, uin
             w0 = _mm256_fmadd_pd(a, a, w0);
             w1 = _mm256_fmadd_pd(b, b, w1);
         }
-        double ws = hsum_pd(_mm256_add_pd(w0, w1));
-        for (Py_ssize_t j = body; j < d; j++) {
-            double w = (double)(half_to_float(hr[j]) * nrm) - m;
-            ws += w * w;
-        }
+        double ws = tail_squares(hr, nrm, m, body, d, hsum_pd(_mm256_add_pd(w0, w1)));
         double r = 1.0 / sqrt(ws / (double)d + s->eps);
         __m256d rv = _mm256_set1_pd(r);
         __m256d e0 = _mm256_setzero_pd(), e1 = _mm256_setzero_pd();
@@ -741,19 +749,8 @@ static double split_avx2(const SplitSite *s, const float *x, const float *y, uin
             y0 = _mm256_fmadd_pd(ya, ya, y0);
             y1 = _mm256_fmadd_pd(yb, yb, y1);
         }
-        double e2 = hsum_pd(_mm256_add_pd(e0, e1)), yy = hsum_pd(_mm256_add_pd(y0, y1));
-        for (Py_ssize_t j = body; j < d; j++) {
-            double yh = ((double)(half_to_float(hr[j]) * nrm) - m) * r;
-            if (s->gain) yh *= (double)s->gain[j];
-            if (s->bias) yh += (double)s->bias[j];
-            double diff = yh - (double)yr[j];
-            e2 += diff * diff;
-            yy += (double)yr[j] * (double)yr[j];
-        }
-        double e = sqrt(e2) / (sqrt(yy) + 1e-6);
-        if (isnan(e) || e > worst) {
-            worst = e;
-        }
+        worst = row_worst(s, hr, yr, nrm, m, r, body, hsum_pd(_mm256_add_pd(e0, e1)),
+                          hsum_pd(_mm256_add_pd(y0, y1)), worst);
     }
     return worst;
 }
