@@ -18,6 +18,7 @@ import torch
 
 from .. import norms
 from ..errors import IngestError
+from ..store.records import SiteRecord
 from ..store.store import ActBatch
 from .sites import FoundSite
 
@@ -81,7 +82,6 @@ class SiteSink:
         rows are written, so a generous size costs address space, not memory)."""
         self.found = found
         self.by_module = {path: (f, i) for f in found for i, (path, _) in enumerate(f.hooks)}
-        self.by_site = {f.record.site: i for i, f in enumerate(found)}
         self.params = {
             f.record.site: (
                 f.gain.float().to(device) if f.gain is not None else None,
@@ -192,9 +192,9 @@ class SiteSink:
         lo, hi = self._filled, self._filled + self._n
         stored = group.fields[s.site]
         if s.site in self.native and x.device.type == "cpu":
-            worst = self._split_native(s.site, x, y, stored, lo, hi)
+            worst = self._split_native(s, x, y, stored, lo, hi)
         else:
-            worst = self._split_torch(s.site, x, y, stored, lo, hi)
+            worst = self._split_torch(s, x, y, stored, lo, hi)
         if not worst <= FAITHFULNESS_LIMIT:
             raise IngestError(
                 f"site {s.site!r} ({s.module}, kind {s.kind}): the output recomputed from the "
@@ -207,24 +207,22 @@ class SiteSink:
         if self.on_site is not None:
             self.on_site(s.site, stored.direction[:hi])
 
-    def _split_native(self, site: str, x: torch.Tensor, y: torch.Tensor, stored: ActBatch,
+    def _split_native(self, s: SiteRecord, x: torch.Tensor, y: torch.Tensor, stored: ActBatch,
                       lo: int, hi: int) -> float:
         """The fields and the check in one compiled pass a row (`_native.split_rows`): the
         same formulas as `_split_torch`, with the sums in float64, in three passes over memory
         where torch's ops make about twenty, on one thread and without the GIL. Per-head rows
         [n, h, d] are n * h rows of d."""
-        s = self.found[self.by_site[site]].record
-        gain, bias = self.native[site]
+        gain, bias = self.native[s.site]
         x, y = x.detach().contiguous(), y.detach().contiguous()
         return _native.split_rows(
             x.numpy(), y.numpy(), stored.direction[lo:hi], stored.norm[lo:hi],
             stored.mean[lo:hi], gain, bias, int(x.shape[-1]), bool(s.centered), float(s.eps))
 
-    def _split_torch(self, site: str, x: torch.Tensor, y: torch.Tensor, stored: ActBatch,
+    def _split_torch(self, s: SiteRecord, x: torch.Tensor, y: torch.Tensor, stored: ActBatch,
                      lo: int, hi: int) -> float:
         """The fields written into `stored`'s rows lo:hi, then the worst relative error of the
         output rebuilt from them, with torch's ops in reused buffers (any device)."""
-        s = self.found[self.by_site[site]].record
         direction, norm, mean = norms.split(x, out=self._d.view(*x.shape))
         host16 = torch.from_numpy(stored.direction[lo:hi])
         if direction.device.type == "cpu":
