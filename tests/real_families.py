@@ -102,6 +102,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # and a second norm after the blocks: the base model's last LayerNorm, then the head's
     "roberta-prelayernorm": {"is_decoder": True},
     "xlm-roberta-xl": {"is_decoder": True},
+    # A block's parts in sibling lists (attentions[i], layer_norm1[i], ffns[i], layer_norm2[i]),
+    # post-norm, no norm after the blocks: the LM head reads the last block's layer_norm2.
+    "xlm": {},
 }
 
 

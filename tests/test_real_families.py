@@ -25,6 +25,7 @@ MUST_HAVE = {
     "deepseek_v2": {"inner"}, "deepseek_v3": {"inner"}, "bitnet": {"inner"},
     "cohere": {"q_norm", "k_norm"}, "stablelm": {"q_norm", "k_norm"},
     "falcon": {"pre_mlp"}, "gemma3_text": {"q_norm", "k_norm", "post_attn", "post_mlp"},
+    "xlm": {"embed", "pre_mlp", "post_mlp", "final"},
 }
 WANT_LOGITS = {"cohere": (0.125, None), "cohere2": (0.25, None), "granite": (0.25, None),
                "granitemoe": (0.125, None), "gemma3_text": (None, 30.0)}
@@ -33,7 +34,10 @@ WANT_LOGITS = {"cohere": (0.125, None), "cohere2": (0.25, None), "granite": (0.2
 # The norm inside the LM head, whose output the unembedding reads (the final site of logits).
 HEAD_NORM = {"bert": "cls.predictions.transform.LayerNorm", "roberta": "lm_head.layer_norm",
              "electra": "generator_predictions.LayerNorm",
-             "roberta-prelayernorm": "lm_head.layer_norm", "xlm-roberta-xl": "lm_head.layer_norm"}
+             "roberta-prelayernorm": "lm_head.layer_norm", "xlm-roberta-xl": "lm_head.layer_norm",
+             "xlm": "transformer.layer_norm2.1"}
+# Families whose norms are all sites of their own (lists of one norm a block are not per-head)
+SITE_COUNT = {"xlm": 5}
 PROMPTS = ALL_PROMPTS[:3]  # padded batches still (lengths differ); fewer keep 47 families fast
 
 
@@ -92,6 +96,8 @@ def test_real_family_is_faithful(family: str, tokenizer: Any, tmp_path: Path) ->
         # (`cpu` unless ACTDB_TEST_DEVICE names another, tests/conftest.py)
         outs, ref_logits = _reference(model, tokenizer, single, devices.resolve_device("cpu"))
         assert MUST_HAVE.get(family, set()) <= {s[1] for s in sites}
+        if family in SITE_COUNT:
+            assert len(sites) == SITE_COUNT[family] and single == {s[2] for s in sites}, sites
         if family in WANT_LOGITS:
             assert (scale, cap) == pytest.approx(WANT_LOGITS[family])
         assert err is not None and err < 1e-2

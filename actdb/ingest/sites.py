@@ -64,14 +64,41 @@ def _is_projection(module: nn.Module) -> bool:
     return isinstance(w, torch.Tensor) and w.dim() == 2 and not any(module.children())
 
 
+def _list_at(model: nn.Module, path: str) -> nn.ModuleList:
+    m = model.get_submodule(path)
+    assert isinstance(m, nn.ModuleList), path
+    return m
+
+
+def _norm_lists(norms_by_path: dict[str, nn.Module], model: nn.Module) -> list[str]:
+    """ModuleLists whose children are all norm modules."""
+    return [path for path, m in model.named_modules()
+            if isinstance(m, nn.ModuleList) and len(m) > 1
+            and all(f"{path}.{i}" in norms_by_path for i in range(len(m)))]
+
+
+def _layer_lists(model: nn.Module, path: str) -> list[str]:
+    """The ModuleList at `path` and its sibling ModuleLists of the same length, in their
+    parent's order, where one of them holds something other than norm modules: XLM keeps a
+    block's parts side by side (`attentions[i]`, `layer_norm1[i]`, `ffns[i]`,
+    `layer_norm2[i]`), so that index i across them is block i. Empty for a list without such
+    siblings."""
+    parent_path, _, _ = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    n = len(_list_at(model, path))
+    prefix = parent_path + "." if parent_path else ""
+    lists = [(prefix + name, m) for name, m in parent.named_children()
+             if isinstance(m, nn.ModuleList) and len(m) == n]
+    if not any(not is_norm_module(c) for _, m in lists for c in m):
+        return []
+    return [p for p, _ in lists]
+
+
 def _head_lists(norms_by_path: dict[str, nn.Module], model: nn.Module) -> dict[str, list[str]]:
-    """ModuleLists whose children are all norm modules: one per-head site each."""
-    out: dict[str, list[str]] = {}
-    for path, m in model.named_modules():
-        if (isinstance(m, nn.ModuleList) and len(m) > 1
-                and all(f"{path}.{i}" in norms_by_path for i in range(len(m)))):
-            out[path] = [f"{path}.{i}" for i in range(len(m))]
-    return out
+    """ModuleLists of norm modules that are one per-head site each: those that are not one
+    norm a block (`_layer_lists`)."""
+    return {path: [f"{path}.{i}" for i in range(len(_list_at(model, path)))]
+            for path in _norm_lists(norms_by_path, model) if not _layer_lists(model, path)}
 
 
 def _layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b: int, t1: int, t2: int
@@ -92,20 +119,51 @@ def _layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b: int, t1: int, t
     return None
 
 
-def _block_list(model: nn.Module, norm_paths: list[str]) -> tuple[str, nn.ModuleList] | None:
-    """The ModuleList of transformer blocks: the one holding the most norm modules."""
-    best: tuple[str, nn.ModuleList] | None = None
-    best_count = 0
+@dataclass(frozen=True)
+class Blocks:
+    """The transformer blocks: one ModuleList of block modules (`paths` has one entry), or
+    sibling ModuleLists whose i-th entries together are block i (XLM, `_layer_lists`)."""
+
+    paths: tuple[str, ...]
+    n: int
+
+    def parts(self, model: nn.Module, i: int) -> list[tuple[str, nn.Module]]:
+        """Block i's modules: the block itself, or its entry of each sibling list."""
+        return [(f"{p}.{i}", _list_at(model, p)[i]) for p in self.paths]
+
+    def children(self, model: nn.Module, i: int) -> list[tuple[str, str, nn.Module]]:
+        """(name, path, module) of block i's children: a block module's own children, or
+        the sibling lists' entries, each named by its list in the singular (`attentions` ->
+        `attention`, `ffns` -> `ffn`)."""
+        if len(self.paths) == 1:
+            path, block = self.parts(model, i)[0]
+            return [(name, f"{path}.{name}", c) for name, c in block.named_children()]
+        return [(p.rsplit(".", 1)[-1].removesuffix("s"), path, m)
+                for p, (path, m) in zip(self.paths, self.parts(model, i), strict=True)]
+
+    def place(self, path: str) -> tuple[int, str] | None:
+        """(i, what follows block i in `path`) where `path` is in block i (or is one of a
+        sibling list's entries: then the rest is empty)."""
+        for p in self.paths:
+            m = re.match(re.escape(p) + r"\.(\d+)(?:\.(.*))?$", path)
+            if m and (len(self.paths) > 1 or m.group(2)):
+                return int(m.group(1)), m.group(2) or ""
+        return None
+
+
+def _block_list(model: nn.Module, norm_paths: list[str]) -> Blocks:
+    """The transformer blocks: the ModuleList holding the most norm modules, or where that
+    is a list of norms kept beside its block's other parts, those sibling lists together."""
+    best, best_count = "", 0
     for path, m in model.named_modules():
         if isinstance(m, nn.ModuleList) and len(m) > 0:
             count = sum(1 for n in norm_paths if n.startswith(path + "."))
             if count > best_count:
-                best, best_count = (path, m), count
-    return best
-
-
-def _children_matching(block: nn.Module, pattern: re.Pattern[str]) -> list[str]:
-    return [n for n, c in block.named_children() if pattern.search(n) and not is_norm_module(c)]
+                best, best_count = path, count
+    if not best_count:
+        return Blocks((), 0)
+    n = len(_list_at(model, best))
+    return Blocks(tuple(_layer_lists(model, best) or [best]), n)
 
 
 def _role(leaf: str, call: Call, attn: Call | None, mlp: Call | None, sublayer: str | None,
@@ -179,22 +237,26 @@ class FinalProbe(Protocol):
             sample: Mapping[str, torch.Tensor]) -> None: ...
 
 
-def _in_block(block_path: str, path: str) -> re.Match[str] | None:
-    """`path` inside block i of the block list: group 1 is i, group 2 the rest."""
-    return re.match(re.escape(block_path) + r"\.(\d+)\.(.*)$", path) if block_path else None
-
-
-def _final_path(log: dict[str, list[Call]], norm_paths: list[str], block_path: str,
+def _final_path(log: dict[str, list[Call]], norm_paths: list[str], blocks: Blocks,
                 first_block: int) -> str | None:
     """The norm module whose output the LM head reads: the last to run outside the blocks,
     after the first block. `_place` calls every such norm a final site ("final", "final_2",
     ... in call order); where there are several (RoBERTa-PreLayerNorm: the base model's last
     LayerNorm, then one inside its LM head, after a dense layer), the logits come from the
-    last."""
-    outside = [(log[p][0].start, p) for p in norm_paths
-               if log.get(p) and log[p][0].input is not None and log[p][0].start >= first_block
-               and _in_block(block_path, p) is None]
-    return max(outside)[1] if outside else None
+    last. A post-norm model with no norm after its blocks (XLM) has its last block's last
+    norm read by the head: that one, when it is a block's only norm of its kind at its
+    place (an entry of a sibling list)."""
+    ran = [(log[p][0].start, p) for p in norm_paths
+           if log.get(p) and log[p][0].input is not None]
+    outside = [(t, p) for t, p in ran if t >= first_block and blocks.place(p) is None]
+    if outside:
+        return max(outside)[1]
+    if len(blocks.paths) > 1 and ran:
+        last = max(ran)[1]
+        at = blocks.place(last)
+        if at is not None and at[0] == blocks.n - 1:
+            return last
+    return None
 
 
 def find_sites(
@@ -226,26 +288,28 @@ def find_sites(
         )
     lists = _head_lists(norm_modules, model)
     blocks = _block_list(model, list(norm_modules))
-    block_path, block_list = blocks if blocks else ("", nn.ModuleList())
     watched: dict[str, nn.Module] = dict(norm_modules)
-    sublayers: dict[str, str] = {}  # path of each block's attention / MLP -> "attn" / "mlp"
-    for i, block in enumerate(block_list):
-        prefix = f"{block_path}.{i}"
-        watched[prefix] = block
+    # path of each block's attention / MLP -> ("attn" / "mlp", its block)
+    sublayers: dict[str, tuple[str, int]] = {}
+    for i in range(blocks.n):
+        watched.update(blocks.parts(model, i))
         for kind, pattern in (("attn", _ATTN), ("mlp", _MLP)):
-            for child in _children_matching(block, pattern):
-                sublayers[f"{prefix}.{child}"] = kind
-                watched[f"{prefix}.{child}"] = getattr(block, child)
-                for sub, m in getattr(block, child).named_modules():
+            for name, child_path, child in blocks.children(model, i):
+                if not pattern.search(name) or is_norm_module(child):
+                    continue
+                sublayers[child_path] = (kind, i)
+                watched[child_path] = child
+                for sub, m in child.named_modules():
                     if sub and _is_projection(m):
-                        watched[f"{prefix}.{child}.{sub}"] = m
+                        watched[f"{child_path}.{sub}"] = m
 
     target = forward_module(model, list(norm_modules))
     with torch.no_grad(), record_calls(watched) as log:
         target(**sample)
-    block_calls = [log.calls.get(f"{block_path}.{i}", [None])[0] for i in range(len(block_list))]
+    block_calls = [log.calls.get(path, [None])[0]
+                   for i in range(blocks.n) for path, _ in blocks.parts(model, i)]
     first_block = min((c.start for c in block_calls if c), default=0)
-    final_path = _final_path(log.calls, list(norm_modules), block_path, first_block)
+    final_path = _final_path(log.calls, list(norm_modules), blocks, first_block)
     with torch.no_grad(), record_calls(norm_modules) as log_alt:
         if final_probe is not None and final_path is not None:
             # its inputs' shapes are recorded before the probe replaces its output
@@ -255,7 +319,7 @@ def find_sites(
     b, t1 = sample["input_ids"].shape
     t2 = sample_alt["input_ids"].shape[1]
 
-    n_layers = len(block_list)
+    n_layers = blocks.n
     found: list[tuple[int, SiteRecord, FoundSite]] = []
     used: set[str] = set()
     in_list = {c: lp for lp, children in lists.items() for c in children}
@@ -287,8 +351,10 @@ def find_sites(
         # A per-head list's own name may be generic (StableLM's q_layernorm.norms).
         leaf = ".".join(site_path.rsplit(".", 2)[-2:]) if site_path != path else (
             site_path.rsplit(".", 1)[-1])
-        layer, role = _place(site_path, call, log.calls, block_path, n_layers, first_block,
-                             leaf, sublayers)
+        if leaf.isdigit():  # an entry of a list of one norm a block: named by its list
+            leaf = site_path.rsplit(".", 2)[-2]
+        layer, role = _place(site_path, call, log.calls, blocks, first_block, leaf,
+                             sublayers, final=site_path == final_path)
         short = _SHORT.get(role, leaf)
         name = role if role in ("embed", "final") else (
             f"blocks.{layer}.{short}" if 0 <= layer < n_layers else leaf
@@ -349,28 +415,29 @@ def _place(
     path: str,
     call: Call,
     calls: dict[str, list[Call]],
-    block_path: str,
-    n_layers: int,
+    blocks: Blocks,
     first_block: int,
     leaf: str,
-    sublayers: dict[str, str],
+    sublayers: dict[str, tuple[str, int]],
+    *,
+    final: bool = False,
 ) -> tuple[int, str]:
-    """(layer, role) of a norm from where it ran and where its output went."""
-    m = _in_block(block_path, path)
-    if m is None:
-        if call.start < first_block:
+    """(layer, role) of a norm from where it ran and where its output went; `final`: the
+    norm the LM head reads (`_final_path`), a final site wherever it is."""
+    at = blocks.place(path)
+    if at is None or final:
+        if at is None and call.start < first_block:
             return -1, "embed"
-        return n_layers, "final"
-    layer = int(m.group(1))
-    prefix = f"{block_path}.{layer}."
-    attn_name = next((k for k, v in sublayers.items() if v == "attn" and k.startswith(prefix)
+        return blocks.n, "final"
+    layer = at[0]
+    attn_name = next((k for k, (v, i) in sublayers.items() if v == "attn" and i == layer
                       and k in calls), None)
-    mlp_name = next((k for k, v in sublayers.items() if v == "mlp" and k.startswith(prefix)
+    mlp_name = next((k for k, (v, i) in sublayers.items() if v == "mlp" and i == layer
                      and k in calls), None)
     attn = calls[attn_name][0] if attn_name else None
     mlp = calls[mlp_name][0] if mlp_name else None
     inside = next((k for k in (attn_name, mlp_name) if k and path.startswith(k + ".")), None)
-    sublayer = sublayers[inside] if inside else None
+    sublayer = sublayers[inside][0] if inside else None
     feeds_inside = inside is not None and any(
         _feeds(call.output, c[0].input) for k, c in calls.items()
         if k.startswith(inside + ".") and k not in sublayers and c
