@@ -162,8 +162,10 @@ def _block_list(model: nn.Module, norm_paths: list[str]) -> Blocks:
                 best, best_count = path, count
     if not best_count:
         return Blocks((), 0)
-    n = len(_list_at(model, best))
-    return Blocks(tuple(_layer_lists(model, best) or [best]), n)
+    found = _list_at(model, best)
+    if all(is_norm_module(m) for m in found):  # a block's norm, kept beside its other parts
+        return Blocks(tuple(_layer_lists(model, best) or [best]), len(found))
+    return Blocks((best,), len(found))
 
 
 def _role(leaf: str, call: Call, attn: Call | None, mlp: Call | None, sublayer: str | None,
@@ -243,9 +245,8 @@ def _final_path(log: dict[str, list[Call]], norm_paths: list[str], blocks: Block
     after the first block. `_place` calls every such norm a final site ("final", "final_2",
     ... in call order); where there are several (RoBERTa-PreLayerNorm: the base model's last
     LayerNorm, then one inside its LM head, after a dense layer), the logits come from the
-    last. A post-norm model with no norm after its blocks (XLM) has its last block's last
-    norm read by the head: that one, when it is a block's only norm of its kind at its
-    place (an entry of a sibling list)."""
+    last. A model whose blocks are sibling lists (XLM, post-norm) runs no norm after them:
+    its head reads the last norm to run, when that is in the last block."""
     ran = [(log[p][0].start, p) for p in norm_paths
            if log.get(p) and log[p][0].input is not None]
     outside = [(t, p) for t, p in ran if t >= first_block and blocks.place(p) is None]
