@@ -105,6 +105,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # A block's parts in sibling lists (attentions[i], layer_norm1[i], ffns[i], layer_norm2[i]),
     # post-norm, no norm after the blocks: the LM head reads the last block's layer_norm2.
     "xlm": {},
+    # Beside its RMSNorms, a module named like one that returns each row's 1 / rms (a factor
+    # its caller multiplies by): not a site.
+    "hy_v4": {},
 }
 
 

@@ -328,6 +328,11 @@ def find_sites(
         calls = log.calls.get(path)
         if not calls or calls[0].input is None:
             continue  # never runs in a forward pass: nothing to capture
+        shape_in, given = tuple(calls[0].input.shape), calls[0].output
+        if given is not None and shape_in[-1] > 1 and tuple(given.shape) == (*shape_in[:-1], 1):
+            # not a vector normalized but a factor a row: a helper named like a norm (HY-V4's
+            # unweighted RMSNorm returns each row's 1 / rms for its caller to multiply by)
+            continue
         if path in in_list and not path.endswith(".0"):
             continue  # a per-head list is one site, found at its first head
         call = calls[0]
