@@ -269,6 +269,44 @@ def test_a_site_filter_without_the_norm_the_lm_head_reads_is_refused(tmp_path: P
             ("final_2", True)]
 
 
+def test_a_norm_module_that_runs_twice_in_a_pass_is_refused_unless_left_out(
+        tmp_path: Path) -> None:
+    """A site is one vector a token; a norm module that runs more than once in a forward pass
+    (weights shared between blocks, or a recurrent model such as HRM, whose modules run 2-6
+    times) would store its first run's input while the model goes on from its last. The
+    ingest is refused in one sentence naming the module, before anything is written; leaving
+    the shared module out with --sites ingests the rest, faithfully."""
+    import torch
+    from real_families import COMMON
+    from tiny_models import build_family_tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from actdb.errors import ModelLoadError
+
+    tok = build_family_tokenizer("llama")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                       vocab_size=len(tok), bos_token_id=0,
+                                       eos_token_id=0)).eval()
+    model.transformer.h[1].ln_1 = model.transformer.h[0].ln_1  # one LayerNorm in both blocks
+    kw: dict[str, Any] = {"model": model, "tokenizer": tok, "prompts": ["one prompt here"],
+                          "device": "cpu", "name": "m"}
+    with pytest.raises(ModelLoadError) as e:
+        actdb.ingest(tmp_path / "a.actdb", **kw)
+    assert str(e.value).startswith("norm module 'transformer.h.0.ln_1' (site 'blocks.0.ln1') "
+                                   "runs 2 times in one forward pass")
+    assert "--sites" in str(e.value)
+    assert not (tmp_path / "a.actdb").exists()
+    summary = actdb.ingest(tmp_path / "b.actdb", sites="blocks.*.ln2,final", **kw)
+    assert summary.sites == 3 and max(summary.max_rel_error.values()) < 1e-2
+
+    config = AutoConfig.for_model("hrm_text", **COMMON, vocab_size=len(tok))
+    hrm = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(ModelLoadError, match=r"runs 6 times in one forward pass, as 10 of "
+                       r"the 10 sites' modules do \(a recurrent or weight-shared model\)"):
+        actdb.ingest(tmp_path / "c.actdb", **{**kw, "model": hrm})
+
+
 def test_the_collector_skips_what_existed_before_the_ingest_and_is_given_back(
         model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     """During an ingest the objects that existed when it started (torch, transformers, the

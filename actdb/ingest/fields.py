@@ -172,7 +172,7 @@ class SiteSink:
         f, head = self.by_module[module_path]
         s = f.record
         if s.site in self.out:
-            return  # a module called twice in one pass: keep its first call
+            return  # called again in one pass (find_sites refuses such sites): the first
         if f.layout == "list":  # one module per head: stack the heads when all have run
             parts = self._heads.setdefault(s.site, {})
             parts.setdefault(head, (x, y))
