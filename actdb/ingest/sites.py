@@ -322,7 +322,6 @@ def find_sites(
 
     n_layers = blocks.n
     found: list[tuple[int, SiteRecord, FoundSite]] = []
-    runs: dict[str, int] = {}  # how many times each site's module ran in the first pass
     used: set[str] = set()
     in_list = {c: lp for lp, children in lists.items() for c in children}
     for path in norm_modules:
@@ -398,7 +397,6 @@ def find_sites(
             has_gain=gain is not None, has_bias=bias is not None, centered=fit.centered,
         )
         hooks = tuple((m, norm_modules[m]) for m in members)
-        runs[name] = max(len(log.calls.get(m, ())) for m in members)
         found.append((call.start, rec, FoundSite(record=rec, hooks=hooks, layout=kind_layout,
                                                  member_layout=member_layout, gain=gain,
                                                  bias=bias)))
@@ -416,6 +414,7 @@ def find_sites(
                              member_layout=f.member_layout, gain=f.gain, bias=f.bias))
     if not out:
         raise ModelLoadError(f"no norm site matches --sites {sites_glob!r}")
+    runs = {f.record.site: max(len(log.calls.get(p, ())) for p, _ in f.hooks) for f in out}
     again = [f.record for f in out if runs[f.record.site] > 1]
     if again:
         # A site is one vector a token: which run's would be stored (the hook keeps the first)
