@@ -1,8 +1,9 @@
 /* actdb._native: the full scan's inner loops and the ingest's hook, compiled.
 
-   split_rows(x, y, h, norm, mean, gain, bias, d, centered, eps): a norm input's rows turned
-   into their stored fields (float16 direction, norm, mean) and checked against the module's
-   output, the GIL released (below, "The ingest's hook").
+   split_rows(x, y, h, norm, mean, gain, bias, d, centered, eps, portable, threads): a norm
+   input's rows turned into their stored fields (float16 direction, norm, mean) and checked
+   against the module's output, the GIL released, on the calling thread or shared with torch's
+   OpenMP team (below, "The ingest's hook").
 
    read_chunks(paths, buf, nbytes, crc, check): the chunk files of a run read into their places
    in one buffer and their CRC-32C checked, with the GIL released for the whole run (below).
@@ -31,6 +32,13 @@
 #include <unistd.h>
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__linux__)
+#include <dlfcn.h>
+#include <link.h>
+#include <pthread.h>
+#define ACTDB_OMP_LOOKUP 1
+#endif
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define ACTDB_X86 1
@@ -489,15 +497,16 @@ done:
 
 /* -- The ingest's hook: a norm input's rows turned into the stored fields, and checked -------
 
-   split_rows(x, y, h, norm, mean, gain, bias, d, centered, eps, portable=False) -> worst: for
-   each row of x (float32 [n, d], the norm module's input) its norm ||x|| and mean (sums in
-   float64, stored as float32), its direction x / norm (a float32 division) rounded to float16
+   split_rows(x, y, h, norm, mean, gain, bias, d, centered, eps, portable=False, threads=1) ->
+   worst: for each row of x (float32 [n, d], the norm module's input) its norm ||x|| and mean
+   (sums in float64, stored as float32), its direction x / norm (a float32 division) rounded to float16
    (to nearest, ties to even) into h (zeros where the norm is 0 or NaN, as norms.split gives);
    then the module's output rebuilt from what is stored (v = float(h) * norm in float32, the
    site's formula w = v - mean(v) if centred, y' = gain * w / sqrt(mean(w^2) + eps) + bias, in
    float64) and compared with its real output y: the worst ||y' - y|| / (||y|| + 1e-6) over
    the rows (NaN if any is). gain and bias are float32 [d] or empty (ones, zeros). Three passes
-   over memory (x, y, h) where torch's ops made about twenty, one thread, the GIL released. */
+   over memory (x, y, h) where torch's ops made about twenty, the GIL released; with threads > 1
+   the rows are shared among the OpenMP team torch has loaded (split_shared, below). */
 
 /* binary32 -> binary16, to nearest, ties to even: what F16C's vcvtps2ph and NumPy give. */
 static uint16_t float_to_half(float f) {
@@ -760,13 +769,127 @@ typedef double (*split_fn)(const SplitSite *, const float *, const float *, uint
                            float *, Py_ssize_t);
 static split_fn split_chosen = split_portable;
 
+/* -- The hook's rows shared among torch's own OpenMP threads --------------------------------
+
+   The hook runs on the thread that runs the forward pass, between two of torch's parallel
+   regions, while torch's other OpenMP threads wait for the next one, spinning on their cores:
+   threads of our own would have to take those cores from them. So the rows are handed to that
+   same team: GOMP_parallel of the OpenMP runtime torch has loaded (libgomp in torch's Linux
+   wheels; Intel's and LLVM's runtimes export the same entry point), looked up among the
+   process's loaded libraries, never loaded by us. Each thread takes a contiguous run of rows;
+   a row's fields do not depend on the others, so the bits are the one-thread path's, and the
+   worst error is combined with row_worst's rule (NaN sticks). Where no such runtime is loaded,
+   or one thread is asked for, the rows run on the calling thread as before. */
+#ifdef ACTDB_OMP_LOOKUP
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*omp_int_fn)(void);
+static gomp_parallel_fn gomp_parallel;
+static omp_int_fn omp_thread_num, omp_num_threads;
+static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
+
+static int find_omp(struct dl_phdr_info *info, size_t size, void *found) {
+    (void)size;
+    const char *name = info->dlpi_name;
+    if (name == NULL || (strstr(name, "libgomp") == NULL && strstr(name, "libiomp") == NULL &&
+                         strstr(name, "libomp") == NULL)) {
+        return 0;
+    }
+    void *lib = dlopen(name, RTLD_LAZY | RTLD_NOLOAD); /* only one already loaded */
+    if (lib == NULL) {
+        return 0;
+    }
+    void *par = dlsym(lib, "GOMP_parallel"), *num = dlsym(lib, "omp_get_thread_num");
+    void *all = dlsym(lib, "omp_get_num_threads");
+    if (par == NULL || num == NULL || all == NULL) {
+        dlclose(lib);
+        return 0;
+    }
+    /* the handle is kept: the runtime stays loaded as long as torch, which loaded it */
+    memcpy(&gomp_parallel, &par, sizeof par);
+    memcpy(&omp_thread_num, &num, sizeof num);
+    memcpy(&omp_num_threads, &all, sizeof all);
+    *(int *)found = 1;
+    return 1;
+}
+
+static void omp_lookup(void) {
+    int found = 0;
+    dl_iterate_phdr(find_omp, &found);
+}
+
+/* Looked up once, on first use (torch loads its runtime when it is imported, before any hook
+   runs; a process that asks before importing torch is told no for good). */
+static int omp_team_found(void) {
+    pthread_once(&omp_once, omp_lookup);
+    return gomp_parallel != NULL;
+}
+#endif
+
+#define SPLIT_MAX_THREADS 64
+
+typedef struct {
+    split_fn fn;
+    const SplitSite *site;
+    const float *x, *y;
+    uint16_t *h;
+    float *norm, *mean;
+    Py_ssize_t n;
+    double worst[SPLIT_MAX_THREADS];
+    int used[SPLIT_MAX_THREADS];
+    int of; /* the team's size, as its members see it */
+} SplitTeam;
+
+#ifdef ACTDB_OMP_LOOKUP
+static void split_member(void *arg) {
+    SplitTeam *t = (SplitTeam *)arg;
+    int k = omp_thread_num(), of = omp_num_threads();
+    if (k < 0 || k >= SPLIT_MAX_THREADS || of <= 0) {
+        return;
+    }
+    Py_ssize_t d = t->site->d;
+    Py_ssize_t lo = t->n * k / of, hi = t->n * (k + 1) / of;
+    t->worst[k] = t->fn(t->site, t->x + lo * d, t->y + lo * d, t->h + lo * d, t->norm + lo,
+                        t->mean + lo, hi - lo);
+    t->used[k] = 1;
+    if (k == 0) {
+        t->of = of;
+    }
+}
+#endif
+
+/* The rows on `threads` threads of the loaded OpenMP runtime's team, called with the GIL
+   released (each call its own team state, so concurrent callers do not meet). */
+static double split_shared(split_fn fn, const SplitSite *site, const float *x, const float *y,
+                           uint16_t *h, float *norm, float *mean, Py_ssize_t n, int threads) {
+#ifdef ACTDB_OMP_LOOKUP
+    if (threads > 1 && omp_team_found() && n >= 2 * (Py_ssize_t)threads) {
+        SplitTeam team = {fn, site, x, y, h, norm, mean, n, {0}, {0}, 0};
+        gomp_parallel(split_member, &team,
+                      (unsigned)(threads < SPLIT_MAX_THREADS ? threads : SPLIT_MAX_THREADS), 0);
+        int of = team.of, all = of > 0;
+        double worst = 0.0;
+        for (int k = 0; k < of; k++) {
+            all = all && team.used[k];
+            worst = isnan(team.worst[k]) || team.worst[k] > worst ? team.worst[k] : worst;
+        }
+        if (all) {
+            return worst;
+        }
+        /* a team whose members did not all run (never seen): every row again, here */
+    }
+#else
+    (void)threads;
+#endif
+    return fn(site, x, y, h, norm, mean, n);
+}
+
 static PyObject *split_rows(PyObject *self, PyObject *args) {
     Py_buffer x, y, h, nrm, mean, gain, bias;
     Py_ssize_t d;
-    int centered, portable = 0;
+    int centered, portable = 0, threads = 1;
     double eps;
-    if (!PyArg_ParseTuple(args, "y*y*w*w*w*y*y*npd|p", &x, &y, &h, &nrm, &mean, &gain, &bias,
-                          &d, &centered, &eps, &portable)) {
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*y*y*npd|pi", &x, &y, &h, &nrm, &mean, &gain, &bias,
+                          &d, &centered, &eps, &portable, &threads)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -794,8 +917,8 @@ static PyObject *split_rows(PyObject *self, PyObject *args) {
     split_fn fn = portable ? split_portable : split_chosen;
     double worst;
     Py_BEGIN_ALLOW_THREADS
-    worst = fn(&site, (const float *)x.buf, (const float *)y.buf, (uint16_t *)h.buf,
-               (float *)nrm.buf, (float *)mean.buf, n);
+    worst = split_shared(fn, &site, (const float *)x.buf, (const float *)y.buf,
+                         (uint16_t *)h.buf, (float *)nrm.buf, (float *)mean.buf, n, threads);
     Py_END_ALLOW_THREADS
     result = PyFloat_FromDouble(worst);
 done:
@@ -805,11 +928,24 @@ done:
     return result;
 }
 
+static PyObject *split_team(PyObject *self, PyObject *noargs) {
+    (void)self, (void)noargs;
+#ifdef ACTDB_OMP_LOOKUP
+    return PyBool_FromLong(omp_team_found());
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef methods[] = {
+    {"split_team", split_team, METH_NOARGS,
+     "split_team() -> bool: whether split_rows(..., threads > 1) finds a loaded OpenMP runtime "
+     "(torch's) to share the rows with; without one it runs them on the calling thread."},
     {"split_rows", split_rows, METH_VARARGS,
-     "split_rows(x, y, h, norm, mean, gain, bias, d, centered, eps, portable=False) -> worst: "
-     "a norm input's rows (float32 [n, d]) to their float16 directions, norms and means, and "
-     "the worst relative error of the output rebuilt from them against y; the GIL released."},
+     "split_rows(x, y, h, norm, mean, gain, bias, d, centered, eps, portable=False, threads=1) "
+     "-> worst: a norm input's rows (float32 [n, d]) to their float16 directions, norms and "
+     "means, and the worst relative error of the output rebuilt from them against y; the GIL "
+     "released, the rows shared with torch's OpenMP team when threads > 1."},
     {"f16_dots", f16_dots, METH_VARARGS,
      "f16_dots(x, v, out, portable=False): out[i] = sum_j x[i, j] * v[j], x float16 [n, d] "
      "C-contiguous, v float32 [d], out float32 [n]; each row reduced on its own in a fixed "

@@ -6,6 +6,7 @@ reads), and the chunk cache's waiting thread helping the read-ahead."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import crc32c
@@ -445,6 +446,38 @@ def test_split_rows_paths_agree_and_a_nan_is_the_worst(d: int) -> None:
         assert np.isnan(_native.split_rows(x, y, h, norm, mean, b"", b"", d, True, 1e-5,
                                            portable))
         assert (h[3] == 0).all()
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_split_rows_on_torchs_openmp_team_stores_the_one_thread_bits(threads: int) -> None:
+    """With `threads`, split_rows shares its rows among the OpenMP team torch has loaded
+    (the ingest's hook, between torch's parallel regions): every row's fields are the same bits
+    as one thread's, over a row count no team size divides, and the figure is the same; a NaN
+    in the first row or the last (the first and the last thread's runs) still makes it NaN."""
+    import torch  # noqa: F401  (loads the OpenMP runtime the kernel borrows)
+
+    if sys.platform.startswith("linux"):
+        assert _native.split_team(), "torch's OpenMP runtime was not found among the libraries"
+    rng = np.random.default_rng(threads)
+    n, d = 2049, 100
+    x = (rng.standard_normal((n, d)) * 10.0 ** rng.uniform(-6, 3, (n, 1))).astype(np.float32)
+    y = rng.standard_normal((n, d)).astype(np.float32)
+    gain = rng.uniform(0.5, 1.5, d).astype(np.float32).tobytes()
+
+    def split(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        h = np.full((n, d), 7, np.float16)  # rows left unwritten would show
+        norm, mean = np.full(n, 7, np.float32), np.full(n, 7, np.float32)
+        worst = _native.split_rows(x, y, h, norm, mean, gain, b"", d, True, 1e-5, False, k)
+        return h.view(np.uint16), norm, mean, worst
+
+    one, team = split(x, 1), split(x, threads)
+    for a, b in zip(one[:3], team[:3], strict=True):
+        assert np.array_equal(a, b)
+    assert one[3] == team[3] and one[3] > 0
+    for row in (0, n - 1):
+        bad = x.copy()
+        bad[row, 3] = np.nan
+        assert np.isnan(split(bad, threads)[3])
 
 
 def test_split_rows_refuses_sizes_that_disagree() -> None:

@@ -30,6 +30,14 @@ if _native is not None and not hasattr(_native, "split_rows"):  # pragma: no cov
     _native = None  # type: ignore[assignment]  # a build older than its source: torch's path
 
 FAITHFULNESS_LIMIT = 1e-2
+_SHARED_SPLIT_VALUES = 1 << 16  # a batch's rows worth a parallel region (a row of d = 768: 85)
+
+
+def _split_threads(values: int) -> int:
+    """Threads for `split_rows` over `values` floats: torch's own intra-op count, whose team
+    the kernel borrows (the threads are torch's, waiting for its next parallel region), or one
+    for a few rows, where starting the team would cost more than it saves."""
+    return torch.get_num_threads() if values >= _SHARED_SPLIT_VALUES else 1
 
 
 def _heads_last(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -211,13 +219,15 @@ class SiteSink:
                       lo: int, hi: int) -> float:
         """The fields and the check in one compiled pass a row (`_native.split_rows`): the
         same formulas as `_split_torch`, with the sums in float64, in three passes over memory
-        where torch's ops make about twenty, on one thread and without the GIL. Per-head rows
-        [n, h, d] are n * h rows of d."""
+        where torch's ops make about twenty, without the GIL, the rows shared with torch's
+        OpenMP threads (which would otherwise spin through the hook waiting for the next
+        parallel region). Per-head rows [n, h, d] are n * h rows of d."""
         gain, bias = self.native[s.site]
         x, y = x.detach().contiguous(), y.detach().contiguous()
         return _native.split_rows(
             x.numpy(), y.numpy(), stored.direction[lo:hi], stored.norm[lo:hi],
-            stored.mean[lo:hi], gain, bias, int(x.shape[-1]), bool(s.centered), float(s.eps))
+            stored.mean[lo:hi], gain, bias, int(x.shape[-1]), bool(s.centered), float(s.eps),
+            False, _split_threads(x.numel()))
 
     def _split_torch(self, s: SiteRecord, x: torch.Tensor, y: torch.Tensor, stored: ActBatch,
                      lo: int, hi: int) -> float:
