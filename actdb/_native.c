@@ -499,9 +499,9 @@ done:
 
    split_rows(x, y, h, norm, mean, gain, bias, d, centered, eps, portable=False, threads=1) ->
    worst: for each row of x (float32 [n, d], the norm module's input) its norm ||x|| and mean
-   (sums in float64, stored as float32), its direction x / norm (a float32 division) rounded to float16
-   (to nearest, ties to even) into h (zeros where the norm is 0 or NaN, as norms.split gives);
-   then the module's output rebuilt from what is stored (v = float(h) * norm in float32, the
+   (sums in float64, stored as float32), its direction x / norm (a float32 division) rounded to
+   float16 (to nearest, ties to even) into h (zeros where the norm is 0 or NaN, as norms.split
+   gives); then the module's output rebuilt from what is stored (v = float(h) * norm in float32, the
    site's formula w = v - mean(v) if centred, y' = gain * w / sqrt(mean(w^2) + eps) + bias, in
    float64) and compared with its real output y: the worst ||y' - y|| / (||y|| + 1e-6) over
    the rows (NaN if any is). gain and bias are float32 [d] or empty (ones, zeros). Three passes
@@ -787,11 +787,11 @@ static gomp_parallel_fn gomp_parallel;
 static omp_int_fn omp_thread_num, omp_num_threads;
 static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
 
-static int find_omp(struct dl_phdr_info *info, size_t size, void *found) {
+/* `want`: the runtime's name ("libgomp", then the others); the first loaded match is used. */
+static int find_omp(struct dl_phdr_info *info, size_t size, void *want) {
     (void)size;
     const char *name = info->dlpi_name;
-    if (name == NULL || (strstr(name, "libgomp") == NULL && strstr(name, "libiomp") == NULL &&
-                         strstr(name, "libomp") == NULL)) {
+    if (name == NULL || strstr(name, (const char *)want) == NULL) {
         return 0;
     }
     void *lib = dlopen(name, RTLD_LAZY | RTLD_NOLOAD); /* only one already loaded */
@@ -808,13 +808,16 @@ static int find_omp(struct dl_phdr_info *info, size_t size, void *found) {
     memcpy(&gomp_parallel, &par, sizeof par);
     memcpy(&omp_thread_num, &num, sizeof num);
     memcpy(&omp_num_threads, &all, sizeof all);
-    *(int *)found = 1;
     return 1;
 }
 
+/* GNU's runtime first: torch's Linux wheels link it, and a process may also hold Intel's
+   (loaded with MKL by another library), whose team would be threads of its own. */
 static void omp_lookup(void) {
-    int found = 0;
-    dl_iterate_phdr(find_omp, &found);
+    const char *names[] = {"libgomp", "libiomp", "libomp"};
+    for (int k = 0; k < 3 && gomp_parallel == NULL; k++) {
+        dl_iterate_phdr(find_omp, (void *)names[k]);
+    }
 }
 
 /* Looked up once, on first use (torch loads its runtime when it is imported, before any hook
