@@ -79,6 +79,48 @@ def test_new_sites_metadata_is_what_zarr_writes(tmp_path: Path) -> None:
     assert group["models/0/acts/d.ln1/mean"].shape == (80,)
 
 
+def test_site_parameters_are_what_zarr_writes(tmp_path: Path) -> None:
+    """A local store's norm gains and biases are written from metadata built once per shape
+    (Arrays._param_metadata) and chunk files written straight: every file under the model's
+    `sites` folder (groups, arrays, chunks) equals, byte for byte, what zarr writes when it
+    creates the same arrays in place with the same values, and zarr reads the values back."""
+    import zarr
+
+    rng = np.random.default_rng(3)
+    params: dict[str, tuple[np.ndarray | None, np.ndarray | None]] = {
+        "blocks.0.ln1": (rng.standard_normal(8).astype(np.float32),
+                         rng.standard_normal(8).astype(np.float32)),
+        "blocks.0.ln2": (rng.standard_normal(8).astype(np.float32), None),  # RMSNorm: no bias
+        "blocks.0.q_norm": (rng.standard_normal((2, 4)).astype(np.float32), None),  # per head
+        "final": (rng.standard_normal(8).astype(np.float32), np.zeros(8, np.float32)),
+        "embed": (None, None),  # no parameters: a group of its own, as zarr makes it
+    }
+    st = Store.open_or_create(tmp_path / "s.actdb")
+    try:
+        st.arrays.write_weights(0, embed=np.ones((4, 8), np.float32), lm_head=None,
+                                lm_head_bias=None, site_params=params)
+    finally:
+        st.close()
+    ours = tmp_path / "s.actdb" / "tensors.zarr" / "models" / "0" / "sites"
+    plain = zarr.open_group(str(tmp_path / "plain.zarr"), mode="w", zarr_format=3)
+    for site, pair in params.items():
+        sg = plain.require_group(f"sites/{site}")
+        for name, value in zip(("gain", "bias"), pair, strict=True):
+            if value is not None:
+                Arrays._create_whole(sg, name, value.shape)[...] = value
+    want = {p.relative_to(tmp_path / "plain.zarr" / "sites"): p.read_bytes()
+            for p in (tmp_path / "plain.zarr" / "sites").rglob("*") if p.is_file()}
+    got = {p.relative_to(ours): p.read_bytes() for p in ours.rglob("*") if p.is_file()}
+    assert sorted(map(str, got)) == sorted(map(str, want))
+    for path, data in want.items():
+        assert got[path] == data, path
+    group = zarr.open_group(str(tmp_path / "s.actdb" / "tensors.zarr"), mode="r")
+    for site, pair in params.items():
+        for name, value in zip(("gain", "bias"), pair, strict=True):
+            if value is not None:
+                assert np.array_equal(group[f"models/0/sites/{site}/{name}"][...], value)
+
+
 def test_store_held_by_another_process_is_one_sentence(
     family_store: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

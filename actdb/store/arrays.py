@@ -15,6 +15,7 @@ each object holds SHARD_CHUNKS inner chunks, each still with its own CRC-32C (sh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -97,6 +98,8 @@ class Arrays:
         self._dirty_lock = threading.Lock()
         # (inner shape, rows, chunk rows, sharded) -> a new site's metadata files (_site_metadata)
         self._site_templates: dict[tuple[object, ...], dict[str, bytes]] = {}
+        # (gain or bias, shape) -> a site parameter's metadata and chunk layout (_param_metadata)
+        self._param_templates: dict[tuple[object, ...], tuple[bytes, RawLayout]] = {}
 
     @property
     def zstore(self) -> Any:
@@ -215,11 +218,14 @@ class Arrays:
             for name, value in named.items():
                 if value is not None:
                     self._write_whole(g, name, value, pool)
-            for site, (gain, bias) in site_params.items():
-                sg = g.require_group(f"sites/{site}")
-                for name, value in (("gain", gain), ("bias", bias)):
-                    if value is not None:
-                        self._write_whole(sg, name, value, pool)
+            if self.path is None:  # object storage: each array staged, then PUT with the rest
+                for site, (gain, bias) in site_params.items():
+                    sg = g.require_group(f"sites/{site}")
+                    for name, value in (("gain", gain), ("bias", bias)):
+                        if value is not None:
+                            self._write_whole(sg, name, value, pool)
+        if self.path is not None:
+            self._write_site_params(model_id, site_params, pool)
         if self.path is not None:  # an object PUT is durable when it returns
             durable.sync_tree(self.path / "models" / str(model_id), skip="acts")
             durable.fsync_dir(self.path / "models")
@@ -241,25 +247,87 @@ class Arrays:
             return
         self._put_metadata(label, {k.removeprefix(label + "/"): v for k, v in items})
 
+    def _write_site_params(self, model_id: int, site_params: dict[
+            str, tuple[np.ndarray | None, np.ndarray | None]], pool: Executor | None) -> None:
+        """A local store's norm gains and biases (`sites/{site}/{gain,bias}`), each a chunk
+        file beside the metadata zarr would write for it. The metadata holds no name, so zarr
+        builds it once per shape (`_param_metadata`): building each array through zarr cost
+        about 2.5 ms of its event loop, 0.12 s of CPU for a 25-site model's 50 arrays, on the
+        commit thread beside the first forward pass."""
+        assert self.path is not None
+        label = f"models/{model_id}/sites"
+        files: dict[str, bytes] = {}
+        writes: list[tuple[RawLayout, np.ndarray]] = []
+        for site, pair in site_params.items():
+            files[f"{site}/zarr.json"] = self._group_metadata()
+            for name, value in zip(("gain", "bias"), pair, strict=True):
+                if value is None:
+                    continue
+                value = np.ascontiguousarray(value, dtype=np.float32)
+                meta, layout = self._param_metadata(name, value.shape)
+                files[f"{site}/{name}/zarr.json"] = meta
+                folder = self.path / label / site / name
+                writes.append((dataclasses.replace(
+                    layout, label=f"{label}/{site}/{name}",
+                    folder=str(folder / "c") if layout.prefix == "" else str(folder)), value))
+        if not files:
+            return
+        files["zarr.json"] = self._group_metadata()
+        self._put_metadata(label, files)
+
+        def one(item: tuple[RawLayout, np.ndarray]) -> None:
+            layout, value = item
+            os.makedirs(os.path.dirname(layout.path(0)), exist_ok=True)
+            layout.write(0, value, point="weight_write")
+
+        list((pool.map if pool else map)(one, writes))
+
+    def _group_metadata(self) -> bytes:
+        made = self._site_templates.get(("group",))
+        if made is None:
+            staged: dict[str, Any] = {}
+            zarr.open_group(zarr.storage.MemoryStore(staged), mode="w", zarr_format=3)
+            made = self._site_templates[("group",)] = {"": staged["zarr.json"].to_bytes()}
+        return made[""]
+
+    def _param_metadata(self, name: str, shape: tuple[int, ...]) -> tuple[bytes, RawLayout]:
+        """The metadata of a site's `gain` or `bias` array of `shape`, built by zarr once per
+        shape (as `_write_whole` creates it), and its chunk files' layout on a local disk."""
+        key = ("param", name, shape)
+        made = self._param_templates.get(key)
+        if made is None:
+            staged: dict[str, Any] = {}
+            root = zarr.open_group(zarr.storage.MemoryStore(staged), mode="w", zarr_format=3)
+            layout = raw_layout(self._create_whole(root, name, shape), self.zstore)
+            if layout is None:  # pragma: no cover - _create_whole's codecs are stored raw
+                raise RuntimeError(f"a site's {name} array is not stored raw")
+            made = self._param_templates[key] = (staged[f"{name}/zarr.json"].to_bytes(), layout)
+        return made
+
     # Zarr v3 dimension names, so xarray.open_zarr and other tools label the axes. Names are
     # unique within a group where sizes can differ (an LM head may have more rows than W_E).
     _WEIGHT_DIMS = {"embed": ("embed_token", "dim"), "lm_head": ("vocab", "dim"),
                     "lm_head_bias": ("vocab",), "gain": ("dim",), "bias": ("dim",)}
 
-    def _write_whole(self, group: zarr.Group, name: str, value: np.ndarray,
-                     pool: Executor | None) -> None:
-        value = np.ascontiguousarray(value, dtype=np.float32)
-        chunks = (min(value.shape[0], 8192), *value.shape[1:]) if value.ndim == 2 else value.shape
-        arr = group.create_array(
-            name, shape=value.shape, dtype="float32", chunks=chunks,
+    @staticmethod
+    def _create_whole(group: zarr.Group, name: str, shape: tuple[int, ...]) -> zarr.Array:
+        """A weight array `name` of `shape` (float32) in `group`, chunked along its rows."""
+        chunks = (min(shape[0], 8192), *shape[1:]) if len(shape) == 2 else shape
+        return group.create_array(
+            name, shape=shape, dtype="float32", chunks=chunks,
             compressors=[zarr.codecs.Crc32cCodec()], overwrite=True,
             # a chunk equal to the fill value (an all-zero bias) is still written: a missing
             # chunk is damage, never zeros
             config={"write_empty_chunks": True},
             # per-head sites' gain and bias are [heads, d]
-            dimension_names=("head", "dim") if name in ("gain", "bias") and value.ndim == 2
+            dimension_names=("head", "dim") if name in ("gain", "bias") and len(shape) == 2
             else Arrays._WEIGHT_DIMS.get(name),
         )
+
+    def _write_whole(self, group: zarr.Group, name: str, value: np.ndarray,
+                     pool: Executor | None) -> None:
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        arr = self._create_whole(group, name, value.shape)
         # `group` is staged in memory (_staged); its path is the array's path in the store.
         raw = raw_layout(arr, self.zstore) if self.objects is None else None
         if raw is None:
