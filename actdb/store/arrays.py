@@ -100,6 +100,7 @@ class Arrays:
         self._site_templates: dict[tuple[object, ...], dict[str, bytes]] = {}
         # (gain or bias, shape) -> a site parameter's metadata and chunk layout (_param_metadata)
         self._param_templates: dict[tuple[object, ...], tuple[bytes, RawLayout]] = {}
+        self._group_json: bytes | None = None
 
     @property
     def zstore(self) -> Any:
@@ -224,9 +225,8 @@ class Arrays:
                     for name, value in (("gain", gain), ("bias", bias)):
                         if value is not None:
                             self._write_whole(sg, name, value, pool)
-        if self.path is not None:
-            self._write_site_params(model_id, site_params, pool)
         if self.path is not None:  # an object PUT is durable when it returns
+            self._write_site_params(model_id, site_params, pool)
             durable.sync_tree(self.path / "models" / str(model_id), skip="acts")
             durable.fsync_dir(self.path / "models")
 
@@ -266,6 +266,7 @@ class Arrays:
                 value = np.ascontiguousarray(value, dtype=np.float32)
                 meta, layout = self._param_metadata(name, value.shape)
                 files[f"{site}/{name}/zarr.json"] = meta
+                # the template's chunk folder, moved to this array's (chunk keys "c/0")
                 folder = self.path / label / site / name
                 writes.append((dataclasses.replace(
                     layout, label=f"{label}/{site}/{name}",
@@ -283,12 +284,12 @@ class Arrays:
         list((pool.map if pool else map)(one, writes))
 
     def _group_metadata(self) -> bytes:
-        made = self._site_templates.get(("group",))
-        if made is None:
+        """An empty group's `zarr.json`, as zarr writes it."""
+        if self._group_json is None:
             staged: dict[str, Any] = {}
             zarr.open_group(zarr.storage.MemoryStore(staged), mode="w", zarr_format=3)
-            made = self._site_templates[("group",)] = {"": staged["zarr.json"].to_bytes()}
-        return made[""]
+            self._group_json = staged["zarr.json"].to_bytes()
+        return self._group_json
 
     def _param_metadata(self, name: str, shape: tuple[int, ...]) -> tuple[bytes, RawLayout]:
         """The metadata of a site's `gain` or `bias` array of `shape`, built by zarr once per
