@@ -826,7 +826,6 @@ static int omp_team_found(void) {
     pthread_once(&omp_once, omp_lookup);
     return gomp_parallel != NULL;
 }
-#endif
 
 #define SPLIT_MAX_THREADS 64
 
@@ -838,22 +837,19 @@ typedef struct {
     float *norm, *mean;
     Py_ssize_t n;
     double worst[SPLIT_MAX_THREADS];
-    int used[SPLIT_MAX_THREADS];
     int of; /* the team's size, as its members see it */
 } SplitTeam;
 
-#ifdef ACTDB_OMP_LOOKUP
+/* One member's contiguous run of rows. OpenMP numbers a team's threads 0 .. size - 1, and
+   the size is at most the count asked for (at most SPLIT_MAX_THREADS), so the runs cover
+   every row once. */
 static void split_member(void *arg) {
     SplitTeam *t = (SplitTeam *)arg;
     int k = omp_thread_num(), of = omp_num_threads();
-    if (k < 0 || k >= SPLIT_MAX_THREADS || of <= 0) {
-        return;
-    }
     Py_ssize_t d = t->site->d;
     Py_ssize_t lo = t->n * k / of, hi = t->n * (k + 1) / of;
     t->worst[k] = t->fn(t->site, t->x + lo * d, t->y + lo * d, t->h + lo * d, t->norm + lo,
                         t->mean + lo, hi - lo);
-    t->used[k] = 1;
     if (k == 0) {
         t->of = of;
     }
@@ -866,19 +862,14 @@ static double split_shared(split_fn fn, const SplitSite *site, const float *x, c
                            uint16_t *h, float *norm, float *mean, Py_ssize_t n, int threads) {
 #ifdef ACTDB_OMP_LOOKUP
     if (threads > 1 && omp_team_found() && n >= 2 * (Py_ssize_t)threads) {
-        SplitTeam team = {fn, site, x, y, h, norm, mean, n, {0}, {0}, 0};
+        SplitTeam team = {fn, site, x, y, h, norm, mean, n, {0}, 0};
         gomp_parallel(split_member, &team,
                       (unsigned)(threads < SPLIT_MAX_THREADS ? threads : SPLIT_MAX_THREADS), 0);
-        int of = team.of, all = of > 0;
         double worst = 0.0;
-        for (int k = 0; k < of; k++) {
-            all = all && team.used[k];
+        for (int k = 0; k < team.of; k++) {
             worst = isnan(team.worst[k]) || team.worst[k] > worst ? team.worst[k] : worst;
         }
-        if (all) {
-            return worst;
-        }
-        /* a team whose members did not all run (never seen): every row again, here */
+        return worst;
     }
 #else
     (void)threads;
