@@ -34,6 +34,8 @@ _SCRIPT = textwrap.dedent("""
     import actdb
     torch.set_num_threads(1)
     importlib.import_module("actdb.ingest.pipeline")._FLUSH_TOKENS = 32
+    if len(sys.argv) > 4:  # chunks of at least this many bytes written past the page cache
+        importlib.import_module("actdb.store.chunks").DIRECT_MIN_BYTES = int(sys.argv[4])
     log = importlib.import_module("actdb.store.catalog_log")
     log.FOLD_MIN_BYTES, log.FOLD_FILE_SHARE = 1, 10**9  # fold the catalog's log every commit
     prompts = [l for l in open(sys.argv[3]).read().splitlines() if l]
@@ -66,13 +68,16 @@ def run_script(tmp_path: Path, model_dir: Callable[[str], Path]
     script = tmp_path / "ingest.py"
     script.write_text(_SCRIPT)
 
-    def start(store: Path, fault: str | None = None) -> subprocess.Popen[str]:
+    def start(store: Path, fault: str | None = None,
+              direct_min: int | None = None) -> subprocess.Popen[str]:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("ACTDB_FAULT", None)
         if fault:
             env["ACTDB_FAULT"] = fault
+        extra = [] if direct_min is None else [str(direct_min)]
         return subprocess.Popen(
-            [sys.executable, str(script), str(store), str(model_dir("gpt2")), str(prompts)],
+            [sys.executable, str(script), str(store), str(model_dir("gpt2")), str(prompts),
+             *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
     return start
@@ -119,6 +124,33 @@ def test_kill_at_each_point_then_resume(
             assert committed < len(PROMPTS)
     if point.startswith("chunk_write"):
         assert _partials(store), "the kill mid-write should leave a temporary file"
+    _resume_and_compare(store, str(model_dir("gpt2")), reference)
+
+
+def test_kill_mid_write_past_the_page_cache_then_resume(
+    tmp_path: Path, model_dir: Callable[[str], Path], reference: dict[str, object],
+    run_script: Callable[..., subprocess.Popen[str]],
+) -> None:
+    """The tiny model's chunks are small, so they are written buffered above; here every
+    chunk goes through `write_direct` (O_DIRECT, as an ingest's direction chunks of a real
+    model do), killed after its padded bytes are written and before the file is cut to size
+    and fsynced: the store still opens and verifies, and the same command completes it."""
+    probe = tmp_path / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+    except OSError:
+        pytest.skip("this file system takes no O_DIRECT")
+    probe.unlink()
+    store = tmp_path / "s.actdb"
+    proc = run_script(store, "chunk_write:40", direct_min=1)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, f"chunk_write was never reached: {err[-2000:]}"
+    with actdb.connect(store) as db:
+        assert db.verify(full=True) == []
+    torn = _partials(store)
+    assert torn, "the kill mid-write should leave a temporary file"
+    # the padded length: cut to size (values and checksum) only after the kill point
+    assert all(p.stat().st_size % 4096 == 0 for p in torn), [p.stat().st_size for p in torn]
     _resume_and_compare(store, str(model_dir("gpt2")), reference)
 
 
