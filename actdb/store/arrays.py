@@ -604,9 +604,8 @@ class Arrays:
     def _write_raw(self, raw: RawLayout, start: int, value: np.ndarray) -> None:
         """Write rows straight into raw chunk files, each replaced whole and atomically (a
         temporary file, fsynced, renamed over it), as zarr's local store would, minus its
-        per-chunk overhead; chunks of chunks.DIRECT_MIN_BYTES or more past the page cache. A
-        chunk only partly covered is read (checked), patched and replaced: its rows below
-        `start` are committed."""
+        per-chunk overhead. A chunk only partly covered is read (checked), patched and
+        replaced: its rows below `start` are committed."""
         c, stop = raw.shape[0], start + value.shape[0]
         value = np.ascontiguousarray(value, dtype=raw.dtype)
         for chunk in range(start // c, (stop - 1) // c + 1):
@@ -626,7 +625,7 @@ class Arrays:
                 os.makedirs(parent, exist_ok=True)
                 self._made.add(parent)
                 self._mark_dirty(os.path.dirname(parent), os.path.dirname(raw.folder))
-            raw.write(chunk, data, direct=True)
+            raw.write(chunk, data)
             self._mark_dirty(parent)
 
     def _mark_dirty(self, *folders: str) -> None:

@@ -179,8 +179,7 @@ class RawLayout(ChunkFormat):
         """Replace chunk `chunk` whole: a temporary file beside it, fsynced, renamed over it
         (the caller fsyncs the folder). Its folder must exist. `point`: the fault point
         that tests inject at mid-write (faults.py). `direct`: past the page cache where the
-        file system allows it (`write_direct`) and the chunk has at least DIRECT_MIN_BYTES:
-        chunks written once and not read back by the writer (weights, an ingest's vectors)."""
+        file system allows it (`write_direct`), for large chunks written once (weights)."""
         path = self.path(chunk)
         data = np.ascontiguousarray(data, dtype=self.dtype)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{PARTIAL_SUFFIX}"
@@ -207,15 +206,8 @@ class RawLayout(ChunkFormat):
         return self.path(chunk)
 
 
-# Chunks at least this large may be written past the page cache (RawLayout.write's `direct`):
-# a model's weight chunks and an ingest's direction chunks (about 256 KiB). A buffered write
-# copies into page-cache pages, and on a VM whose free memory goes back to the host (virtio
-# free page reporting) fresh pages cost about 2.5 ms of CPU per MB: 400 direction chunks of
-# 192 KiB took 0.27-0.41 s of CPU buffered against 0.10-0.13 s direct; with the page cache's
-# pages recycled both took 0.08-0.09 s (docs/ENGINE.md, "Vector chunks past the page cache").
-# Smaller files (norm and mean chunks, metadata) stay buffered: there a file's own costs
-# (inode, rename, fsync) are most of its cost.
-DIRECT_MIN_BYTES = 64 << 10
+# Chunks at least this large may be written past the page cache (RawLayout.write's `direct`).
+DIRECT_MIN_BYTES = 4 << 20
 _DIRECT_PIECE = 4 << 20  # written through a page-aligned buffer this size, one per thread
 _DIRECT_ALIGN = 4096  # O_DIRECT's alignment of buffer, offset and length on Linux file systems
 _direct = threading.local()
@@ -230,12 +222,8 @@ def write_direct(tmp: str, data: np.ndarray, crc: int | None, point: str) -> boo
     A buffered write of a 25 MB weight chunk into fresh page-cache pages cost 3.4 ms of system
     time per MB here (0.53-0.63 s for GPT-2's 154 MB embedding, on the commit thread beside the
     first forward pass); past the page cache, through one reused 4 MiB buffer, it is the copy
-    into that buffer. An ingest's direction chunks come this way too (DIRECT_MIN_BYTES): the
-    values are not in the page cache afterwards, so the first query that reads them reads the
-    disk, and a long ingest no longer fills memory with dirty pages.
-
-    The file's length is not a multiple of the alignment (the CRC's 4 bytes): the last piece
-    is written padded, and the file cut to its size."""
+    into that buffer. The file's length is not a multiple of the alignment (the CRC's 4 bytes):
+    the last piece is written padded, and the file cut to its size."""
     flag = getattr(os, "O_DIRECT", 0)
     folder = os.path.dirname(tmp) or "."
     if not flag:
