@@ -65,10 +65,13 @@ class BulkEvaluator:
 
     def __init__(self, src: VectorSource, kernel: Kernel, *, scalar: bool, vec_at: int,
                  convert: Convert, broadcast: Broadcast, list_type: pa.DataType | None,
-                 max_rows: int, cache_rows: int) -> None:
+                 max_rows: int, cache_rows: int, ahead: bool = True) -> None:
+        """`ahead`: whether rows may be computed ahead of the calls that ask for them (False
+        for a function whose every row is a product with a whole vocabulary: a window's rows
+        past the query's last, up to as many as the query asked for, would cost as much)."""
         self.src, self.kernel, self.scalar, self.list_type = src, kernel, scalar, list_type
         self.vec_at, self.convert, self.broadcast = vec_at, convert, broadcast
-        self.max_rows, self.cache_rows = max_rows, cache_rows
+        self.max_rows, self.cache_rows, self.ahead = max_rows, cache_rows, ahead
         self._windows: OrderedDict[tuple[Any, ...], _Window] = OrderedDict()
         self._walks: dict[tuple[Any, ...], _Walk] = {}
         self._cached = 0
@@ -80,8 +83,8 @@ class BulkEvaluator:
         """Results for one call's rows (no NULLs among them): float64 [n] or ListResults."""
         handles = arrays[self.vec_at].to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         rest = [a for i, a in enumerate(arrays) if i != self.vec_at]
-        key = _constant_key(rest)
         n = len(handles)
+        key = _constant_key(rest) if self.ahead else None
         if key is None or n == 0:
             return self._exact(handles, rest)
         with self._lock:

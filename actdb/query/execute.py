@@ -113,6 +113,7 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
             list_type=None if scalar else out_type,
             max_rows=BULK_ROWS if scalar else BULK_LIST_ROWS,
             cache_rows=BULK_CACHE_ROWS if scalar else BULK_LIST_CACHE_ROWS,
+            ahead=not fn.vocabulary_wide,
         )
         bulk.append(evaluator)
 
