@@ -7,8 +7,9 @@ kernel call (one read of whole chunks, one matrix product, read-ahead overlappin
 keeps the results, and answers the next calls from them. The window doubles while the walk goes
 on (up to `max_rows`), so speculation never costs more than the work the query has already
 asked for, and a LIMIT stops it early. Rows asked for out of order, sparsely, or with arguments
-that vary from row to row are computed exactly as asked (the selective-query path): see
-docs/ENGINE.md.
+that vary from row to row are computed exactly as asked (the selective-query path), and so are
+all rows of a function whose every row is a product with a whole vocabulary (`ahead=False`):
+see docs/ENGINE.md.
 
 A function's value depends only on the stored vector and its arguments, and stored rows never
 change, so a result computed ahead is the result the query would have got.
