@@ -157,6 +157,34 @@ def test_lens_at_the_final_site_is_the_models_prediction(sharp):
     assert got[0]["r"] == 1 and 0 < got[0]["p"] < 1
 
 
+def test_lens_products_get_the_threads_their_size_earns(family_store, monkeypatch):
+    """The UDF runs its kernels at one torch thread (threads.py); each lens block's product
+    with the whole vocabulary and the reductions over it run at what `threads_for` gives
+    that product's size (here made 3), as the top-k's product does, and the caller's
+    setting is back afterwards."""
+    from actdb.query import lens
+
+    asked: list[float] = []
+    seen: list[int] = []
+    real = lens._to_logits
+
+    def spy(model, scores):
+        seen.append(torch.get_num_threads())
+        return real(model, scores)
+
+    monkeypatch.setattr(lens, "threads_for", lambda flops, device=None: asked.append(flops) or 3)
+    monkeypatch.setattr(lens, "_to_logits", spy)
+    before = torch.get_num_threads()
+    with actdb.connect(family_store("qwen3"), device="cpu") as db:
+        n = db.sql("SELECT count(*) FROM acts WHERE site = 'final'").fetchall()[0][0]
+        got = db.sql("SELECT entropy(vec) FROM acts WHERE site = 'final'").fetchall()
+        w, _ = db.source.unembed(db.source.models[0])
+    assert len(got) == n and all(v is not None for (v,) in got)
+    assert seen and set(seen) == {3}, seen
+    assert asked and set(asked) <= {2.0 * rows * w.numel() for rows in range(1, n + 1)}, asked
+    assert torch.get_num_threads() == before
+
+
 def test_lens_is_null_off_the_residual_stream(family_store):
     with actdb.connect(family_store("qwen3"), device="cpu") as db:
         rows = db.sql("SELECT role, logprob(vec, 5), prob(vec, 5), token_rank(vec, 5), "
