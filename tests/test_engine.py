@@ -140,21 +140,37 @@ def test_list_results_from_windows_exact_rows_and_nulls(big):
 
 
 def test_vocabulary_wide_functions_computed_as_asked(big):
-    """top_logits, nearest_anchors and entropy rank or sum over the whole vocabulary in every
-    row: a walk of a site computes exactly its rows, none ahead of the query (a window's rows
-    past the query's last would cost as much as the rows asked for)."""
+    """The six functions that rank or sum over the whole vocabulary in every row (top_logits,
+    nearest_anchors, logprob, prob, token_rank, entropy): a walk of a site computes exactly
+    its rows, none ahead of the query (a window's rows past the query's last would cost as
+    much as the rows asked for), and their values are the float64 reference's."""
     ref, db = big
     final = _site(db, "final")
     before = dict(db.stats)
     rows = fetch(db, f"SELECT prompt_id, position, site, top_logits(vec, 3) AS tl, "
-                     f"nearest_anchors(vec, 2) AS na, entropy(vec) AS h FROM acts "
+                     f"nearest_anchors(vec, 2) AS na, entropy(vec) AS h, logprob(vec, 5) AS lp, "
+                     f"prob(vec, 5) AS p, token_rank(vec, 5) AS rk FROM acts "
                      f"WHERE site = '{final}'")
     assert len(rows) > 2048, len(rows)  # more than one call of DuckDB's: a walk
     assert db.stats["rows_bulk"] == before["rows_bulk"], db.stats
-    assert db.stats["rows_exact"] - before["rows_exact"] == 3 * len(rows), db.stats
+    assert db.stats["rows_exact"] - before["rows_exact"] == 6 * len(rows), db.stats
     r = Rows(ref, db, rows)
     strings = vocab_strings(db, FAMILY)
     b = ref.b_U if ref.b_U is not None else 0.0
+    logits = r.f.astype(np.float64) @ ref.W_U.T.astype(np.float64) + b
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    close(col(rows, "h"), -(np.exp(logp) * logp).sum(-1), atol=3e-5, what="entropy")
+    close(col(rows, "lp"), logp[:, 5], atol=1e-3, what="logprob")
+    close(col(rows, "p"), np.exp(logp[:, 5]), atol=1e-5, what="prob")
+    # token_rank: exact where no other token's logit is within the stored logits' error (about
+    # 2e-4 here) of token 5's; within those ties' span elsewhere
+    tol = 4e-4
+    lo = 1 + (logits > logits[:, 5:6] + tol).sum(-1)
+    hi = (logits > logits[:, 5:6] - tol).sum(-1)  # token 5 itself among them
+    got_rank = col(rows, "rk")
+    assert np.all((lo <= got_rank) & (got_rank <= hi)), "token_rank outside its ties' span"
+    assert (lo == hi).mean() > 0.5, (lo == hi).mean()  # most ranks pinned exactly
     check_topk([x["tl"] for x in rows], r.f @ ref.W_U.T + b, 3, key="logit",
                id_key="token_id", tol=LOGIT_ATOL, what="top_logits", strings=strings)
     check_topk([x["na"] for x in rows], unit(r.x) @ ref.anchors("unembed").T, 2, key="cosine",

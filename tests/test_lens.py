@@ -159,30 +159,47 @@ def test_lens_at_the_final_site_is_the_models_prediction(sharp):
 
 def test_lens_products_get_the_threads_their_size_earns(family_store, monkeypatch):
     """The UDF runs its kernels at one torch thread (threads.py); each lens block's product
-    with the whole vocabulary and the reductions over it run at what `threads_for` gives
-    that product's size (here made 3), as the top-k's product does, and the caller's
-    setting is back afterwards."""
+    with the whole vocabulary and the caller's reductions over it run at what `threads_for`
+    gives that product's size, as the top-k's product does. `threads_for` is made to answer
+    3, 2, 3, ... from a caller at one thread: `kl_to`, which walks two blocks' logits at once,
+    must run both at one setting and leave the caller's one thread behind."""
     from actdb.query import lens
 
     asked: list[float] = []
-    seen: list[int] = []
-    real = lens._to_logits
+    answers = iter([3, 2] * 100)
+    in_product: list[int] = []
+    in_reduction: list[int] = []
+    real_logits, real_log_softmax = lens._to_logits, torch.log_softmax
 
-    def spy(model, scores):
-        seen.append(torch.get_num_threads())
-        return real(model, scores)
+    def product_spy(model, scores):
+        in_product.append(torch.get_num_threads())
+        return real_logits(model, scores)
 
-    monkeypatch.setattr(lens, "threads_for", lambda flops, device=None: asked.append(flops) or 3)
-    monkeypatch.setattr(lens, "_to_logits", spy)
-    before = torch.get_num_threads()
-    with actdb.connect(family_store("qwen3"), device="cpu") as db:
-        n = db.sql("SELECT count(*) FROM acts WHERE site = 'final'").fetchall()[0][0]
-        got = db.sql("SELECT entropy(vec) FROM acts WHERE site = 'final'").fetchall()
-        w, _ = db.source.unembed(db.source.models[0])
-    assert len(got) == n and all(v is not None for (v,) in got)
-    assert seen and set(seen) == {3}, seen
+    def reduction_spy(*args, **kwargs):
+        in_reduction.append(torch.get_num_threads())
+        return real_log_softmax(*args, **kwargs)
+
+    monkeypatch.setattr(lens, "threads_for", lambda flops, device=None: (
+        asked.append(flops), next(answers))[1])
+    monkeypatch.setattr(lens, "_to_logits", product_spy)
+    monkeypatch.setattr(torch, "log_softmax", reduction_spy)
+    caller = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with actdb.connect(family_store("qwen3"), device="cpu") as db:
+            n = db.sql("SELECT count(*) FROM acts WHERE site = 'final'").fetchall()[0][0]
+            got = db.sql("SELECT entropy(vec), kl_to(vec, vec) FROM acts "
+                         "WHERE site = 'final'").fetchall()
+            w, _ = db.source.unembed(db.source.models[0])
+            left = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(caller)
+    assert len(got) == n and all(h is not None and kl is not None for h, kl in got)
+    assert in_product and set(in_product) <= {2, 3}, in_product
+    # entropy's block at the first answer (3), kl_to's two walks at the one setting (2)
+    assert in_reduction == [3] + [2, 2] * (len(in_reduction) // 2), in_reduction
     assert asked and set(asked) <= {2.0 * rows * w.numel() for rows in range(1, n + 1)}, asked
-    assert torch.get_num_threads() == before
+    assert left == 1
 
 
 def test_lens_is_null_off_the_residual_stream(family_store):

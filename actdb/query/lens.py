@@ -10,6 +10,7 @@ residual site's input for each row.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -54,21 +55,29 @@ class LensRows:
             rows = np.nonzero(self.model_id == mid)[0]
             yield self.src.model(mid), rows, hn[torch.from_numpy(rows).to(hn.device)]
 
-    def logits(self, model: Any, hn: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
+    def logits(self, model: Any, hn: torch.Tensor, *, own_threads: bool = True
+               ) -> Iterator[tuple[int, int, torch.Tensor]]:
         """(lo, hi, logits [hi - lo, V]) over blocks of rows, with the model's transforms.
 
         The product and the caller's reductions over each [block, V] (it runs while this is
-        suspended at its yield) get the threads their size earns (threads.py), as the top-k's
-        product does: the UDF around them runs at one thread, and the product alone on one
-        core made `entropy` 1.6-1.9 ms a row for GPT-2 small on two cores."""
+        suspended at its yield) get the threads their size earns (`lens_threads`), as the
+        top-k's product does: the UDF around them runs at one thread, and the product alone on
+        one core made `entropy` 1.6-1.9 ms a row for GPT-2 small on two cores. A caller that
+        walks two of these at once sets the threads itself around both (`own_threads=False`):
+        two settings held open and closed in the same order would leave the wrong one behind."""
         w, b = self.src.unembed(model)
-        flops = 2.0 * min(hn.shape[0], _BLOCK) * w.numel()
-        with torch_threads(threads_for(flops, hn.device)):
+        with lens_threads(w, hn) if own_threads else contextlib.nullcontext():
             for lo in range(0, hn.shape[0], _BLOCK):
                 scores = hn[lo : lo + _BLOCK] @ w.T  # [block, V]
                 if b is not None:
                     scores = scores + b
                 yield lo, min(lo + _BLOCK, hn.shape[0]), _to_logits(model, scores)
+
+
+def lens_threads(w: torch.Tensor, hn: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+    """torch's threads for the [block, V] products of rows `hn` with the LM head `w`, and the
+    reductions over them: what `threads_for` gives one block's product."""
+    return torch_threads(threads_for(2.0 * min(hn.shape[0], _BLOCK) * w.numel(), hn.device))
 
 
 def _token_ids(src: VectorSource, model: Any, rows: np.ndarray, token: Arg, ttype: Arg
@@ -133,11 +142,14 @@ def kl_to(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) ->
             continue
         at = torch.from_numpy(rows).to(src.device)
         hv, ht = hv_all[at], target.hn[mid][at]
-        for (lo, hi, lv), (_, _, lt) in zip(v.logits(model, hv), target.logits(model, ht),
-                                            strict=True):
-            lpv, lpt = torch.log_softmax(lv, dim=-1), torch.log_softmax(lt, dim=-1)
-            kl = (lpt.exp() * (lpt - lpv)).sum(-1).clamp_min(0.0)
-            out[rows[lo:hi]] = kl.double().cpu().numpy()
+        w, _ = src.unembed(model)
+        with lens_threads(w, hv):
+            for (lo, hi, lv), (_, _, lt) in zip(v.logits(model, hv, own_threads=False),
+                                                target.logits(model, ht, own_threads=False),
+                                                strict=True):
+                lpv, lpt = torch.log_softmax(lv, dim=-1), torch.log_softmax(lt, dim=-1)
+                kl = (lpt.exp() * (lpt - lpv)).sum(-1).clamp_min(0.0)
+                out[rows[lo:hi]] = kl.double().cpu().numpy()
 
 
 def logit_diff(src: VectorSource, h: np.ndarray, out: np.ndarray, t1: Arg, ty1: Arg, t2: Arg,
