@@ -294,7 +294,7 @@ class Arrays:
     def _param_metadata(self, name: str, shape: tuple[int, ...]) -> tuple[bytes, RawLayout]:
         """The metadata of a site's `gain` or `bias` array of `shape`, built by zarr once per
         shape (as `_write_whole` creates it), and its chunk files' layout on a local disk."""
-        key = ("param", name, shape)
+        key = (name, shape)
         made = self._param_templates.get(key)
         if made is None:
             staged: dict[str, Any] = {}
