@@ -152,76 +152,220 @@ def test_store_held_by_another_process_is_one_sentence(
         holder.wait()
 
 
-def test_commit_makes_every_chunk_folder_durable_before_the_catalog(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A commit fsyncs the folder of every chunk file it renamed into place (concurrently, on
-    the writer threads) before the catalog commit that makes the rows visible."""
-    import threading
+def _small_model(n_sites: int = 3) -> tuple[object, list[object]]:
+    from actdb.store.records import ModelRecord, SiteRecord
 
+    sites = [SiteRecord(site=f"s{i}", site_id=i, layer=i, role="pre_attn", kind="rmsnorm", d=4,
+                        n_heads=None, eps=1e-5, module=f"m{i}", has_gain=False, has_bias=False)
+             for i in range(n_sites)]
+    model = ModelRecord(model="m", model_id=0, source="test", revision=None, architecture="X",
+                        d_model=4, n_layers=n_sites, vocab_size=2, n_sites=n_sites,
+                        has_lm_head=False, has_lm_head_bias=False, tied_embeddings=False,
+                        final_site=None, dtype="float32", max_length=None, sites_glob=None,
+                        chunk_tokens=8)
+    return model, sites
+
+
+def _register(st: Store, model: object, sites: list[object], rows: int) -> None:
     import pyarrow as pa
+
+    st.register_model(model, sites, embed=np.ones((2, 4), np.float32),  # type: ignore[arg-type]
+                      lm_head=None, lm_head_bias=None,
+                      site_params={s.site: (None, None) for s in sites},  # type: ignore[attr-defined]
+                      vocab=pa.table({"token_id": pa.array([0, 1], pa.int32()),
+                                      "token": ["a", "b"], "piece": ["a", "b"]}))
+    st.reserve_rows(model, sites, rows)  # type: ignore[arg-type]
+
+
+def _commit(st: Store, model: object, sites: list[object], start: int, n: int,
+            prompt_id: int) -> None:
+    import pyarrow as pa
+
+    from actdb.store.store import ActBatch
+
+    rng = np.random.default_rng(start)
+    st.commit_batch(
+        model, start=start,  # type: ignore[arg-type]
+        acts={s.site: ActBatch(  # type: ignore[attr-defined]
+            direction=rng.standard_normal((n, 4)).astype(np.float16),
+            norm=rng.random(n).astype(np.float32), mean=rng.random(n).astype(np.float32))
+            for s in sites},
+        new_prompts=pa.table({"prompt_id": pa.array([prompt_id], pa.int64()), "text": ["p"]}),
+        prompt_runs=pa.table({"prompt_id": pa.array([prompt_id], pa.int64()),
+                              "row_start": pa.array([start], pa.int64()),
+                              "n_tokens": pa.array([n], pa.int32()), "truncated": [False]}),
+        tokens=pa.table({"prompt_id": pa.array([prompt_id] * n, pa.int64()),
+                         "position": pa.array(range(n), pa.int32()),
+                         "token_id": pa.array([0] * n, pa.int32())}),
+        site_errors={s.site: 0.0 for s in sites},  # type: ignore[attr-defined]
+    )
+
+
+@pytest.mark.parametrize("mode", ["files", "fs"])
+def test_commit_makes_every_chunk_durable_before_the_catalog(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """What a commit writes is durable before the catalog commit that makes its rows visible.
+
+    With an fsync a file (`ACTDB_SYNC=files`): every chunk file, then the folders holding the
+    renames (concurrently, on the writer threads). With one syncfs (Linux 5.8 on): a chunk
+    holding committed rows (one partly filled, patched) is fsynced before its rename, a chunk
+    written from its first row is not, and the syncfs runs once every chunk file is in place,
+    before the catalog commit."""
+    import os
+    import re
+    import threading
 
     from actdb.store import durable
     from actdb.store.catalog import Catalog
-    from actdb.store.records import ModelRecord, SiteRecord
-    from actdb.store.store import ActBatch
 
-    synced: list[str] = []
+    monkeypatch.setenv("ACTDB_SYNC", mode)
+    if mode == "fs" and not durable.batch_sync_available():
+        pytest.skip("syncfs with its write errors needs Linux 5.8 or later")
     lock = threading.Lock()
-    real_fsync_dir = durable.fsync_dir
+    events: list[tuple[str, object]] = []  # in order: ("fsync", chunk), ("dir", folder), ...
+    real_fsync, real_fsync_dir = os.fsync, durable.fsync_dir
+    real_syncfs, real_commit = durable.FileSystemSync.sync, Catalog.commit_batch
+    tmp_suffix = re.compile(r"\.\d+\.\d+\.partial$")
 
-    def recording(path: str) -> None:
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        with lock:
+            events.append(("fsync", tmp_suffix.sub("", name)))
+
+    def fsync_dir(path: str) -> None:
         real_fsync_dir(path)
         with lock:
-            synced.append(str(Path(path)))
+            events.append(("dir", str(Path(path))))
 
-    at_commit: list[set[str]] = []
-    real_commit = Catalog.commit_batch
+    def syncfs(self: durable.FileSystemSync) -> None:
+        on_disk = set(chunk_files())
+        real_syncfs(self)
+        with lock:
+            events.append(("syncfs", on_disk))
 
     def commit(self: Catalog, **kw: object) -> None:
         with lock:
-            at_commit.append(set(synced))
+            events.append(("catalog", set(chunk_files())))
         real_commit(self, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(durable, "fsync_dir", recording)
+    root = tmp_path / "s.actdb"
+
+    def chunk_files() -> list[str]:
+        return [str(p) for p in (root / "tensors.zarr").rglob("c.*")
+                if "/acts/" in str(p) and not p.name.endswith(".partial")]
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(durable, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(durable.FileSystemSync, "sync", syncfs)
     monkeypatch.setattr(Catalog, "commit_batch", commit)
-    sites = [SiteRecord(site=f"s{i}", site_id=i, layer=i, role="pre_attn", kind="rmsnorm", d=4,
-                        n_heads=None, eps=1e-5, module=f"m{i}", has_gain=False, has_bias=False)
-             for i in range(3)]
-    model = ModelRecord(model="m", model_id=0, source="test", revision=None, architecture="X",
-                        d_model=4, n_layers=3, vocab_size=2, n_sites=3, has_lm_head=False,
-                        has_lm_head_bias=False, tied_embeddings=False, final_site=None,
-                        dtype="float32", max_length=None, sites_glob=None, chunk_tokens=8)
-    n = 40  # five direction chunks a site, files in their array's folder
+    model, sites = _small_model()
+    with Store.open_or_create(root) as st:
+        _register(st, model, sites, 48)
+        # rows [0, 37): direction chunks 0-3 whole, 4 begun; norm and mean chunk 0 begun
+        # rows [37, 48): direction chunk 4 and norm and mean chunk 0 patched, chunk 5 whole
+        for start, n, prompt in ((0, 37, 0), (37, 11, 1)):
+            events.clear()
+            _commit(st, model, sites, start, n, prompt)
+            assert events[-1][0] == "catalog"
+            written = {f for f in chunk_files()
+                       if any(f.endswith(f"/{field}/c.{i}.0") or f.endswith(f"/{field}/c.{i}")
+                              for field, first, last in (("direction", start // 8,
+                                                          (start + n - 1) // 8),
+                                                         ("norm", 0, 0), ("mean", 0, 0))
+                              for i in range(first, last + 1))}
+            assert len(written) == 3 * ((start + n - 1) // 8 - start // 8 + 1 + 2), written
+            patched = {f for f in written if start > 0 and (
+                "/norm/" in f or "/mean/" in f or f.endswith(f"/direction/c.{start // 8}.0"))}
+            fsynced = {e[1] for e in events if e[0] == "fsync"}
+            if mode == "files":
+                assert written <= fsynced, sorted(written - fsynced)[:3]
+                folders = {e[1] for e in events if e[0] == "dir"}
+                assert {str(Path(f).parent) for f in written} <= folders
+                assert not any(e[0] == "syncfs" for e in events)
+            else:
+                assert patched <= fsynced, sorted(patched - fsynced)[:3]
+                assert not (written - patched) & fsynced, sorted((written - patched) & fsynced)
+                syncs = [e[1] for e in events if e[0] == "syncfs"]
+                assert len(syncs) == 1 and written <= syncs[0], sorted(written - syncs[0])[:3]
+                assert not any(e[0] == "dir" for e in events)
+            assert written <= events[-1][1]
+
+
+def test_a_write_finishing_beside_a_sync_is_made_durable_by_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last batch's chunks are written ahead on the writer threads, and may be done while
+    the commit before it runs its syncfs: a file in place only after that syncfs began is made
+    durable by the next commit's, never left to chance."""
+    from actdb.store import durable
+
+    monkeypatch.delenv("ACTDB_SYNC", raising=False)
+    if not durable.batch_sync_available():
+        pytest.skip("syncfs with its write errors needs Linux 5.8 or later")
+    calls: list[int] = []
+    real_syncfs = durable.FileSystemSync.sync
+    model, sites = _small_model(1)
     with Store.open_or_create(tmp_path / "s.actdb") as st:
-        st.register_model(model, sites, embed=np.ones((2, 4), np.float32), lm_head=None,
-                          lm_head_bias=None, site_params={s.site: (None, None) for s in sites},
-                          vocab=pa.table({"token_id": pa.array([0, 1], pa.int32()),
-                                          "token": ["a", "b"], "piece": ["a", "b"]}))
-        st.reserve_rows(model, sites, n)
-        synced.clear()
-        st.commit_batch(
-            model, start=0,
-            acts={s.site: ActBatch(direction=np.ones((n, 4), np.float16),
-                                   norm=np.ones(n, np.float32), mean=np.zeros(n, np.float32))
-                  for s in sites},
-            new_prompts=pa.table({"prompt_id": pa.array([0], pa.int64()), "text": ["p"]}),
-            prompt_runs=pa.table({"prompt_id": pa.array([0], pa.int64()),
-                                  "row_start": pa.array([0], pa.int64()),
-                                  "n_tokens": pa.array([n], pa.int32()),
-                                  "truncated": [False]}),
-            tokens=pa.table({"prompt_id": pa.array([0] * n, pa.int64()),
-                             "position": pa.array(range(n), pa.int32()),
-                             "token_id": pa.array([0] * n, pa.int32())}),
-            site_errors={s.site: 0.0 for s in sites},
-        )
-        chunks = [p for p in (tmp_path / "s.actdb" / "tensors.zarr").rglob("*")
-                  if p.is_file() and p.name.startswith("c.") and "/acts/" in str(p)]
-        chunk_folders = {str(p.parent) for p in chunks}
-    # a local store's chunk keys use the separator ".": no folder a chunk (each one made and
-    # fsynced cost as much CPU as writing the chunk's file)
-    assert len(chunks) == 3 * (5 + 1 + 1) and len(chunk_folders) == 3 * 3, sorted(chunks)
-    assert at_commit and chunk_folders <= at_commit[0], sorted(chunk_folders - at_commit[0])[:3]
+
+        def syncfs(self: durable.FileSystemSync) -> None:
+            calls.append(1)
+            real_syncfs(self)
+            if len(calls) == 1:  # a write ahead, done once this syncfs has begun
+                rows = np.ones((16, 4), np.float16)
+                assert st.arrays.write_whole_chunks(0, "s0", 16, rows) == (16, 32)
+
+        monkeypatch.setattr(durable.FileSystemSync, "sync", syncfs)
+        _register(st, model, sites, 32)
+        _commit(st, model, sites, 0, 16, 0)
+        assert len(calls) == 1
+        st.arrays.sync()
+        assert len(calls) == 2, "the chunk written beside the first syncfs was left unsynced"
+        st.arrays.sync()
+        assert len(calls) == 2  # nothing written since
+
+
+def test_a_failed_syncfs_fails_the_commit_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write error that syncfs reports fails the commit before the catalog's: the rows stay
+    invisible, the store opens with what it had, and the next commit syncs again."""
+    import errno
+
+    from actdb.store import durable
+
+    monkeypatch.delenv("ACTDB_SYNC", raising=False)
+    if not durable.batch_sync_available():
+        pytest.skip("syncfs with its write errors needs Linux 5.8 or later")
+    real_syncfs = durable.FileSystemSync.sync
+    failing = [False]
+
+    def syncfs(self: durable.FileSystemSync) -> None:
+        if failing[0]:
+            raise OSError(errno.EIO, "syncfs failed: Input/output error", self.path)
+        real_syncfs(self)
+
+    monkeypatch.setattr(durable.FileSystemSync, "sync", syncfs)
+    model, sites = _small_model(1)
+    root = tmp_path / "s.actdb"
+    with Store.open_or_create(root) as st:
+        _register(st, model, sites, 32)
+        _commit(st, model, sites, 0, 8, 0)
+        failing[0] = True
+        with pytest.raises(OSError, match="Input/output error"):
+            _commit(st, model, sites, 8, 8, 1)
+    with Store(root) as st:
+        assert st.catalog.one("SELECT n_rows FROM models")[0] == 8  # type: ignore[index]
+        assert st.catalog.one("SELECT count(*) FROM prompts")[0] == 1  # type: ignore[index]
+    failing[0] = False
+    calls: list[int] = []
+    monkeypatch.setattr(durable.FileSystemSync, "sync",
+                        lambda self: (calls.append(1), real_syncfs(self))[1])
+    with Store(root, ingest=True) as st:
+        _commit(st, model, sites, 8, 8, 1)
+        assert calls == [1]
+        assert st.catalog.one("SELECT n_rows FROM models")[0] == 16  # type: ignore[index]
 
 
 def _takes_o_direct(folder: Path) -> bool:

@@ -175,11 +175,15 @@ class RawLayout(ChunkFormat):
         self.check_size(chunk, size)
 
     def write(self, chunk: int, data: np.ndarray, *, point: str = "chunk_write",
-              direct: bool = False) -> None:
+              direct: bool = False, sync: bool = True) -> None:
         """Replace chunk `chunk` whole: a temporary file beside it, fsynced, renamed over it
         (the caller fsyncs the folder). Its folder must exist. `point`: the fault point
         that tests inject at mid-write (faults.py). `direct`: past the page cache where the
-        file system allows it (`write_direct`), for large chunks written once (weights)."""
+        file system allows it (`write_direct`), for large chunks written once (weights).
+        `sync=False`: not fsynced, for a chunk with no committed rows, which the caller makes
+        durable with the whole file system (durable.FileSystemBarrier) before the catalog
+        refers to it; a chunk holding committed rows is always fsynced before its rename,
+        so that a crash never leaves it replaced by a file whose data was lost."""
         path = self.path(chunk)
         data = np.ascontiguousarray(data, dtype=self.dtype)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{PARTIAL_SUFFIX}"
@@ -195,7 +199,8 @@ class RawLayout(ChunkFormat):
                 if crc is not None:
                     f.write(crc.to_bytes(CRC_BYTES, "little"))
                 f.flush()
-                os.fsync(f.fileno())
+                if sync:
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):

@@ -165,6 +165,7 @@ class Store:
 
     def close(self) -> None:
         self._writers.shutdown()
+        self.arrays.close()
         if self.commits is not self.catalog:
             self.commits.close()
         self.catalog.close()
