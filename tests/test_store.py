@@ -293,6 +293,82 @@ def test_commit_makes_every_chunk_durable_before_the_catalog(
             assert written <= events[-1][1]
 
 
+@pytest.mark.parametrize("mode", ["files", "fs"])
+def test_a_new_models_files_are_durable_before_the_catalog_names_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """A model's weights (embedding, norm gains and biases, their metadata) are durable before
+    its catalog row, and its sites' new arrays before `reserve_rows` returns: each file and
+    folder fsynced (`ACTDB_SYNC=files`), or one syncfs once all are in place."""
+    import os
+    import re
+    import threading
+
+    from actdb.store import durable
+    from actdb.store.catalog import Catalog
+
+    monkeypatch.setenv("ACTDB_SYNC", mode)
+    if mode == "fs" and not durable.batch_sync_available():
+        pytest.skip("syncfs with its write errors needs Linux 5.8 or later")
+    root = tmp_path / "s.actdb"
+    lock = threading.Lock()
+    events: list[tuple[str, object]] = []
+    real_fsync, real_syncfs = os.fsync, durable.FileSystemSync.sync
+    real_insert = Catalog.insert_model
+    tmp_suffix = re.compile(r"\.\d+(\.\d+)?\.partial$")
+
+    def files() -> set[str]:
+        return {str(p) for p in (root / "tensors.zarr" / "models").rglob("*")
+                if p.is_file() and not p.name.endswith(".partial")}
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        with lock:
+            events.append(("fsync", tmp_suffix.sub("", os.readlink(f"/proc/self/fd/{fd}"))))
+
+    def syncfs(self: durable.FileSystemSync) -> None:
+        on_disk = files()
+        real_syncfs(self)
+        with lock:
+            events.append(("syncfs", on_disk))
+
+    def insert(self: Catalog, *a: object) -> None:
+        events.append(("catalog", files()))
+        real_insert(self, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(durable.FileSystemSync, "sync", syncfs)
+    monkeypatch.setattr(Catalog, "insert_model", insert)
+    model, sites = _small_model()
+    gains = {s.site: (np.full(4, i + 1.0, np.float32), np.zeros(4, np.float32) if i else None)
+             for i, s in enumerate(sites)}  # type: ignore[attr-defined]
+    with Store.open_or_create(root) as st:
+        import pyarrow as pa
+
+        events.clear()
+        st.register_model(model, sites, embed=np.ones((2, 4), np.float32),  # type: ignore
+                          lm_head=None, lm_head_bias=None, site_params=gains,
+                          vocab=pa.table({"token_id": pa.array([0, 1], pa.int32()),
+                                          "token": ["a", "b"], "piece": ["a", "b"]}))
+        at = [i for i, e in enumerate(events) if e[0] == "catalog"][0]
+        weights = events[at][1]
+        assert isinstance(weights, set) and len(weights) >= 1 + 3 + 1 + 3 + 2 * 2, weights
+        before = events[:at]
+        if mode == "files":
+            assert weights <= {e[1] for e in before if e[0] == "fsync"}
+        else:
+            assert any(e[0] == "syncfs" and weights <= e[1] for e in before)  # type: ignore
+        events.clear()
+        st.reserve_rows(model, sites, 40)  # type: ignore[arg-type]
+        arrays = files() - weights
+        assert len(arrays) == 1 + 3 * 4, sorted(arrays)  # acts, a group and three arrays a site
+        if mode == "files":
+            assert arrays <= {e[1] for e in events if e[0] == "fsync"}
+        else:
+            assert any(e[0] == "syncfs" and arrays <= e[1] for e in events)  # type: ignore
+            assert not arrays & {e[1] for e in events if e[0] == "fsync"}
+
+
 def test_a_write_finishing_beside_a_sync_is_made_durable_by_the_next(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -316,8 +392,8 @@ def test_a_write_finishing_beside_a_sync_is_made_durable_by_the_next(
                 rows = np.ones((16, 4), np.float16)
                 assert st.arrays.write_whole_chunks(0, "s0", 16, rows) == (16, 32)
 
-        monkeypatch.setattr(durable.FileSystemSync, "sync", syncfs)
         _register(st, model, sites, 32)
+        monkeypatch.setattr(durable.FileSystemSync, "sync", syncfs)
         _commit(st, model, sites, 0, 16, 0)
         assert len(calls) == 1
         st.arrays.sync()

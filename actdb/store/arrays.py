@@ -216,6 +216,7 @@ class Arrays:
         """Write a model's weights, replacing any left by an interrupted earlier ingest,
         and make them durable before the catalog row that makes them visible."""
         self._model_group(model_id)  # its parents exist, on object storage too
+        fs = self._file_system_sync()  # before the writes: its syncfs reports their errors
         if self.path is not None:  # weights an interrupted registration left are replaced
             for name in ("embed", "lm_head", "lm_head_bias", "sites"):
                 shutil.rmtree(self.path / "models" / str(model_id) / name, ignore_errors=True)
@@ -231,9 +232,14 @@ class Arrays:
                         if value is not None:
                             self._write_whole(sg, name, value, pool)
         if self.path is not None:  # an object PUT is durable when it returns
-            self._write_site_params(model_id, site_params, pool)
-            durable.sync_tree(self.path / "models" / str(model_id), skip="acts")
-            durable.fsync_dir(self.path / "models")
+            self._write_site_params(model_id, site_params, pool, sync=fs is None)
+            if fs is not None:  # every file here is new: one syncfs for them all
+                fs.sync()
+            else:
+                durable.sync_tree(self.path / "models" / str(model_id), skip="acts")
+                durable.fsync_file(self.path / "models" / "zarr.json")  # zarr's, at the first
+                durable.fsync_dir(self.path / "models")
+                durable.fsync_dir(self.path)
 
     @contextmanager
     def _staged(self, label: str, pool: Executor | None) -> Iterator[zarr.Group]:
@@ -253,7 +259,8 @@ class Arrays:
         self._put_metadata(label, {k.removeprefix(label + "/"): v for k, v in items})
 
     def _write_site_params(self, model_id: int, site_params: dict[
-            str, tuple[np.ndarray | None, np.ndarray | None]], pool: Executor | None) -> None:
+            str, tuple[np.ndarray | None, np.ndarray | None]], pool: Executor | None,
+            *, sync: bool = True) -> None:
         """A local store's norm gains and biases (`sites/{site}/{gain,bias}`), each a chunk
         file beside the metadata zarr would write for it. The metadata holds no name, so zarr
         builds it once per shape (`_param_metadata`): building each array through zarr cost
@@ -284,7 +291,7 @@ class Arrays:
         def one(item: tuple[RawLayout, np.ndarray]) -> None:
             layout, value = item
             os.makedirs(os.path.dirname(layout.path(0)), exist_ok=True)
-            layout.write(0, value, point="weight_write")
+            layout.write(0, value, point="weight_write", sync=sync)
 
         list((pool.map if pool else map)(one, writes))
 
@@ -423,7 +430,14 @@ class Arrays:
 
     def ensure_act_groups(self, model_id: int) -> None:
         """The model's `acts` group, made before sites' arrays are made concurrently."""
+        fs = self._file_system_sync()
         self._model_group(model_id).require_group("acts")
+        if fs is not None:  # with the sites' files, by `sync`
+            with self._dirty_lock:
+                self._unsynced = True
+        elif self.path is not None:
+            durable.fsync_file(self.path / "models" / str(model_id) / "acts" / "zarr.json")
+            durable.fsync_dir(self.path / "models" / str(model_id))
 
     def ensure_act_arrays(
         self, model_id: int, site: str, *, inner: tuple[int, ...], rows: int, chunk_tokens: int
@@ -433,8 +447,12 @@ class Arrays:
             self._handles.pop((model_id, site, name), None)
         label = f"models/{model_id}/acts/{site}"
         if not self._exists(label):
+            fs = self._file_system_sync()
             self._put_metadata(label, self._site_metadata(inner, rows, chunk_tokens))
-            if self.path is not None:
+            if fs is not None:  # new files: one syncfs for every site's (`sync`)
+                with self._dirty_lock:
+                    self._unsynced = True
+            elif self.path is not None:
                 durable.sync_tree(self.path / label, skip="c")
                 durable.fsync_dir((self.path / label).parent)
             return
@@ -635,18 +653,25 @@ class Arrays:
                 os.makedirs(parent, exist_ok=True)
                 self._made.add(parent)
                 self._mark_dirty(os.path.dirname(parent), os.path.dirname(raw.folder))
-            defer = fresh and self._batch_sync
-            if defer and self._fs_sync is None:
-                with self._dirty_lock:
-                    if self._fs_sync is None:
-                        assert self.path is not None
-                        self._fs_sync = durable.FileSystemSync(self.path)
+            defer = fresh and self._file_system_sync() is not None
             raw.write(chunk, data, sync=not defer)
             with self._dirty_lock:
                 self._dirty.add(parent)
                 # Set once the file is in place: a `sync` that read the flag before then
                 # leaves it to the next one (a write ahead may finish beside a commit's sync).
                 self._unsynced = self._unsynced or defer
+
+    def _file_system_sync(self) -> durable.FileSystemSync | None:
+        """The descriptor `sync`'s syncfs runs on, where new files may wait for it: opened
+        before the first such file is written (syncfs reports the errors since then)."""
+        if not self._batch_sync:
+            return None
+        if self._fs_sync is None:
+            with self._dirty_lock:
+                if self._fs_sync is None:
+                    assert self.path is not None
+                    self._fs_sync = durable.FileSystemSync(self.path)
+        return self._fs_sync
 
     def _mark_dirty(self, *folders: str) -> None:
         with self._dirty_lock:
@@ -658,8 +683,9 @@ class Arrays:
 
         With `pool`, the folders are synced concurrently on its threads: a batch of 2,048
         tokens of a 25-site model changed about 500 folders (one a chunk, before chunk keys
-        used "."), and syncing them one after another cost 0.17 s of every commit, the last of which nothing overlaps.
-        Their order does not matter: nothing refers to the chunks until all have returned.
+        used "."), and syncing them one after another cost 0.17 s of every commit, the last
+        of which nothing overlaps. Their order does not matter: nothing refers to the chunks
+        until all have returned.
 
         Where new chunk files were written without an fsync each (`_write_raw`), one syncfs
         of the file system makes them, and every folder's entries, durable instead."""

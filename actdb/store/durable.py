@@ -97,6 +97,14 @@ class FileSystemSync:
         self._close()
 
 
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def sync_tree(root: Path, *, skip: str | None = None) -> None:
     """fsync every file and directory under `root` (a folder named `skip` is left out):
     for what zarr-python wrote, which it does not fsync itself."""
@@ -104,11 +112,7 @@ def sync_tree(root: Path, *, skip: str | None = None) -> None:
         if skip in dirs:
             dirs.remove(skip)
         for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(os.path.join(folder, name))
         fsync_dir(folder)
 
 

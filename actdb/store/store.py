@@ -217,6 +217,7 @@ class Store:
             self.arrays.ensure_act_groups(model.model_id)
             # Sites are independent arrays: sized concurrently (round trips on object storage)
             list(self._writers.map(ensure, sites))
+            self.arrays.sync(self._writers)  # new sites' files, where they wait for one syncfs
 
     def write_ahead(self, model: ModelRecord, site: str, start: int,
                     direction: np.ndarray) -> Future[tuple[int, int]]:
