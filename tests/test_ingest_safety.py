@@ -117,3 +117,48 @@ def test_second_ctrl_c_waits_for_the_commit_being_written() -> None:
             started.wait(30)
             raise KeyboardInterrupt  # the first Ctrl-C, during the forward passes
     assert finished.is_set(), "the ingest let go of the store while a commit was written"
+
+
+def test_a_groups_host_buffers_are_separate_aligned_and_on_huge_pages_where_offered() -> None:
+    """The sink's host buffers of one commit group (fields._host_buffers): every array its
+    own bytes (values written into each survive the others' writes), writable, cache-line
+    aligned, of its shape and dtype; on Linux with transparent huge pages, one mapping advised
+    for them (VmFlags `hg`), so the batches that first fill it take a fault a 2 MiB, not 4 KiB."""
+    import mmap
+    import os
+    import sys
+
+    import numpy as np
+
+    from actdb.ingest import fields
+
+    specs = [((3071, 768), np.float16), ((3071,), np.float32), ((3071,), np.float32),
+             ((3071, 4, 64), np.float16), ((3071, 4), np.float32), ((3071, 4), np.float32),
+             ((3071, 768), np.float16), ((3071,), np.float32), ((3071,), np.float32)]
+    arrays = fields._host_buffers(specs)  # 11 MB: one mapping, not the heap
+    assert [(a.shape, a.dtype) for a in arrays] == [(s, np.dtype(d)) for s, d in specs]
+    for i, a in enumerate(arrays):
+        assert a.flags.writeable and a.flags.c_contiguous
+        assert a.ctypes.data % 64 == 0
+        a[...] = i + 1
+    for i, a in enumerate(arrays):
+        assert np.all(a == i + 1), i
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if not (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
+            and os.path.exists(thp) and "[never]" not in open(thp).read()):
+        return
+    start = arrays[0].ctypes.data
+    flags = None
+    with open("/proc/self/smaps") as f:
+        region = None
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                region = lo <= start < hi
+            elif head == "VmFlags:" and region:
+                flags = line.split()[1:]
+                break
+    assert flags is not None and "hg" in flags, flags
+    small = fields._host_buffers([((8, 4), np.float16)])  # below the size: the heap
+    assert small[0].base is None or not isinstance(small[0].base, mmap.mmap)
