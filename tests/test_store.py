@@ -400,6 +400,11 @@ def test_a_write_finishing_beside_a_sync_is_made_durable_by_the_next(
         assert len(calls) == 2, "the chunk written beside the first syncfs was left unsynced"
         st.arrays.sync()
         assert len(calls) == 2  # nothing written since
+    import os
+
+    held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")]
+    assert str(tmp_path / "s.actdb" / "tensors.zarr") not in held  # closed with the store
 
 
 def test_a_failed_syncfs_fails_the_commit_and_loses_nothing(

@@ -430,6 +430,9 @@ class Arrays:
 
     def ensure_act_groups(self, model_id: int) -> None:
         """The model's `acts` group, made before sites' arrays are made concurrently."""
+        label = f"models/{model_id}/acts"
+        if self.path is not None and self._exists(label):
+            return
         fs = self._file_system_sync()
         self._model_group(model_id).require_group("acts")
         if fs is not None:  # with the sites' files, by `sync`
@@ -701,8 +704,10 @@ class Arrays:
 
     def close(self) -> None:
         """Let go of the file system's descriptor (`sync`'s); reads need nothing closed."""
-        if self._fs_sync is not None:
-            self._fs_sync.close()
+        with self._dirty_lock:
+            fs, self._fs_sync = self._fs_sync, None
+        if fs is not None:
+            fs.close()
 
     def has_model(self, model_id: int) -> bool:
         return f"models/{model_id}" in self.group

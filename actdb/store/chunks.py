@@ -181,7 +181,7 @@ class RawLayout(ChunkFormat):
         that tests inject at mid-write (faults.py). `direct`: past the page cache where the
         file system allows it (`write_direct`), for large chunks written once (weights).
         `sync=False`: not fsynced, for a chunk with no committed rows, which the caller makes
-        durable with the whole file system (durable.FileSystemBarrier) before the catalog
+        durable with the whole file system (durable.FileSystemSync) before the catalog
         refers to it; a chunk holding committed rows is always fsynced before its rename,
         so that a crash never leaves it replaced by a file whose data was lost."""
         path = self.path(chunk)
