@@ -67,7 +67,9 @@ def _host_buffers(specs: list[tuple[tuple[int, ...], type[np.generic]]]) -> list
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or total < _HUGE_MIN_BYTES:
         return [np.empty(shape, dtype) for shape, dtype in specs]
-    region = mmap.mmap(-1, total)
+    # Private: a shared anonymous mapping is shmem, whose huge pages follow another setting
+    # (shmem_enabled, "never" by default), and forked children would share the buffers.
+    region = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         region.madvise(advice)
     except OSError:  # a kernel built without transparent huge pages: 4 KiB pages
