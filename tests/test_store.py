@@ -201,7 +201,7 @@ def _commit(st: Store, model: object, sites: list[object], start: int, n: int,
     )
 
 
-@pytest.mark.parametrize("mode", ["files", "fs"])
+@pytest.mark.parametrize("mode", ["files", "auto"])
 def test_commit_makes_every_chunk_durable_before_the_catalog(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
@@ -220,8 +220,8 @@ def test_commit_makes_every_chunk_durable_before_the_catalog(
     from actdb.store.catalog import Catalog
 
     monkeypatch.setenv("ACTDB_SYNC", mode)
-    if mode == "fs" and not durable.batch_sync_available():
-        pytest.skip("syncfs with its write errors needs Linux 5.8 or later")
+    if mode == "auto" and not durable.batch_sync_available(tmp_path):
+        pytest.skip("syncfs with its write errors needs Linux 5.17 and a local file system")
     lock = threading.Lock()
     events: list[tuple[str, object]] = []  # in order: ("fsync", chunk), ("dir", folder), ...
     real_fsync, real_fsync_dir = os.fsync, durable.fsync_dir
@@ -293,7 +293,7 @@ def test_commit_makes_every_chunk_durable_before_the_catalog(
             assert written <= events[-1][1]
 
 
-@pytest.mark.parametrize("mode", ["files", "fs"])
+@pytest.mark.parametrize("mode", ["files", "auto"])
 def test_a_new_models_files_are_durable_before_the_catalog_names_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
@@ -308,8 +308,8 @@ def test_a_new_models_files_are_durable_before_the_catalog_names_them(
     from actdb.store.catalog import Catalog
 
     monkeypatch.setenv("ACTDB_SYNC", mode)
-    if mode == "fs" and not durable.batch_sync_available():
-        pytest.skip("syncfs with its write errors needs Linux 5.8 or later")
+    if mode == "auto" and not durable.batch_sync_available(tmp_path):
+        pytest.skip("syncfs with its write errors needs Linux 5.17 and a local file system")
     root = tmp_path / "s.actdb"
     lock = threading.Lock()
     events: list[tuple[str, object]] = []
@@ -373,38 +373,124 @@ def test_a_write_finishing_beside_a_sync_is_made_durable_by_the_next(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The last batch's chunks are written ahead on the writer threads, and may be done while
-    the commit before it runs its syncfs: a file in place only after that syncfs began is made
-    durable by the next commit's, never left to chance."""
+    the commit before it runs its sync: a file renamed into place after that sync read what
+    it had to make durable is made durable by the next sync, never left to chance."""
+    import os
+
     from actdb.store import durable
 
     monkeypatch.delenv("ACTDB_SYNC", raising=False)
-    if not durable.batch_sync_available():
-        pytest.skip("syncfs with its write errors needs Linux 5.8 or later")
+    if not durable.batch_sync_available(tmp_path):
+        pytest.skip("syncfs with its write errors needs Linux 5.17 and a local file system")
     calls: list[int] = []
-    real_syncfs = durable.FileSystemSync.sync
+    real_syncfs, real_replace = durable.FileSystemSync.sync, os.replace
     model, sites = _small_model(1)
     with Store.open_or_create(tmp_path / "s.actdb") as st:
-
-        def syncfs(self: durable.FileSystemSync) -> None:
-            calls.append(1)
-            real_syncfs(self)
-            if len(calls) == 1:  # a write ahead, done once this syncfs has begun
-                rows = np.ones((16, 4), np.float16)
-                assert st.arrays.write_whole_chunks(0, "s0", 16, rows) == (16, 32)
-
         _register(st, model, sites, 32)
-        monkeypatch.setattr(durable.FileSystemSync, "sync", syncfs)
-        _commit(st, model, sites, 0, 16, 0)
+        monkeypatch.setattr(durable.FileSystemSync, "sync",
+                            lambda self: (calls.append(1), real_syncfs(self))[1])
+        _commit(st, model, sites, 0, 8, 0)
         assert len(calls) == 1
-        st.arrays.sync()
-        assert len(calls) == 2, "the chunk written beside the first syncfs was left unsynced"
-        st.arrays.sync()
-        assert len(calls) == 2  # nothing written since
-    import os
+        beside = [True]
 
+        def replace(src: str, dst: str) -> None:
+            if beside[0] and "/direction/c." in str(dst):
+                beside[0] = False
+                st.arrays.sync()  # a commit's sync, between the write and the rename
+            real_replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", replace)
+        rows = np.ones((8, 4), np.float16)
+        assert st.arrays.write_whole_chunks(0, "s0", 8, rows) == (8, 16)  # the write ahead
+        assert not beside[0]
+        before = len(calls)
+        st.arrays.sync()
+        assert len(calls) == before + 1, "the chunk renamed beside a sync was left unsynced"
+        st.arrays.sync()
+        assert len(calls) == before + 1  # nothing written since
     held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
             if os.path.exists(f"/proc/self/fd/{fd}")]
     assert str(tmp_path / "s.actdb" / "tensors.zarr") not in held  # closed with the store
+
+
+def test_syncfs_reports_failure_once_and_for_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FileSystemSync: a real syncfs on the store's file system; a failure (the kernel's
+    errno) raises, and so does every later call, since the kernel reports an error once and
+    what it lost is not written again; a call after close raises instead of syncing whatever
+    file now has the descriptor's number."""
+    import ctypes
+    import errno
+
+    from actdb.errors import ActdbError
+    from actdb.store import durable
+
+    monkeypatch.delenv("ACTDB_SYNC", raising=False)
+    if not durable.batch_sync_available(tmp_path):
+        pytest.skip("syncfs with its write errors needs Linux 5.17 and a local file system")
+    fs = durable.FileSystemSync(tmp_path)
+    fs.sync()  # the real system call
+    fs.sync()
+
+    class Failing:
+        def syncfs(self, fd: int) -> int:
+            ctypes.set_errno(errno.EIO)
+            return -1
+
+    monkeypatch.setattr(durable, "_syncfs", lambda: Failing())
+    with pytest.raises(OSError, match="Input/output error") as first:
+        fs.sync()
+    assert first.value.errno == errno.EIO and "nothing was committed" in str(first.value)
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="Input/output error"):
+        fs.sync()  # the real call again: still the failure
+    other = durable.FileSystemSync(tmp_path)
+    other.close()
+    with pytest.raises(OSError) as closed:
+        other.sync()
+    assert closed.value.errno == errno.EBADF
+    monkeypatch.setattr(durable, "file_system_type", lambda path: "fuse.sshfs")
+    assert not durable.batch_sync_available(tmp_path)
+    monkeypatch.setenv("ACTDB_SYNC", "fast")
+    with pytest.raises(ActdbError, match="ACTDB_SYNC='fast' is not a sync mode"):
+        durable.batch_sync_available(tmp_path)
+    fs.close()
+
+
+def test_new_chunks_on_another_file_system_are_fsynced_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk folder on another file system than the one the syncfs runs on (a disk mounted
+    inside the store) is not covered by it: its new files are fsynced each."""
+    import os
+    import re
+
+    from actdb.store import durable
+
+    monkeypatch.delenv("ACTDB_SYNC", raising=False)
+    if not durable.batch_sync_available(tmp_path):
+        pytest.skip("syncfs with its write errors needs Linux 5.17 and a local file system")
+    fsynced: list[str] = []
+    real_fsync = os.fsync
+    tmp_suffix = re.compile(r"\.\d+\.\d+\.partial$")
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        fsynced.append(tmp_suffix.sub("", os.readlink(f"/proc/self/fd/{fd}")))
+
+    model, sites = _small_model(1)
+    with Store.open_or_create(tmp_path / "s.actdb") as st:
+        _register(st, model, sites, 32)
+        fs = st.arrays._file_system_sync()
+        assert fs is not None
+        monkeypatch.setattr(fs, "device", -1)  # every folder is elsewhere
+        monkeypatch.setattr(os, "fsync", fsync)
+        _commit(st, model, sites, 0, 16, 0)
+    written = [p for p in fsynced if "/direction/c." in p]
+    assert sorted(set(written)) == sorted(
+        str(tmp_path / "s.actdb" / "tensors.zarr" / "models/0/acts/s0/direction" / f"c.{i}.0")
+        for i in (0, 1)), fsynced
 
 
 def test_a_failed_syncfs_fails_the_commit_and_loses_nothing(
@@ -417,8 +503,8 @@ def test_a_failed_syncfs_fails_the_commit_and_loses_nothing(
     from actdb.store import durable
 
     monkeypatch.delenv("ACTDB_SYNC", raising=False)
-    if not durable.batch_sync_available():
-        pytest.skip("syncfs with its write errors needs Linux 5.8 or later")
+    if not durable.batch_sync_available(tmp_path):
+        pytest.skip("syncfs with its write errors needs Linux 5.17 and a local file system")
     real_syncfs = durable.FileSystemSync.sync
     failing = [False]
 

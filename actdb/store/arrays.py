@@ -98,8 +98,10 @@ class Arrays:
         self._dirty_lock = threading.Lock()
         # New chunk files are written without an fsync each and made durable by one syncfs
         # in `sync` (durable.FileSystemSync); `_unsynced`: some were written since.
-        self._batch_sync = path is not None and not read_only and durable.batch_sync_available()
+        self._batch_sync = (path is not None and not read_only
+                            and durable.batch_sync_available(path))
         self._fs_sync: durable.FileSystemSync | None = None  # opened before the first such file
+        self._on_device: dict[str, bool] = {}  # chunk folder -> on the descriptor's file system
         self._unsynced = False
         # (inner shape, rows, chunk rows, sharded) -> a new site's metadata files (_site_metadata)
         self._site_templates: dict[tuple[object, ...], dict[str, bytes]] = {}
@@ -462,7 +464,14 @@ class Arrays:
         g = self._model_group(model_id).require_group(f"acts/{site}")
         self._create_act_arrays(g, inner=inner, rows=rows, chunk_tokens=chunk_tokens)
         if self.path is not None:
-            durable.sync_tree(self.path / "models" / str(model_id) / "acts" / site, skip="c")
+            # the metadata zarr rewrote (grown arrays), not the chunk files beside it: those
+            # are already durable, and a shard ingest running beside this one renames its own
+            folder = self.path / "models" / str(model_id) / "acts" / site
+            for name in ACT_FIELDS:
+                durable.fsync_file(folder / name / "zarr.json")
+                durable.fsync_dir(folder / name)
+            durable.fsync_file(folder / "zarr.json")
+            durable.fsync_dir(folder)
 
     def _exists(self, label: str) -> bool:
         """Whether the group or array `label` exists (a local store: its metadata file, no
@@ -656,7 +665,7 @@ class Arrays:
                 os.makedirs(parent, exist_ok=True)
                 self._made.add(parent)
                 self._mark_dirty(os.path.dirname(parent), os.path.dirname(raw.folder))
-            defer = fresh and self._file_system_sync() is not None
+            defer = fresh and self._syncs_with(parent)
             raw.write(chunk, data, sync=not defer)
             with self._dirty_lock:
                 self._dirty.add(parent)
@@ -675,6 +684,17 @@ class Arrays:
                     assert self.path is not None
                     self._fs_sync = durable.FileSystemSync(self.path)
         return self._fs_sync
+
+    def _syncs_with(self, folder: str) -> bool:
+        """Whether a new file in `folder` may wait for `sync`'s syncfs: batch sync is on and
+        the folder is on the same file system (not another disk mounted inside the store)."""
+        fs = self._file_system_sync()
+        if fs is None:
+            return False
+        same = self._on_device.get(folder)
+        if same is None:
+            same = self._on_device[folder] = os.stat(folder).st_dev == fs.device
+        return same
 
     def _mark_dirty(self, *folders: str) -> None:
         with self._dirty_lock:

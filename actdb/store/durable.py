@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import StoreFullError
+from ..errors import ActdbError, StoreFullError
 
 PARTIAL_SUFFIX = ".partial"  # every temporary file (ours and zarr's) ends so
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -30,8 +30,12 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 
 # syncfs(2) reports the file system's writeback errors since the descriptor was opened from
-# Linux 5.8 on; before, it returned 0 whatever failed, so an fsync a file stays the rule there.
-_SYNCFS_LINUX = (5, 8)
+# Linux 5.8 on, and the errors of the file system's own sync step (a journal commit, a cache
+# flush) from 5.17 on; before, an fsync a file stays the rule.
+_SYNCFS_LINUX = (5, 17)
+# File systems whose syncfs writes and flushes what a file's fsync would (local disks, memory):
+# on FUSE, overlayfs, network and cluster file systems an fsync a file stays the rule.
+_SYNCFS_TYPES = {"ext4", "ext3", "xfs", "btrfs", "f2fs", "tmpfs"}
 _libc_lock = threading.Lock()
 _libc: list[ctypes.CDLL | None] = []
 
@@ -58,11 +62,38 @@ def _syncfs() -> ctypes.CDLL | None:
         return _libc[0]
 
 
-def batch_sync_available() -> bool:
-    """Whether new files may be made durable together (FileSystemSync) rather than one
-    fsync each: Linux 5.8 or later, unless ACTDB_SYNC=files asks for an fsync a file (a file
+def file_system_type(path: str | os.PathLike[str]) -> str | None:
+    """The type of the file system `path` is on (Linux: the longest mount point above it in
+    /proc/self/mounts), or None where that cannot be told."""
+    try:
+        real = os.path.realpath(path)
+        best, kind = "", None
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                # mount points escape blanks and the like as octal (\040)
+                point = parts[1].encode().decode("unicode_escape")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, parts[2]
+        return kind
+    except OSError:
+        return None
+
+
+def batch_sync_available(path: str | os.PathLike[str]) -> bool:
+    """Whether new files under `path` may be made durable together (FileSystemSync) rather
+    than one fsync each: Linux 5.17 or later, on a local file system whose syncfs does what
+    fsync does (_SYNCFS_TYPES), unless ACTDB_SYNC=files asks for an fsync a file (a file
     system shared with writers of much other data, which one syncfs would wait for too)."""
-    return os.environ.get("ACTDB_SYNC", "").strip().lower() != "files" and _syncfs() is not None
+    mode = os.environ.get("ACTDB_SYNC", "").strip().lower()
+    if mode not in ("", "auto", "files"):
+        raise ActdbError(f"ACTDB_SYNC={mode!r} is not a sync mode: set 'files' (an fsync a "
+                         "file) or 'auto' (one syncfs a commit where the file system allows)")
+    return (mode != "files" and _syncfs() is not None
+            and file_system_type(path) in _SYNCFS_TYPES)
 
 
 class FileSystemSync:
@@ -83,15 +114,28 @@ class FileSystemSync:
         self.path = os.fspath(path)
         fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
         self._fd = fd
+        self.device = os.fstat(fd).st_dev  # files elsewhere (another mount) are not covered
         self._close = weakref.finalize(self, os.close, fd)
+        self._failed: OSError | None = None
 
     def sync(self) -> None:
-        """syncfs; raises OSError where a write since the last call failed."""
+        """syncfs; raises OSError where a write since the last call failed, and from then on:
+        the kernel reports an error once, and what it lost is not written again."""
+        if self._failed is not None:
+            raise self._failed
+        if not self._close.alive:
+            raise OSError(errno.EBADF, "syncfs after close", self.path)
         lib = _syncfs()
-        assert lib is not None, "made only where batch_sync_available()"
+        if lib is None:
+            raise OSError(errno.ENOSYS, "syncfs is not available", self.path)
         if lib.syncfs(self._fd) != 0:
             code = ctypes.get_errno()
-            raise OSError(code, f"syncfs failed: {os.strerror(code)}", self.path)
+            self._failed = OSError(
+                code, f"syncfs of the file system holding {self.path!r} failed "
+                f"({os.strerror(code)}): a write to some file on it was lost, perhaps not "
+                "one of this store's; nothing was committed (ACTDB_SYNC=files makes each "
+                "file's fsync report its own errors)", self.path)
+            raise self._failed
 
     def close(self) -> None:
         self._close()
