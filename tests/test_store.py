@@ -346,6 +346,10 @@ def test_a_new_models_files_are_durable_before_the_catalog_names_them(
         import pyarrow as pa
 
         events.clear()
+        st.save_tokenizer(0, lambda folder: (Path(folder).mkdir(parents=True),
+                                             (Path(folder) / "tokenizer.json").write_text("{}")))
+        tokenizer = {e[1] for e in events if e[0] == "fsync"}
+        assert str(root / "tokenizers" / "0" / "tokenizer.json") in tokenizer, tokenizer
         st.register_model(model, sites, embed=np.ones((2, 4), np.float32),  # type: ignore
                           lm_head=None, lm_head_bias=None, site_params=gains,
                           vocab=pa.table({"token_id": pa.array([0, 1], pa.int32()),

@@ -242,7 +242,12 @@ class LocalBackend:
         return self.path / TOKENIZERS_NAME / str(model_id)
 
     def save_tokenizer(self, model_id: int, save: Callable[[str], object]) -> None:
-        save(str(self.tokenizer_dir(model_id)))
+        folder = self.tokenizer_dir(model_id)
+        save(str(folder))
+        # durable before the model's catalog row names it (a handful of files)
+        durable.sync_tree(folder)
+        durable.fsync_dir(folder.parent)
+        durable.fsync_dir(self.path)
 
     def writing(self, what: str) -> AbstractContextManager[None]:
         return durable.full_disk_as_error(self.path, what)
