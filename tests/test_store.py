@@ -462,6 +462,24 @@ def test_syncfs_reports_failure_once_and_for_good(
     fs.close()
 
 
+def test_file_system_type_reads_the_longest_mount_above_a_path(tmp_path: Path) -> None:
+    """Mount points in /proc/self/mounts escape blanks as octal; a path's file system is its
+    longest mount point's, and a sibling whose name merely starts the same is not above it."""
+    from actdb.store import durable
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "/dev/vda / ext4 rw 0 0\n"
+        "fuse /data/my\\040disk fuse.sshfs rw 0 0\n"
+        "srv:/x /data/n\u00e4he nfs4 rw 0 0\n"
+        "tmpfs /data/my tmpfs rw 0 0\n", encoding="utf-8")
+    assert durable.file_system_type("/data/my disk/s.actdb", mounts=str(mounts)) == "fuse.sshfs"
+    assert durable.file_system_type("/data/n\u00e4he/s.actdb", mounts=str(mounts)) == "nfs4"
+    assert durable.file_system_type("/data/my/s.actdb", mounts=str(mounts)) == "tmpfs"
+    assert durable.file_system_type("/data/mystore", mounts=str(mounts)) == "ext4"
+    assert durable.file_system_type("/x", mounts=str(tmp_path / "absent")) is None
+
+
 def test_new_chunks_on_another_file_system_are_fsynced_each(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import sys
 import threading
 import weakref
@@ -62,19 +63,20 @@ def _syncfs() -> ctypes.CDLL | None:
         return _libc[0]
 
 
-def file_system_type(path: str | os.PathLike[str]) -> str | None:
+def file_system_type(path: str | os.PathLike[str], *, mounts: str = "/proc/self/mounts"
+                     ) -> str | None:
     """The type of the file system `path` is on (Linux: the longest mount point above it in
-    /proc/self/mounts), or None where that cannot be told."""
+    `mounts`), or None where that cannot be told."""
     try:
         real = os.path.realpath(path)
         best, kind = "", None
-        with open("/proc/self/mounts") as f:
+        with open(mounts, encoding="utf-8", errors="surrogateescape") as f:
             for line in f:
                 parts = line.split()
                 if len(parts) < 3:
                     continue
                 # mount points escape blanks and the like as octal (\040)
-                point = parts[1].encode().decode("unicode_escape")
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[1])
                 inside = real == point or real.startswith(point.rstrip("/") + "/")
                 if inside and len(point) >= len(best):
                     best, kind = point, parts[2]
@@ -107,7 +109,7 @@ class FileSystemSync:
     past the committed count, which the next ingest writes again.
 
     The descriptor stays open from before the first write to `close`: each syncfs reports
-    the file system's writeback errors since the previous one (Linux 5.8), a background
+    the file system's write errors since the previous one (Linux 5.17), a background
     writeback of these files that failed before the call among them."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
