@@ -11,6 +11,7 @@ import zarr
 
 from actdb.errors import StoreCorruptError
 from actdb.store.arrays import Arrays
+from actdb.store.records import ModelRecord, SiteRecord
 from actdb.store.store import Store
 
 
@@ -152,9 +153,7 @@ def test_store_held_by_another_process_is_one_sentence(
         holder.wait()
 
 
-def _small_model(n_sites: int = 3) -> tuple[object, list[object]]:
-    from actdb.store.records import ModelRecord, SiteRecord
-
+def _small_model(n_sites: int = 3) -> tuple[ModelRecord, list[SiteRecord]]:
     sites = [SiteRecord(site=f"s{i}", site_id=i, layer=i, role="pre_attn", kind="rmsnorm", d=4,
                         n_heads=None, eps=1e-5, module=f"m{i}", has_gain=False, has_bias=False)
              for i in range(n_sites)]
@@ -166,18 +165,18 @@ def _small_model(n_sites: int = 3) -> tuple[object, list[object]]:
     return model, sites
 
 
-def _register(st: Store, model: object, sites: list[object], rows: int) -> None:
+def _register(st: Store, model: ModelRecord, sites: list[SiteRecord], rows: int) -> None:
     import pyarrow as pa
 
-    st.register_model(model, sites, embed=np.ones((2, 4), np.float32),  # type: ignore[arg-type]
+    st.register_model(model, sites, embed=np.ones((2, 4), np.float32),
                       lm_head=None, lm_head_bias=None,
-                      site_params={s.site: (None, None) for s in sites},  # type: ignore[attr-defined]
+                      site_params={s.site: (None, None) for s in sites},
                       vocab=pa.table({"token_id": pa.array([0, 1], pa.int32()),
                                       "token": ["a", "b"], "piece": ["a", "b"]}))
-    st.reserve_rows(model, sites, rows)  # type: ignore[arg-type]
+    st.reserve_rows(model, sites, rows)
 
 
-def _commit(st: Store, model: object, sites: list[object], start: int, n: int,
+def _commit(st: Store, model: ModelRecord, sites: list[SiteRecord], start: int, n: int,
             prompt_id: int) -> None:
     import pyarrow as pa
 
@@ -185,8 +184,8 @@ def _commit(st: Store, model: object, sites: list[object], start: int, n: int,
 
     rng = np.random.default_rng(start)
     st.commit_batch(
-        model, start=start,  # type: ignore[arg-type]
-        acts={s.site: ActBatch(  # type: ignore[attr-defined]
+        model, start=start,
+        acts={s.site: ActBatch(
             direction=rng.standard_normal((n, 4)).astype(np.float16),
             norm=rng.random(n).astype(np.float32), mean=rng.random(n).astype(np.float32))
             for s in sites},
@@ -197,7 +196,7 @@ def _commit(st: Store, model: object, sites: list[object], start: int, n: int,
         tokens=pa.table({"prompt_id": pa.array([prompt_id] * n, pa.int64()),
                          "position": pa.array(range(n), pa.int32()),
                          "token_id": pa.array([0] * n, pa.int32())}),
-        site_errors={s.site: 0.0 for s in sites},  # type: ignore[attr-defined]
+        site_errors={s.site: 0.0 for s in sites},
     )
 
 
@@ -208,7 +207,8 @@ def test_commit_makes_every_chunk_durable_before_the_catalog(
     """What a commit writes is durable before the catalog commit that makes its rows visible.
 
     With an fsync a file (`ACTDB_SYNC=files`): every chunk file, then the folders holding the
-    renames (concurrently, on the writer threads). With one syncfs (Linux 5.8 on): a chunk
+    renames (concurrently, on the writer threads). With one syncfs (Linux 5.17 on, a local file
+    system): a chunk
     holding committed rows (one partly filled, patched) is fsynced before its rename, a chunk
     written from its first row is not, and the syncfs runs once every chunk file is in place,
     before the catalog commit."""
@@ -341,7 +341,7 @@ def test_a_new_models_files_are_durable_before_the_catalog_names_them(
     monkeypatch.setattr(Catalog, "insert_model", insert)
     model, sites = _small_model()
     gains = {s.site: (np.full(4, i + 1.0, np.float32), np.zeros(4, np.float32) if i else None)
-             for i, s in enumerate(sites)}  # type: ignore[attr-defined]
+             for i, s in enumerate(sites)}
     with Store.open_or_create(root) as st:
         import pyarrow as pa
 
@@ -350,7 +350,7 @@ def test_a_new_models_files_are_durable_before_the_catalog_names_them(
                                              (Path(folder) / "tokenizer.json").write_text("{}")))
         tokenizer = {e[1] for e in events if e[0] == "fsync"}
         assert str(root / "tokenizers" / "0" / "tokenizer.json") in tokenizer, tokenizer
-        st.register_model(model, sites, embed=np.ones((2, 4), np.float32),  # type: ignore
+        st.register_model(model, sites, embed=np.ones((2, 4), np.float32),
                           lm_head=None, lm_head_bias=None, site_params=gains,
                           vocab=pa.table({"token_id": pa.array([0, 1], pa.int32()),
                                           "token": ["a", "b"], "piece": ["a", "b"]}))
@@ -363,7 +363,7 @@ def test_a_new_models_files_are_durable_before_the_catalog_names_them(
         else:
             assert any(e[0] == "syncfs" and weights <= e[1] for e in before)  # type: ignore
         events.clear()
-        st.reserve_rows(model, sites, 40)  # type: ignore[arg-type]
+        st.reserve_rows(model, sites, 40)
         arrays = files() - weights
         assert len(arrays) == 1 + 3 * 4, sorted(arrays)  # acts, a group and three arrays a site
         if mode == "files":
