@@ -119,8 +119,9 @@ class SiteSink:
 
     def __init__(self, found: list[FoundSite], device: torch.device, *, rows: int = 2048
                  ) -> None:
-        """`rows`: the most rows a group will hold (its buffers' pages are only taken as
-        rows are written, so a generous size costs address space, not memory)."""
+        """`rows`: the most rows a group will hold (its buffers' pages, 2 MiB ones where huge,
+        are only taken as rows are written, so a generous size costs address space, not
+        memory)."""
         self.found = found
         self.by_module = {path: (f, i) for f in found for i, (path, _) in enumerate(f.hooks)}
         self.params = {

@@ -438,8 +438,7 @@ class Arrays:
         fs = self._file_system_sync()
         self._model_group(model_id).require_group("acts")
         if fs is not None:  # with the sites' files, by `sync`
-            with self._dirty_lock:
-                self._unsynced = True
+            self._mark_unsynced()
         elif self.path is not None:
             durable.fsync_file(self.path / "models" / str(model_id) / "acts" / "zarr.json")
             durable.fsync_dir(self.path / "models" / str(model_id))
@@ -455,8 +454,7 @@ class Arrays:
             fs = self._file_system_sync()
             self._put_metadata(label, self._site_metadata(inner, rows, chunk_tokens))
             if fs is not None:  # new files: one syncfs for every site's (`sync`)
-                with self._dirty_lock:
-                    self._unsynced = True
+                self._mark_unsynced()
             elif self.path is not None:
                 durable.sync_tree(self.path / label, skip="c")
                 durable.fsync_dir((self.path / label).parent)
@@ -652,9 +650,9 @@ class Arrays:
             # Rows are written from the committed count on: a chunk written from its first
             # row holds none committed, and its file may wait for the commit's one syncfs.
             fresh = a == lo
-            if a == lo and b == lo + c:
+            if fresh and b == lo + c:
                 data = value[a - start : b - start]
-            elif a == lo:  # a chunk's first rows: what follows them is not committed
+            elif fresh:  # a chunk's first rows: what follows them is not committed
                 data = np.zeros(raw.shape, dtype=raw.dtype)
                 data[: b - a] = value[a - start : b - start]
             else:
@@ -695,6 +693,11 @@ class Arrays:
         if same is None:
             same = self._on_device[folder] = os.stat(folder).st_dev == fs.device
         return same
+
+    def _mark_unsynced(self) -> None:
+        """New files were written that the next `sync`'s syncfs makes durable."""
+        with self._dirty_lock:
+            self._unsynced = True
 
     def _mark_dirty(self, *folders: str) -> None:
         with self._dirty_lock:

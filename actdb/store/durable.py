@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import re
 import sys
-import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,10 +37,6 @@ _SYNCFS_LINUX = (5, 17)
 # File systems whose syncfs writes and flushes what a file's fsync would (local disks, memory):
 # on FUSE, overlayfs, network and cluster file systems an fsync a file stays the rule.
 _SYNCFS_TYPES = {"ext4", "ext3", "xfs", "btrfs", "f2fs", "tmpfs"}
-_libc_lock = threading.Lock()
-_libc: list[ctypes.CDLL | None] = []
-
-
 def _kernel_at_least(version: tuple[int, int]) -> bool:
     parts = os.uname().release.split("-")[0].split(".")
     try:
@@ -49,18 +45,16 @@ def _kernel_at_least(version: tuple[int, int]) -> bool:
         return False
 
 
+@functools.cache
 def _syncfs() -> ctypes.CDLL | None:
-    with _libc_lock:
-        if not _libc:
-            lib = None
-            if sys.platform.startswith("linux") and _kernel_at_least(_SYNCFS_LINUX):
-                try:
-                    lib = ctypes.CDLL(None, use_errno=True)
-                    lib.syncfs.argtypes = [ctypes.c_int]
-                except (OSError, AttributeError):
-                    lib = None
-            _libc.append(lib)
-        return _libc[0]
+    if not (sys.platform.startswith("linux") and _kernel_at_least(_SYNCFS_LINUX)):
+        return None
+    try:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.syncfs.argtypes = [ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    return lib
 
 
 def file_system_type(path: str | os.PathLike[str], *, mounts: str = "/proc/self/mounts"

@@ -190,11 +190,7 @@ class LocalBackend:
                 tmp = path.with_name(f".{CATALOG_NAME}.{os.getpid()}")
                 tmp.unlink(missing_ok=True)
                 create(tmp)
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                durable.fsync_file(tmp)
                 os.rename(tmp, path)
                 durable.fsync_dir(path.parent)
                 durable.fsync_dir(path.parent.parent)
