@@ -49,6 +49,9 @@ else:
 Layout = RawLayout | ObjectChunks | ShardedChunks
 
 ACT_FIELDS = ("direction", "norm", "mean")
+# An empty group's zarr.json, as zarr writes it.
+_GROUP_METADATA = json.dumps({"attributes": {}, "zarr_format": 3, "node_type": "group"},
+                             indent=2).encode()
 # Small direction chunks keep selective queries from reading much they do not need (a
 # 128-token prompt of a d=768 model is one chunk); chunk files are read raw, so many small
 # chunks cost a full scan little. norm and mean are 4 bytes a row: their chunks hold more rows.
@@ -433,13 +436,17 @@ class Arrays:
     def ensure_act_groups(self, model_id: int) -> None:
         """The model's `acts` group, made before sites' arrays are made concurrently."""
         label = f"models/{model_id}/acts"
-        if self.path is not None and self._exists(label):
+        if self.path is None:
+            self._model_group(model_id).require_group("acts")
+            return
+        if self._exists(label):
             return
         fs = self._file_system_sync()
-        self._model_group(model_id).require_group("acts")
+        # Written whole, not through zarr: zarr would read a file a power cut left empty.
+        self._put_metadata(label, {"zarr.json": _GROUP_METADATA})
         if fs is not None:  # with the sites' files, by `sync`
             self._mark_unsynced()
-        elif self.path is not None:
+        else:
             durable.fsync_file(self.path / "models" / str(model_id) / "acts" / "zarr.json")
             durable.fsync_dir(self.path / "models" / str(model_id))
 
@@ -450,7 +457,9 @@ class Arrays:
         for name in ACT_FIELDS:
             self._handles.pop((model_id, site, name), None)
         label = f"models/{model_id}/acts/{site}"
-        if not self._exists(label):
+        if not self._site_exists(label):
+            # New, or metadata a power cut lost (written, not yet synced, when it came: no
+            # row of the site can be committed then): the site's files, whole.
             fs = self._file_system_sync()
             self._put_metadata(label, self._site_metadata(inner, rows, chunk_tokens))
             if fs is not None:  # new files: one syncfs for every site's (`sync`)
@@ -473,10 +482,22 @@ class Arrays:
 
     def _exists(self, label: str) -> bool:
         """Whether the group or array `label` exists (a local store: its metadata file, no
-        round trip through zarr's event loop)."""
+        round trip through zarr's event loop). A local metadata file that is empty or not
+        JSON, as a power cut can leave one written but not yet synced, is not there."""
         if self.path is not None:
-            return (self.path / label / "zarr.json").is_file()
+            try:
+                meta = json.loads((self.path / label / "zarr.json").read_bytes())
+            except (OSError, ValueError):
+                return False
+            return isinstance(meta, dict) and "zarr_format" in meta
         return label in self.group
+
+    def _site_exists(self, label: str) -> bool:
+        """Whether the site `label` and its arrays exist (on object storage, a PUT is whole:
+        the site's group is enough)."""
+        if self.path is None:
+            return self._exists(label)
+        return all(self._exists(f"{label}/{name}") for name in ("", *ACT_FIELDS))
 
     def _site_metadata(self, inner: tuple[int, ...], rows: int, chunk_tokens: int
                        ) -> dict[str, bytes]:
