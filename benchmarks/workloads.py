@@ -33,6 +33,12 @@ def alternating(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, fl
     """Median wall time of each of `fns`, run in turn, round after round (after one warm-up
     round): on a machine whose load drifts from minute to minute, every function meets the
     same load, so their ratios hold where times taken one after the other do not."""
+    return {k: statistics.median(v) for k, v in alternating_rounds(fns, repeats).items()}
+
+
+def alternating_rounds(fns: dict[str, Callable[[], Any]], repeats: int
+                       ) -> dict[str, list[float]]:
+    """`alternating`'s wall times, every round's."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -41,7 +47,7 @@ def alternating(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, fl
             t = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
 
 
 def timed(fn: Callable[[], Any], repeats: int, *, warmup: bool = True) -> float:
@@ -115,11 +121,14 @@ def ingest_overhead(scale: Any, work: Path, repeats: int) -> Result:
 
     t_full = timed(full_model, repeats)
     # The ratio's two sides in alternating rounds, so that both meet the same load (on a
-    # shared two-core machine the forward pass alone drifted by 20% between minutes); the
-    # median of at least three rounds.
-    rounds = max(repeats, 3)
-    paired = alternating({"ingest": ingest, "backbone": backbone}, rounds)
-    t_ingest, t_backbone = paired["ingest"], paired["backbone"]
+    # shared two-core machine the forward pass alone drifted by 20% between minutes). One
+    # round's ratio moved between 1.1 and 1.5 there, and the median of three by 0.15 from run
+    # to run: the median of at least five.
+    rounds = max(repeats, 5)
+    paired = alternating_rounds({"ingest": ingest, "backbone": backbone}, rounds)
+    t_ingest, t_backbone = (statistics.median(paired[k]) for k in ("ingest", "backbone"))
+    each = ", ".join(f"{i / b:.2f}" for i, b in zip(paired["ingest"], paired["backbone"],
+                                                    strict=True))
     fixed = alternating({"ingest": ingest_one, "backbone": backbone_one}, rounds)
     t_fixed, t_backbone_one = fixed["ingest"], fixed["backbone"]
     n_tokens = int(enc["attention_mask"].sum())
@@ -133,13 +142,14 @@ def ingest_overhead(scale: Any, work: Path, repeats: int) -> Result:
               "itself runs (the model without its LM head, `model.transformer`, no cache), and "
               "the full model with `output_hidden_states=True`, as users run it. The ingest and "
               "the forward pass it runs are timed in alternating rounds (median of "
-              f"{max(repeats, 3)}), so that both meet the same load."),
+              f"{rounds}), so that both meet the same load."),
     )
     r.figure("forward pass the ingest runs (no LM head)",
              f"{t_backbone:.2f} s ({n_tokens / t_backbone:.0f} tokens/s)")
     r.figure("full model, output_hidden_states=True (bare forward)",
              f"{t_full:.2f} s ({n_tokens / t_full:.0f} tokens/s)")
     r.figure("actdb ingest", f"{t_ingest:.2f} s ({n_tokens / t_ingest:.0f} tokens/s)")
+    r.figure("each round's ingest / forward pass", each)
     r.figure("an ingest of one prompt (fixed costs: new store, weights and vocabulary "
              "written, sites found)", f"{t_fixed:.2f} s")
     ratio = t_ingest / t_backbone
