@@ -917,7 +917,8 @@ def test_thread_policy_keeps_the_callers_setting(big):
 
 def test_start_imports_nothing_heavy(family_store):
     """`actdb query STORE "SELECT 1"` loads neither transformers nor matplotlib, and torch only
-    when a tensor function runs."""
+    when a tensor function runs; reading a local store's vectors and weights loads no zarr
+    (0.3 s of CPU to import)."""
     code = f"""
 import json, sys
 import actdb.cli
@@ -930,10 +931,14 @@ seen["torch_loaded_by_select_1"] = torch is not None and type(torch).__name__ ==
 seen["query"] = sorted(m for m in ("transformers", "matplotlib") if m in sys.modules)
 db.sql("SELECT vec_norm(vec) FROM acts LIMIT 1").fetchall()
 seen["torch_loaded_by_vec_norm"] = type(sys.modules["torch"]).__name__ == "module"
+# weights and vectors of a local store are read from their metadata files, without zarr
+db.sql("SELECT nearest_anchors(vec, 2), top_logits(vec, 2), cosine_to_anchor(vec, 1) "
+       "FROM acts LIMIT 3").fetchall()
+seen["zarr_loaded_by_reads"] = "zarr" in sys.modules
 print(json.dumps(seen))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen == {"cli": [], "torch_loaded_by_select_1": False, "query": [],
-                    "torch_loaded_by_vec_norm": True}, seen
+                    "torch_loaded_by_vec_norm": True, "zarr_loaded_by_reads": False}, seen

@@ -11,6 +11,7 @@ import zarr
 
 from actdb.errors import StoreCorruptError
 from actdb.store.arrays import Arrays
+from actdb.store.chunks import local_info, raw_layout
 from actdb.store.records import ModelRecord, SiteRecord
 from actdb.store.store import Store
 
@@ -33,6 +34,67 @@ def test_raw_chunk_reads_equal_zarr_reads(family_store: Callable[[str], Path]) -
                     lo, hi = chunk * c, min(chunk * c + c, arr.shape[0])
                     np.testing.assert_array_equal(raw[: hi - lo], np.asarray(arr[lo:hi]))
                     assert raw.shape == (c, *arr.shape[1:])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt2"])
+def test_arrays_read_from_their_metadata_file_are_what_zarr_opens(
+    family_store: Callable[[str], Path], family: str
+) -> None:
+    """`chunks.local_info` reads each array of a local store from its `zarr.json` alone (no
+    zarr import on a query's path): for every array of an ingested store (vectors of plain and
+    per-head sites, weights, norm gains and biases), its shape, chunks, dtype and chunk files
+    are what zarr-python opens, and a chunk read through them is zarr's chunk."""
+    path = family_store(family)
+    root = path / "tensors.zarr"
+    group = zarr.open_group(str(root), mode="r")
+    labels = sorted(str(f.parent.relative_to(root)) for f in root.rglob("zarr.json")
+                    if f.parent != root)
+    arrays = [label for label in labels if isinstance(group[label], zarr.Array)]
+    assert any("/acts/" in a for a in arrays) and any(a.endswith("/embed") for a in arrays)
+    with Store(path) as st:
+        for label in arrays:
+            arr = group[label]
+            found = local_info(root, label)
+            assert found is not None, label
+            shape, chunks_, raw = found
+            assert (shape, chunks_, raw.dtype) == (arr.shape, arr.chunks, arr.dtype), label
+            assert raw == raw_layout(arr, zarr.storage.LocalStore(str(root))), label
+            c = arr.chunks[0]
+            last = -(-arr.shape[0] // c) - 1
+            np.testing.assert_array_equal(raw.read(last)[: arr.shape[0] - last * c],
+                                          np.asarray(arr[last * c :]))
+            info = st.arrays.info(label)
+            assert info is not None and info.raw == raw and info.shape == arr.shape
+        # absent (an untied head that is not there), optional and required, as zarr says
+        assert st.arrays.info("models/0/nothing", required=False) is None
+        with pytest.raises(StoreCorruptError, match="is missing"):
+            st.arrays.info("models/0/nothing")
+
+
+def test_an_array_that_is_not_raw_is_opened_through_zarr(tmp_path: Path) -> None:
+    """Metadata `local_info` does not take (another codec, a sharded array, damage) leaves the
+    array to zarr: its answer, or its error."""
+    arrays = Arrays.create(tmp_path / "t.zarr")
+    g = zarr.open_group(str(tmp_path / "t.zarr"), mode="r+")
+    value = np.arange(40, dtype=np.float32).reshape(10, 4)
+    g.create_array("zstd", shape=(10, 4), chunks=(4, 4), dtype="float32",
+                   compressors=[zarr.codecs.ZstdCodec()])[...] = value
+    g.create_array("sharded", shape=(10, 4), chunks=(2, 4), shards=(4, 4),
+                   dtype="float32")[...] = value
+    g.create_array("plain", shape=(10, 4), chunks=(4, 4), dtype="float32",
+                   compressors=None)[...] = value
+    root = tmp_path / "t.zarr"
+    assert local_info(root, "zstd") is None and local_info(root, "sharded") is None
+    assert local_info(root, "plain") is not None  # bytes alone: raw, no checksum
+    for name in ("zstd", "sharded", "plain"):
+        info = arrays.info(name)
+        assert info is not None and info.shape == (10, 4)
+        assert (info.raw is None) == (name != "plain"), name
+        np.testing.assert_array_equal(arrays._read_checked(name, info), value)
+    (root / "plain" / "zarr.json").write_text("{not json")
+    fresh = Arrays(root, read_only=True)
+    with pytest.raises(StoreCorruptError, match="cannot be read"):
+        fresh.info("plain")
 
 
 def test_missing_chunk_is_an_error_naming_it(tmp_path: Path) -> None:

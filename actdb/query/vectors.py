@@ -25,7 +25,8 @@ from .threads import READAHEAD_CHUNKS
 if TYPE_CHECKING:
     import pyarrow as pa
     import torch
-    import zarr
+
+    from ..store.arrays import ArrayInfo
 else:
     pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
     torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
@@ -267,7 +268,7 @@ class _RunWalk:
     ends in, held for the next window, which starts in it)."""
 
     def __init__(self, src: VectorSource, model: ModelRecord, site: SiteRecord, name: str,
-                 rows: np.ndarray, heads: np.ndarray, arr: zarr.Array, walking: bool) -> None:
+                 rows: np.ndarray, heads: np.ndarray, arr: ArrayInfo, walking: bool) -> None:
         self.src, self.site, self.heads = src, site, heads
         self.where = (model.model_id, site.site, name)
         c = arr.chunks[0]
@@ -561,7 +562,7 @@ class VectorSource:
               heads: np.ndarray) -> _RunWalk | tuple[int, int, int, bool]:
         """How `_pieces` reads the sorted `rows`: by runs of chunks, or chunk by chunk (the
         chunk size, first and last chunk, and whether the query walks the array)."""
-        arr = self.store.arrays.act_array(model.model_id, site.site, name)
+        arr = self.store.arrays.act_info(model.model_id, site.site, name)
         c = arr.chunks[0]
         first, last = int(rows[0]) // c, int(rows[-1]) // c
         where = (model.model_id, site.site, name)
@@ -825,9 +826,9 @@ class VectorSource:
         1.5 ms, and a scan asks once per call)."""
         with self._lock:
             if (model_id, name) not in self._shapes:
-                arr = self.store.arrays.open_array(f"models/{model_id}/{name}", required=True)
-                assert arr is not None
-                self._shapes[(model_id, name)] = tuple(arr.shape)
+                info = self.store.arrays.info(f"models/{model_id}/{name}", required=True)
+                assert info is not None
+                self._shapes[(model_id, name)] = info.shape
             return self._shapes[(model_id, name)]
 
     def _rows_of(self, model: ModelRecord, name: str, tid: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ from ..errors import StoreCorruptError
 from ..lazy import lazy_module, load
 from . import durable
 from .catalog import LOCAL_FORMAT_VERSION
-from .chunks import RawLayout, crc32c, raw_layout
+from .chunks import RawLayout, crc32c, local_info, raw_layout
 from .shards import ObjectChunks, ShardedChunks, object_layout
 
 if TYPE_CHECKING:
@@ -47,6 +47,17 @@ else:
 
 # How a chunk is read straight from storage: a local file, an object, or a range of a shard.
 Layout = RawLayout | ObjectChunks | ShardedChunks
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+    """What reading an array needs from its metadata (`Arrays.info`): its shape, its chunks'
+    shape and dtype, and how a chunk is read straight from storage (None: through zarr)."""
+
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dtype: np.dtype[Any]
+    raw: Layout | None
 
 ACT_FIELDS = ("direction", "norm", "mean")
 # An empty group's zarr.json, as zarr writes it.
@@ -96,6 +107,7 @@ class Arrays:
         # Opening an array reads its metadata file: keep the handles (and raw chunk paths).
         self._handles: dict[tuple[int, str, str], zarr.Array] = {}
         self._raw: dict[tuple[int, str, str], Layout | None] = {}
+        self._infos: dict[str, ArrayInfo] = {}  # by label (`info`)
         self._made: set[str] = set()  # chunk folders known to exist
         self._dirty: set[str] = set()  # folders with renames not yet fsynced
         self._dirty_lock = threading.Lock()
@@ -194,6 +206,37 @@ class Arrays:
             raise StoreCorruptError(f"{label!r} in {self.label!r} is not an array")
         return found
 
+    def info(self, label: str, *, required: bool = True) -> ArrayInfo | None:
+        """The shape, chunks, dtype and chunk layout of the array at `label`: on a local disk
+        from its metadata file alone where it is a raw array (`chunks.local_info`: no zarr
+        import, no round trip through its event loop), else through zarr, which reports a
+        missing or damaged array; None when absent and not `required`. Kept until the array
+        is grown or rewritten here."""
+        found = self._infos.get(label)
+        if found is None:
+            local = local_info(self.path, label) if self.path is not None else None
+            if local is not None:
+                shape, chunks, raw = local
+                found = ArrayInfo(shape=shape, chunks=chunks, dtype=raw.dtype, raw=raw)
+            elif (not required and self.path is not None
+                  and not (self.path / label / "zarr.json").exists()):
+                return None  # a Zarr v3 node is its metadata file: absent, as zarr would say
+            else:
+                arr = self.open_array(label, required=required)
+                if arr is None:
+                    return None
+                found = self._info_of(arr)
+            self._infos[label] = found
+        return found
+
+    def _info_of(self, arr: zarr.Array) -> ArrayInfo:
+        return ArrayInfo(shape=tuple(arr.shape), chunks=tuple(arr.chunks),
+                         dtype=np.dtype(arr.dtype), raw=self.raw_layout(arr))
+
+    def _forget_infos(self, prefix: str) -> None:
+        for label in [k for k in self._infos if k.startswith(prefix)]:
+            self._infos.pop(label, None)
+
     def raw_layout(self, arr: zarr.Array) -> Layout | None:
         if self.objects is not None:
             return object_layout(arr, self.objects)
@@ -221,6 +264,7 @@ class Arrays:
         """Write a model's weights, replacing any left by an interrupted earlier ingest,
         and make them durable before the catalog row that makes them visible."""
         self._model_group(model_id)  # its parents exist, on object storage too
+        self._forget_infos(f"models/{model_id}/")
         fs = self._file_system_sync()  # before the writes: its syncfs reports their errors
         if self.path is not None:  # weights an interrupted registration left are replaced
             for name in ("embed", "lm_head", "lm_head_bias", "sites"):
@@ -369,10 +413,11 @@ class Arrays:
     def weight(self, model_id: int, name: str, *, required: bool = True) -> np.ndarray | None:
         """A weight array whole, every chunk present and checked; None when absent and not
         `required` (the catalog says whether a model has it: then its absence is damage)."""
-        arr = self.open_array(f"models/{model_id}/{name}", required=required)
-        if arr is None:
+        label = f"models/{model_id}/{name}"
+        info = self.info(label, required=required)
+        if info is None:
             return None
-        return self._read_checked(arr)
+        return self._read_checked(label, info)
 
     def check_weight(self, model_id: int, name: str, *, required: bool, full: bool) -> None:
         """verify's check of one weight array: structure, or (`full`) every byte."""
@@ -380,7 +425,7 @@ class Arrays:
         if arr is None:
             return
         if full:
-            self._read_checked(arr)
+            self._read_checked(arr.path, self._info_of(arr))
             return
         raw = self.raw_layout(arr)
         if raw is not None:
@@ -391,38 +436,39 @@ class Arrays:
         """Rows of a weight array [len(rows), ...], reading only the chunks that hold them,
         each checked as `weight` checks it (a query about one token of a 128k vocabulary
         reads one chunk of 8,192 rows, not the whole matrix)."""
-        arr = self.open_array(f"models/{model_id}/{name}", required=True)
-        assert arr is not None
-        raw = self.raw_layout(arr)
-        c = arr.chunks[0]
-        out = np.empty((len(rows), *arr.shape[1:]), dtype=arr.dtype)
+        label = f"models/{model_id}/{name}"
+        info = self.info(label, required=True)
+        assert info is not None
+        c = info.chunks[0]
+        out = np.empty((len(rows), *info.shape[1:]), dtype=info.dtype)
         chunks: dict[int, np.ndarray] = {}
         for j, r in enumerate(rows):
-            if not 0 <= r < arr.shape[0]:
-                raise IndexError(f"row {r} of {arr.path!r}, which has {arr.shape[0]}")
+            if not 0 <= r < info.shape[0]:
+                raise IndexError(f"row {r} of {label!r}, which has {info.shape[0]}")
             i = r // c
             if i not in chunks:
-                chunks[i] = self._checked_chunk(arr, raw, i)
+                chunks[i] = self._checked_chunk(label, info, i)
             out[j] = chunks[i][r - i * c]
         return out
 
-    def _read_checked(self, arr: zarr.Array) -> np.ndarray:
-        """All of `arr`, chunk by chunk, so that a damaged or missing one is named (zarr
-        itself would read a missing chunk as its fill value)."""
-        raw = self.raw_layout(arr)
-        out = np.empty(arr.shape, dtype=arr.dtype)
-        c = arr.chunks[0]
-        for i in range(_n_chunks(arr)):
-            lo, hi = i * c, min(arr.shape[0], i * c + c)
-            out[lo:hi] = self._checked_chunk(arr, raw, i)
+    def _read_checked(self, label: str, info: ArrayInfo) -> np.ndarray:
+        """All of the array at `label`, chunk by chunk, so that a damaged or missing one is
+        named (zarr itself would read a missing chunk as its fill value)."""
+        out = np.empty(info.shape, dtype=info.dtype)
+        c = info.chunks[0]
+        for i in range(_n_chunks(info)):
+            lo, hi = i * c, min(info.shape[0], i * c + c)
+            out[lo:hi] = self._checked_chunk(label, info, i)
         return out
 
-    def _checked_chunk(self, arr: zarr.Array, raw: Layout | None, i: int) -> np.ndarray:
-        """Chunk `i` of `arr` (its rows within the array), its checksum checked."""
-        c = arr.chunks[0]
-        lo, hi = i * c, min(arr.shape[0], i * c + c)
-        if raw is not None:
-            return self.read_raw(raw, i)[: hi - lo]
+    def _checked_chunk(self, label: str, info: ArrayInfo, i: int) -> np.ndarray:
+        """Chunk `i` of the array at `label` (its rows within the array), checksum checked."""
+        c = info.chunks[0]
+        lo, hi = i * c, min(info.shape[0], i * c + c)
+        if info.raw is not None:
+            return self.read_raw(info.raw, i)[: hi - lo]
+        arr = self.open_array(label, required=True)
+        assert arr is not None
         try:
             return np.asarray(arr[lo:hi])
         except Exception as e:
@@ -454,9 +500,10 @@ class Arrays:
         self, model_id: int, site: str, *, inner: tuple[int, ...], rows: int, chunk_tokens: int
     ) -> None:
         """Create the site's arrays or grow them to at least `rows` token rows."""
+        label = f"models/{model_id}/acts/{site}"
         for name in ACT_FIELDS:
             self._handles.pop((model_id, site, name), None)
-        label = f"models/{model_id}/acts/{site}"
+            self._infos.pop(f"{label}/{name}", None)
         if not self._site_exists(label):
             # New, or metadata a power cut lost (written, not yet synced, when it came: no
             # row of the site can be committed then): the site's files, whole.
@@ -573,10 +620,15 @@ class Arrays:
             arr = self._handles[key] = found
         return arr
 
+    def act_info(self, model_id: int, site: str, field: str) -> ArrayInfo:
+        info = self.info(f"models/{model_id}/acts/{site}/{field}")
+        assert info is not None
+        return info
+
     def act_layout(self, model_id: int, site: str, field: str) -> Layout | None:
         key = (model_id, site, field)
         if key not in self._raw:
-            self._raw[key] = self.raw_layout(self.act_array(*key))
+            self._raw[key] = self.act_info(*key).raw
         return self._raw[key]
 
     def read_chunk(self, model_id: int, site: str, field: str, chunk: int) -> np.ndarray:
@@ -760,8 +812,8 @@ class Arrays:
 __all__ = ["ACT_FIELDS", "Arrays", "crc32c", "default_chunk_tokens", "write_alignment"]
 
 
-def _n_chunks(arr: zarr.Array) -> int:
-    return -(-arr.shape[0] // arr.chunks[0]) if arr.ndim else 1
+def _n_chunks(arr: zarr.Array | ArrayInfo) -> int:
+    return -(-arr.shape[0] // arr.chunks[0]) if len(arr.shape) else 1
 
 
 def _first_line(e: BaseException) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import math
 import mmap
 import os
@@ -287,6 +288,47 @@ def write_direct(tmp: str, data: np.ndarray, crc: int | None, point: str) -> boo
         view.release()
     os.close(fd)
     return True
+
+
+# Zarr v3 data types whose NumPy dtype has the same name (the types actdb writes among them).
+_PLAIN_TYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                          "uint32", "uint64", "float16", "float32", "float64"})
+
+
+def local_info(root: Path, label: str
+               ) -> tuple[tuple[int, ...], tuple[int, ...], RawLayout] | None:
+    """The shape, chunk shape and chunk files of the array `label` under the local Zarr
+    group folder `root`, read from its `zarr.json` alone, where it is stored raw as
+    `raw_layout` accepts it; None otherwise (no file,
+    metadata that is not JSON or not such an array: zarr-python then opens it and reports
+    what is wrong). Reading a store through zarr imports it (0.3 s of CPU) and costs about
+    0.6 ms an array on its event loop."""
+    try:
+        doc = json.loads((root / label / "zarr.json").read_bytes())
+        if (not isinstance(doc, dict) or doc.get("zarr_format") != 3
+                or doc.get("node_type") != "array" or doc.get("storage_transformers")
+                or doc.get("data_type") not in _PLAIN_TYPES):
+            return None
+        shape = tuple(int(n) for n in doc["shape"])
+        grid, keys = doc["chunk_grid"], doc["chunk_key_encoding"]
+        if grid.get("name") != "regular" or keys.get("name") != "default":
+            return None
+        chunks = tuple(int(n) for n in grid["configuration"]["chunk_shape"])
+        sep = keys.get("configuration", {}).get("separator", "/")
+        codecs = [c if isinstance(c, dict) else {"name": c} for c in doc["codecs"]]
+        names = [c.get("name") for c in codecs]
+        endian = (codecs[0].get("configuration") or {}).get("endian") if codecs else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if (names not in (["bytes"], ["bytes", "crc32c"]) or endian != "little"
+            or not np.little_endian or sep not in ("/", ".") or not shape
+            or len(chunks) != len(shape) or shape[1:] != chunks[1:]):
+        return None
+    folder = root / label
+    return shape, chunks, RawLayout(
+        label=label, folder=str(folder / "c" if sep == "/" else folder),
+        prefix="" if sep == "/" else "c.", tail=f"{sep}0" * (len(shape) - 1),
+        shape=(chunks[0], *shape[1:]), dtype=np.dtype(doc["data_type"]), crc=len(names) == 2)
 
 
 def raw_layout(arr: zarr.Array, zstore: Any) -> RawLayout | None:
