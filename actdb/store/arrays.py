@@ -108,6 +108,7 @@ class Arrays:
         self._handles: dict[tuple[int, str, str], zarr.Array] = {}
         self._raw: dict[tuple[int, str, str], Layout | None] = {}
         self._infos: dict[str, ArrayInfo] = {}  # by label (`info`)
+        self._opened: dict[str, zarr.Array] = {}  # by label: arrays not raw, read through zarr
         self._made: set[str] = set()  # chunk folders known to exist
         self._dirty: set[str] = set()  # folders with renames not yet fsynced
         self._dirty_lock = threading.Lock()
@@ -234,8 +235,9 @@ class Arrays:
                          dtype=np.dtype(arr.dtype), raw=self.raw_layout(arr))
 
     def _forget_infos(self, prefix: str) -> None:
-        for label in [k for k in self._infos if k.startswith(prefix)]:
-            self._infos.pop(label, None)
+        for cache in (self._infos, self._opened):
+            for label in [k for k in cache if k.startswith(prefix)]:
+                cache.pop(label, None)
 
     def raw_layout(self, arr: zarr.Array) -> Layout | None:
         if self.objects is not None:
@@ -467,8 +469,11 @@ class Arrays:
         lo, hi = i * c, min(info.shape[0], i * c + c)
         if info.raw is not None:
             return self.read_raw(info.raw, i)[: hi - lo]
-        arr = self.open_array(label, required=True)
-        assert arr is not None
+        arr = self._opened.get(label)
+        if arr is None:  # opened once for all its chunks (a round trip on object storage)
+            arr = self.open_array(label, required=True)
+            assert arr is not None
+            self._opened[label] = arr
         try:
             return np.asarray(arr[lo:hi])
         except Exception as e:

@@ -299,10 +299,9 @@ def local_info(root: Path, label: str
                ) -> tuple[tuple[int, ...], tuple[int, ...], RawLayout] | None:
     """The shape, chunk shape and chunk files of the array `label` under the local Zarr
     group folder `root`, read from its `zarr.json` alone, where it is stored raw as
-    `raw_layout` accepts it; None otherwise (no file,
-    metadata that is not JSON or not such an array: zarr-python then opens it and reports
-    what is wrong). Reading a store through zarr imports it (0.3 s of CPU) and costs about
-    0.6 ms an array on its event loop."""
+    `raw_layout` accepts it; None otherwise (no file, metadata that is not JSON or not such
+    an array: zarr-python then opens it and reports what is wrong). Reading a store through
+    zarr imports it (0.3 s of CPU) and costs about 0.6 ms an array on its event loop."""
     try:
         doc = json.loads((root / label / "zarr.json").read_bytes())
         if (not isinstance(doc, dict) or doc.get("zarr_format") != 3
@@ -322,7 +321,8 @@ def local_info(root: Path, label: str
         return None
     if (names not in (["bytes"], ["bytes", "crc32c"]) or endian != "little"
             or not np.little_endian or sep not in ("/", ".") or not shape
-            or len(chunks) != len(shape) or shape[1:] != chunks[1:]):
+            or len(chunks) != len(shape) or shape[1:] != chunks[1:]
+            or min(chunks) < 1 or min(shape) < 0):
         return None
     folder = root / label
     return shape, chunks, RawLayout(
