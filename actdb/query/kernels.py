@@ -192,9 +192,12 @@ def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: A
             # vector's direction is all zeros, so only rows whose cosine comes out exactly 0
             # need their norm read to tell NULL from a true 0. Each token's rows alone: a
             # column of many tokens must not multiply every row by every token's anchor.
+            # Rounded to float16, a direction's length is 1 within 2^-11, so a vector along
+            # its anchor could come out past 1 (and acos() NULL): clamped, as a cosine is.
             for key, pos in live.items():
                 whole = len(pos) == len(g.index)
                 c = src.project(g, unit_anchors[key], None if whole else pos).cpu().numpy()
+                np.clip(c, -1.0, 1.0, out=c)
                 if not c.all():  # one pass, no mask, in the usual case of no exact 0
                     c = np.where((c == 0) & (g.norm[pos].cpu().numpy() == 0), np.nan, c)
                 out[g.index if whole else g.index[pos]] = c

@@ -957,8 +957,13 @@ class VectorSource:
         encoded = self._encode(model, value) if len(ids) != 1 else None
         if len(ids) > 1 and encoded and len(encoded) == 1 and encoded[0] in ids:
             return encoded[0]
-        if ids:
+        if len(ids) == 1:
             return ids[0]
+        if ids:  # several tokens decode to this text and the tokenizer picks none of them
+            shown = ", ".join(str(i) for i in ids[:8]) + (", ..." if len(ids) > 8 else "")
+            raise TokenError(
+                f"{value!r} is the text of {len(ids)} tokens of model {model.model!r} (ids "
+                f"{shown}): pass the token id instead")
         how = ""
         if encoded:
             pieces = [column[i].as_py() if i < size else str(i) for i in encoded]
