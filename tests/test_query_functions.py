@@ -689,6 +689,23 @@ def test_zero_vector_gives_null(zero_store):
         assert db.sql("SELECT count(*) FROM acts WHERE norm = 0").fetchall()[0][0] == 1
 
 
+def test_a_zero_anchor_gives_null_in_every_anchor_function(zero_store):
+    """The zeroed embedding row is also the tied LM head's: that token's anchor is the zero
+    vector, and every anchor function of it is NULL on every row (review finding:
+    `anchor_contribution`, documented to sum to `cosine_to_anchor` over the dims, gave 0)."""
+    path, first = zero_store
+    with actdb.connect(path, device="cpu") as db:
+        rows = db.sql(f"""
+            SELECT cosine_to_anchor(vec, {first}), cosine_to_anchor(vec, {first}, 'embed'),
+                   anchor_contribution(vec, 3, {first}),
+                   anchor_contribution(vec, 3, {first}, 'embed'),
+                   anchor_contribution(vec, 3, {first + 1})
+            FROM acts WHERE norm > 0 AND site = 'blocks.0.ln1'""").fetchall()
+    assert len(rows) > 5
+    assert all(r[:4] == (None,) * 4 for r in rows), rows[:2]
+    assert all(r[4] is not None for r in rows)  # another token's anchor is not zero
+
+
 def test_per_head_sites(family_store, reference):
     ref = reference("qwen3")
     db = actdb.connect(family_store("qwen3"), device="cpu")

@@ -230,7 +230,8 @@ def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: 
             d = _check_dim(g, int(dv))
             a_set = src.anchor_set(g.model, a or None)  # checked before the token
             anchor = src.anchor(g.model, a_set, src.resolve_token(g.model, t, ty))
-            args[(dv, t, ty, a)] = (d, anchor[d])
+            # a token whose anchor is the zero vector: NULL, as its cosine_to_anchor is
+            args[(dv, t, ty, a)] = (d, anchor[d] if bool(anchor.any()) else torch.nan)
         for lo, hi, x in g.x_blocks():
             u, ok = _unit(x)
             for key, rows, at in _block_rows(combos, lo, hi):
