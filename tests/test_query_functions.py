@@ -920,3 +920,24 @@ def test_a_cosine_to_the_vectors_own_anchor_stays_a_cosine(family_store):
     cos = np.array([r[0] for r in rows])
     assert np.all(cos <= 1.0) and np.all(cos > 1 - 2e-3), cos.min()
     assert all(r[1] is not None and r[1] == r[1] for r in rows)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_top_dims_lists_ties_lower_dim_first(family_store, family):
+    """Stored float16 directions often hold equal values, so `top_dims` meets ties: they are
+    listed lower dim first, as `top_logits` lists tokens (review finding: torch.topk's
+    unspecified order put dim 59 before dim 22). Each list is the k largest by |x_dim|
+    against the float64 vector itself, in that order."""
+    with actdb.connect(family_store(family), device="cpu") as db:
+        rows = db.sql("SELECT to_list(vec), top_dims(vec, 6) FROM acts "
+                      "WHERE role NOT IN ('q_norm', 'k_norm')").fetchall()
+    ties = 0
+    for x, top in rows:
+        a = np.abs(np.asarray(x, dtype=np.float64))
+        if not a.any():
+            continue
+        want = np.argsort(-a, kind="stable")[:6]  # the largest first, equal ones by dim
+        got = [t["dim"] for t in top]
+        assert got == want.tolist(), (got, want, a[want])
+        ties += int(np.any(a[want][1:] == a[want][:-1]))
+    assert ties > 10, "no ties among the top dims: the test would not see their order"

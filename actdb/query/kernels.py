@@ -410,7 +410,9 @@ def top_dims(src: VectorSource, h: np.ndarray, out: ListResults, k: Arg) -> None
             u, ok = _unit(x)
             for key, rows, at in _block_rows(combos, a, b):
                 c, kk = u[rows], _check_k("top_dims", key[0], x.shape[-1])
-                _, dims = torch.topk(c.abs(), kk, dim=-1)
+                # ties (frequent among float16 directions) lower dim first, as top_logits
+                # lists tokens: torch.topk leaves their order unspecified
+                dims = torch.sort(c.abs(), dim=-1, descending=True, stable=True).indices[:, :kk]
                 vals = torch.gather(c, 1, dims)
                 out.put(g.index[at], struct_lists(kk, {
                     "dim": pa.array(dims.cpu().numpy().astype(np.int64).reshape(-1)),
