@@ -60,9 +60,6 @@ class ArrayInfo:
     raw: Layout | None
 
 ACT_FIELDS = ("direction", "norm", "mean")
-# An empty group's zarr.json, as zarr writes it.
-_GROUP_METADATA = json.dumps({"attributes": {}, "zarr_format": 3, "node_type": "group"},
-                             indent=2).encode()
 # Small direction chunks keep selective queries from reading much they do not need (a
 # 128-token prompt of a d=768 model is one chunk); chunk files are read raw, so many small
 # chunks cost a full scan little. norm and mean are 4 bytes a row: their chunks hold more rows.
@@ -105,10 +102,9 @@ class Arrays:
         if path is None or not read_only:
             self.group  # noqa: B018 - writers and object storage open the group now
         # Opening an array reads its metadata file: keep the handles (and raw chunk paths).
-        self._handles: dict[tuple[int, str, str], zarr.Array] = {}
         self._raw: dict[tuple[int, str, str], Layout | None] = {}
         self._infos: dict[str, ArrayInfo] = {}  # by label (`info`)
-        self._opened: dict[str, zarr.Array] = {}  # by label: arrays not raw, read through zarr
+        self._opened: dict[str, zarr.Array] = {}  # by label: arrays opened through zarr
         self._made: set[str] = set()  # chunk folders known to exist
         self._dirty: set[str] = set()  # folders with renames not yet fsynced
         self._dirty_lock = threading.Lock()
@@ -234,7 +230,7 @@ class Arrays:
         return ArrayInfo(shape=tuple(arr.shape), chunks=tuple(arr.chunks),
                          dtype=np.dtype(arr.dtype), raw=self.raw_layout(arr))
 
-    def _forget_infos(self, prefix: str) -> None:
+    def _forget_arrays(self, prefix: str) -> None:
         for cache in (self._infos, self._opened):
             for label in [k for k in cache if k.startswith(prefix)]:
                 cache.pop(label, None)
@@ -266,7 +262,7 @@ class Arrays:
         """Write a model's weights, replacing any left by an interrupted earlier ingest,
         and make them durable before the catalog row that makes them visible."""
         self._model_group(model_id)  # its parents exist, on object storage too
-        self._forget_infos(f"models/{model_id}/")
+        self._forget_arrays(f"models/{model_id}/")
         fs = self._file_system_sync()  # before the writes: its syncfs reports their errors
         if self.path is not None:  # weights an interrupted registration left are replaced
             for name in ("embed", "lm_head", "lm_head_bias", "sites"):
@@ -469,11 +465,7 @@ class Arrays:
         lo, hi = i * c, min(info.shape[0], i * c + c)
         if info.raw is not None:
             return self.read_raw(info.raw, i)[: hi - lo]
-        arr = self._opened.get(label)
-        if arr is None:  # opened once for all its chunks (a round trip on object storage)
-            arr = self.open_array(label, required=True)
-            assert arr is not None
-            self._opened[label] = arr
+        arr = self._zarr_array(label)  # opened once for all its chunks
         try:
             return np.asarray(arr[lo:hi])
         except Exception as e:
@@ -494,7 +486,7 @@ class Arrays:
             return
         fs = self._file_system_sync()
         # Written whole, not through zarr: zarr would read a file a power cut left empty.
-        self._put_metadata(label, {"zarr.json": _GROUP_METADATA})
+        self._put_metadata(label, {"zarr.json": self._group_metadata()})
         if fs is not None:  # with the sites' files, by `sync`
             self._mark_unsynced()
         else:
@@ -506,9 +498,7 @@ class Arrays:
     ) -> None:
         """Create the site's arrays or grow them to at least `rows` token rows."""
         label = f"models/{model_id}/acts/{site}"
-        for name in ACT_FIELDS:
-            self._handles.pop((model_id, site, name), None)
-            self._infos.pop(f"{label}/{name}", None)
+        self._forget_arrays(f"{label}/")
         if not self._site_exists(label):
             # New, or metadata a power cut lost (written, not yet synced, when it came: no
             # row of the site can be committed then): the site's files, whole.
@@ -617,12 +607,16 @@ class Arrays:
                 )
 
     def act_array(self, model_id: int, site: str, field: str) -> zarr.Array:
-        key = (model_id, site, field)
-        arr = self._handles.get(key)
+        return self._zarr_array(f"models/{model_id}/acts/{site}/{field}")
+
+    def _zarr_array(self, label: str) -> zarr.Array:
+        """The array at `label` opened through zarr, kept until it is grown or rewritten here
+        (opening reads its metadata file: a round trip on object storage)."""
+        arr = self._opened.get(label)
         if arr is None:
-            found = self.open_array(f"models/{model_id}/acts/{site}/{field}")
+            found = self.open_array(label, required=True)
             assert found is not None
-            arr = self._handles[key] = found
+            arr = self._opened[label] = found
         return arr
 
     def act_info(self, model_id: int, site: str, field: str) -> ArrayInfo:

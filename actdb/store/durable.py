@@ -37,6 +37,8 @@ _SYNCFS_LINUX = (5, 17)
 # File systems whose syncfs writes and flushes what a file's fsync would (local disks, memory):
 # on FUSE, overlayfs, network and cluster file systems an fsync a file stays the rule.
 _SYNCFS_TYPES = {"ext4", "ext3", "xfs", "btrfs", "f2fs", "tmpfs"}
+
+
 def _kernel_at_least(version: tuple[int, int]) -> bool:
     parts = os.uname().release.split("-")[0].split(".")
     try:
