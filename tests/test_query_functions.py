@@ -941,3 +941,52 @@ def test_top_dims_lists_ties_lower_dim_first(family_store, family):
         assert got == want.tolist(), (got, want, a[want])
         ties += int(np.any(a[want][1:] == a[want][:-1]))
     assert ties > 10, "no ties among the top dims: the test would not see their order"
+
+
+def test_padding_rows_of_the_lm_head_are_ranked_as_the_model_ranks_them(tmp_path):
+    """An LM head wider than the tokenizer's vocabulary (padded to a multiple, as many
+    checkpoints are) gives logits for its padding rows too. `top_logits` ranks the head's
+    every row, as the model's own logits do, and a padding row's token is NULL (no string
+    decodes to it); `nearest_anchors` ranks their anchors likewise. Padding rows are made large here
+    so that they win: the lists are compared with the model's own float64 logits and a
+    float64 ranking of the anchors."""
+    from tiny_models import build_family_tokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = build_family_tokenizer("llama")
+    n_tok, pad = len(tok), 6
+    torch.manual_seed(3)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                       vocab_size=n_tok + pad, bos_token_id=0,
+                                       eos_token_id=0)).eval()
+    with torch.no_grad():  # tied: the padding rows are both embeddings and LM-head rows
+        model.transformer.wte.weight[n_tok:] *= 40.0
+    prompts = ["the cat sat on the mat", "a dog of the house"]
+    actdb.ingest(tmp_path / "p.actdb", model=model, tokenizer=tok, prompts=prompts,
+                 device="cpu", name="m")
+    k = 8
+    with actdb.connect(tmp_path / "p.actdb", device="cpu") as db:
+        rows = db.sql(f"SELECT p.text, a.position, top_logits(vec, {k}), "
+                      f"nearest_anchors(vec, {k}), to_list(vec) "
+                      "FROM acts a JOIN prompts p USING (prompt_id) WHERE site = 'final' "
+                      "ORDER BY p.text, a.position").fetchall()
+    w = model.lm_head.weight.detach().double()
+    anchors = w / torch.linalg.vector_norm(w, dim=-1, keepdim=True)
+    padded = 0
+    for text, position, top, nearest, x in rows:
+        ids = tok(text, return_tensors="pt")
+        with torch.no_grad():
+            real = model.double()(**ids).logits[0, position]
+        model.float()
+        want = torch.argsort(-real, stable=True)[:k].tolist()
+        assert [e["token_id"] for e in top] == want
+        for e in top:
+            assert math.isclose(e["logit"], float(real[e["token_id"]]), rel_tol=LOGIT_RTOL,
+                                abs_tol=LOGIT_ATOL)
+            assert (e["token"] is None) == (e["token_id"] >= n_tok), e
+        padded += sum(e["token_id"] >= n_tok for e in top)
+        cos = anchors @ torch.from_numpy(unit(np.asarray(x, dtype=np.float64)))
+        near = torch.argsort(-cos, stable=True)[:k].tolist()
+        assert [e["token_id"] for e in nearest] == near
+        assert all((e["token"] is None) == (e["token_id"] >= n_tok) for e in nearest)
+    assert rows and padded, "no padding row among the top logits: the test would not see them"

@@ -115,7 +115,9 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
     TensorFunction(
         name="nearest_anchors", params=(V, _p("k", INT), _p("anchors", ANCHORS, True)),
         returns=NEAREST, kernel=kernels.nearest_anchors,
-        doc="the k anchors most similar to v: list of {token_id, token, cosine}",
+        doc="the k anchors most similar to v: list of {token_id, token, cosine}; every row "
+            "of the anchor matrix is ranked, rows past the tokenizer's vocabulary (padding) "
+            "too, with a NULL token",
         vocabulary_wide=True,
     ),
     TensorFunction(
@@ -148,7 +150,10 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
     TensorFunction(
         name="top_logits", params=(V, _p("k", INT)), returns=TOP_LOGITS,
         kernel=kernels.top_logits, doc="the k tokens with the largest logit: list of "
-                                       "{token_id, token, logit} (logits as in logit())",
+                                       "{token_id, token, logit} (logits as in logit()); "
+                                       "every row of the LM head is ranked, as the model's "
+                                       "logits hold them all: padding rows past the "
+                                       "tokenizer's vocabulary have a NULL token",
         vocabulary_wide=True,
     ),
     TensorFunction(
