@@ -990,3 +990,69 @@ def test_padding_rows_of_the_lm_head_are_ranked_as_the_model_ranks_them(tmp_path
         assert [e["token_id"] for e in nearest] == near
         assert all((e["token"] is None) == (e["token_id"] >= n_tok) for e in nearest)
     assert rows and padded, "no padding row among the top logits: the test would not see them"
+
+
+def test_anchor_functions_use_the_anchors_width_with_factorized_embeddings(tmp_path):
+    """ALBERT factorizes its embeddings: tokens live in a narrower space (here 16) than the
+    blocks (d_model 32), and its LM head reads 16-wide vectors. Anchors are rows of the
+    embedding or the LM head, so the anchor functions apply at the sites of the anchors'
+    width (embed, final), against a float64 reference from the model's own weights and the
+    norm inputs our own hooks capture; at the 32-wide block sites they say which widths
+    differ (they required d_model, and refused every ALBERT site: review finding)."""
+    from tiny_models import build_family_tokenizer
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    tok = build_family_tokenizer("bert")
+    torch.manual_seed(4)
+    model = AlbertForMaskedLM(AlbertConfig(
+        vocab_size=len(tok), embedding_size=16, hidden_size=32, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)).eval()
+    prompts = ["the cat sat on the mat", "a dog of the house ran"]
+    actdb.ingest(tmp_path / "a.actdb", model=model, tokenizer=tok, prompts=prompts,
+                 device="cpu", name="albert")
+    ref = model.double()
+    weights = {"unembed": ref.predictions.decoder.weight.detach(),
+               "embed": ref.albert.embeddings.word_embeddings.weight.detach()}
+    (tid,) = tok("the", add_special_tokens=False)["input_ids"]
+    with actdb.connect(tmp_path / "a.actdb", device="cpu") as db:
+        modules = dict(db.sql("SELECT site, module FROM sites WHERE d = 16").fetchall())
+        assert set(modules) == {"embed", "final"}
+        got = db.sql(f"""
+            SELECT p.text, a.position, a.site, cosine_to_anchor(vec, {tid}),
+                   cosine_to_anchor(vec, {tid}, 'embed'), anchor_contribution(vec, 3, {tid}),
+                   nearest_anchors(vec, 3)
+            FROM acts a JOIN prompts p USING (prompt_id) WHERE a.site IN ('embed', 'final')
+            ORDER BY p.text, a.site, a.position""").fetchall()
+        with pytest.raises(actdb.QueryError, match=r"cosine_to_anchor needs a vector of width "
+                                                   r"16 \(the width of the 'unembed' anchors\); "
+                                                   r"site 'blocks\.0\..*' of model 'albert' has "
+                                                   r"width 32"):
+            db.sql(f"SELECT cosine_to_anchor(vec, {tid}) FROM acts").fetchall()
+    inputs: dict[tuple[str, str], np.ndarray] = {}
+    for text in prompts:
+        captured: dict[str, torch.Tensor] = {}
+        handles = [ref.get_submodule(path).register_forward_pre_hook(
+            lambda m, a, site=site, into=captured: into.__setitem__(site, a[0][0].detach()))
+            for site, path in modules.items()]
+        with torch.no_grad():
+            ref(**tok(text, return_tensors="pt"))
+        for hd in handles:
+            hd.remove()
+        for site, x in captured.items():
+            inputs[(text, site)] = x.numpy()
+    model.float()
+    assert len(got) > 20
+    for text, position, site, cos_u, cos_e, contrib, nearest in got:
+        x = unit(inputs[(text, site)][position])
+        for name, value in (("unembed", cos_u), ("embed", cos_e)):
+            anchors = weights[name].numpy()  # a zero row (the padding token's) stays zero
+            n = np.linalg.norm(anchors, axis=-1, keepdims=True)
+            anchors = anchors / np.where(n > 0, n, 1.0)
+            assert abs(value - float(anchors[tid] @ x)) < COS_TOL, (site, name)
+            if name == "unembed":
+                assert abs(contrib - float(x[3] * anchors[tid, 3])) < COS_TOL
+                cos = anchors @ x
+                kth = np.sort(cos)[-3]
+                for e in nearest:
+                    assert abs(e["cosine"] - cos[e["token_id"]]) < COS_TOL
+                    assert cos[e["token_id"]] >= kth - COS_TOL

@@ -45,6 +45,11 @@ def _require_width(name: str, g: Group, want: int, what: str) -> None:
         )
 
 
+def _require_anchor_width(name: str, src: VectorSource, g: Group, anchor_set: str) -> None:
+    _require_width(name, g, src.anchor_width(g.model, anchor_set),
+                   f"the width of the {anchor_set!r} anchors")
+
+
 def _check_k(name: str, k: int, limit: int) -> int:
     if k < 1:
         raise QueryError(f"{name}: k must be at least 1, got {k}")
@@ -176,11 +181,11 @@ def _per_value(args: list[Arg], index: np.ndarray) -> dict[tuple[Any, ...], np.n
 def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg,
                      ttype: Arg, anchors: Arg) -> None:
     for g in _lm_groups(src, h):
-        _require_width("cosine_to_anchor", g, g.model.d_model, "d_model")
         combos = _per_value([token, ttype, anchors], g.index)
         unit_anchors = {}
         for (t, ty, a), pos in combos.items():
             a_set = src.anchor_set(g.model, a or None)  # checked before the token
+            _require_anchor_width("cosine_to_anchor", src, g, a_set)
             anchor = src.anchor(g.model, a_set, src.resolve_token(g.model, t, ty))  # unit
             if not bool(anchor.any()):
                 out[g.index[pos]] = np.nan  # a token whose anchor is the zero vector
@@ -223,12 +228,12 @@ def dim_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg
 def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg,
                         token: Arg, ttype: Arg, anchors: Arg) -> None:
     for g in _lm_groups(src, h):
-        _require_width("anchor_contribution", g, g.model.d_model, "d_model")
         combos = _per_value([dim, token, ttype, anchors], g.index)
         args = {}
         for dv, t, ty, a in combos:
             d = _check_dim(g, int(dv))
             a_set = src.anchor_set(g.model, a or None)  # checked before the token
+            _require_anchor_width("anchor_contribution", src, g, a_set)
             anchor = src.anchor(g.model, a_set, src.resolve_token(g.model, t, ty))
             # a token whose anchor is the zero vector: NULL, as its cosine_to_anchor is
             args[(dv, t, ty, a)] = (d, anchor[d] if bool(anchor.any()) else torch.nan)
@@ -354,10 +359,12 @@ def angle(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) ->
 def nearest_anchors(src: VectorSource, h: np.ndarray, out: ListResults, k: Arg,
                     anchors: Arg) -> None:
     for g in _lm_groups(src, h):
-        _require_width("nearest_anchors", g, g.model.d_model, "d_model")
+        combos = _per_value([k, anchors], g.index)
+        for _, a in combos:  # before any vector is read
+            _require_anchor_width("nearest_anchors", src, g, src.anchor_set(g.model, a or None))
         u, ok = _unit(g.x)
         tokens = src.token_column(g.model)
-        for (kv, a), pos in _per_value([k, anchors], g.index).items():
+        for (kv, a), pos in combos.items():
             a_set = src.anchors(g.model, a or None)
             kk = _check_k("nearest_anchors", kv, a_set.shape[0])
             _topk_rows(u[pos], a_set, None, kk, g.index[pos], ok[pos], out, tokens, "cosine")

@@ -864,6 +864,14 @@ class VectorSource:
             self.final_site(model)  # the fold needs it: its absence is said here
         return name
 
+    def anchor_width(self, model: ModelRecord, anchor_set: str | None) -> int:
+        """The width of an anchor set's vectors, from its weight's metadata (no weights read):
+        the embedding's for 'embed', the LM head's otherwise. Models with factorized
+        embeddings (ALBERT) have anchors narrower than d_model."""
+        name = self.anchor_set(model, anchor_set)
+        weight = "embed" if name == "embed" else self._head(model)
+        return int(self._weight_shape(model.model_id, weight)[1])
+
     def _unit_anchors(self, model: ModelRecord, name: str, w: torch.Tensor) -> torch.Tensor:
         """Rows of `name`'s weight (`w`, [n, d]) -> their unit anchors, each row computed on
         its own (unit_rows): a row made alone equals its row of the whole set bit for bit."""
