@@ -519,3 +519,88 @@ def test_a_last_batch_that_fails_its_check_leaves_rows_a_rerun_replaces(
     summary = actdb.ingest(store, **{**kw, "batch_size": 1})
     assert summary.prompts_new == 2 and summary.prompts_skipped == 2
     _rows_are_the_models(store, model, tok)
+
+
+def test_an_encoder_decoder_model_is_refused_in_one_sentence(tmp_path: Path) -> None:
+    """T5 needs decoder inputs, which an ingest does not give (it runs a model on token ids
+    and an attention mask): its own ValueError came out as a traceback from the API and the
+    CLI (review finding). It is one sentence naming the model's complaint, exit 1, and
+    nothing is written."""
+    import torch
+    from tiny_models import build_family_tokenizer
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from actdb.errors import ModelLoadError
+
+    tok = build_family_tokenizer("llama")
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(
+        d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, vocab_size=len(tok),
+        pad_token_id=0, eos_token_id=0, decoder_start_token_id=0)).eval()
+    with pytest.raises(ModelLoadError) as e:
+        actdb.ingest(tmp_path / "a.actdb", model=model, tokenizer=tok, prompts=["a b c"],
+                     device="cpu", name="t5")
+    assert str(e.value).startswith("model 'T5ForConditionalGeneration' fails on a forward "
+                                   "pass over token ids (ValueError: ")
+    assert "encoder-decoder models" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "a.actdb").exists()
+    model.save_pretrained(tmp_path / "t5")
+    tok.save_pretrained(tmp_path / "t5")
+    res = CliRunner().invoke(cli, ["ingest", str(tmp_path / "b.actdb"), "--model",
+                                   str(tmp_path / "t5"), "--prompts", "-", "--device", "cpu"],
+                             input="a b c\n")
+    assert res.exit_code == 1, res.output
+    assert "Traceback" not in res.output and "fails on a forward pass" in res.output
+    assert not (tmp_path / "b.actdb").exists()
+
+
+def test_a_norm_over_no_tokens_is_no_site_and_the_filter_leaves_out_unknown_layouts(
+        tmp_path: Path) -> None:
+    """DeBERTa-v3 (`norm_rel_ebd="layer_norm"`) normalizes its table of relative-position
+    embeddings, whose shape follows no batch or length: that is no site, and the model is
+    ingested (it was refused with a layout message, which --sites could not get around: review
+    finding). A norm that does see tokens, in a layout actdb does not know ([T, B, d]), is
+    still refused in one sentence, unless the site filter leaves it out by its module path."""
+    import torch
+    from tiny_models import build_family_tokenizer
+    from torch import nn
+    from transformers import DebertaV2Config, DebertaV2ForMaskedLM, GPT2Config, GPT2LMHeadModel
+
+    from actdb.errors import ModelLoadError
+
+    tok = build_family_tokenizer("bert")
+    torch.manual_seed(0)
+    deberta = DebertaV2ForMaskedLM(DebertaV2Config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, relative_attention=True, position_buckets=16,
+        pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm", vocab_size=len(tok),
+        pad_token_id=0)).eval()
+    actdb.ingest(tmp_path / "d.actdb", model=deberta, tokenizer=tok, prompts=["a b c d"],
+                 device="cpu", name="deberta")
+    with actdb.connect(tmp_path / "d.actdb") as db:
+        modules = [r[0] for r in db.sql("SELECT module FROM sites").fetchall()]
+        assert db.sql("SELECT count(*) FROM acts WHERE site = 'final'").fetchall()[0][0] > 0
+    assert "deberta.encoder.LayerNorm" not in modules and len(modules) == 4, modules
+
+    class SeqFirst(nn.Module):  # a LayerNorm that sees [T, B, d]
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(x.transpose(0, 1)).transpose(0, 1).contiguous()
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                      vocab_size=len(tok), bos_token_id=0,
+                                      eos_token_id=0)).eval()
+    gpt2.transformer.h[0].ln_1 = SeqFirst(32)
+    kw: dict[str, Any] = {"model": gpt2, "tokenizer": tok, "prompts": ["a b c d"],
+                          "device": "cpu", "name": "m"}
+    with pytest.raises(ModelLoadError, match=r"^norm module 'transformer\.h\.0\.ln_1\.norm' "
+                                             r"sees inputs of shape \(11, 3, 32\)"):
+        actdb.ingest(tmp_path / "g.actdb", **kw)
+    assert not (tmp_path / "g.actdb").exists()
+    actdb.ingest(tmp_path / "g.actdb", sites="blocks.1.*,final", **kw)
+    with actdb.connect(tmp_path / "g.actdb") as db:
+        assert [r[0] for r in db.sql("SELECT site FROM sites ORDER BY site_id").fetchall()] == [
+            "blocks.1.ln1", "blocks.1.ln2", "final"]

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from ..errors import ModelLoadError
+from ..errors import ActdbError, ModelLoadError
 from ..store.records import SiteRecord
 from .capture import Call, record_calls
 from .probe import measure_norm
@@ -239,6 +240,24 @@ class FinalProbe(Protocol):
             sample: Mapping[str, torch.Tensor]) -> None: ...
 
 
+@contextmanager
+def _probing(model: nn.Module) -> Iterator[None]:
+    """A probe pass: a model that fails on token ids alone is refused in one sentence (an
+    encoder-decoder such as T5 asks for decoder inputs), not with its own traceback."""
+    try:
+        yield
+    except ActdbError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model's own failure, said in one sentence
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ModelLoadError(
+            f"model {type(model).__name__!r} fails on a forward pass over token ids "
+            f"({type(e).__name__}: {first}); actdb runs a model on input_ids and an "
+            "attention_mask alone, as decoder-only and encoder models take them "
+            "(encoder-decoder models, which need decoder inputs too, are not supported)"
+        ) from e
+
+
 def _final_path(log: dict[str, list[Call]], norm_paths: list[str], blocks: Blocks,
                 first_block: int) -> str | None:
     """The norm module whose output the LM head reads: the last to run outside the blocks,
@@ -305,13 +324,13 @@ def find_sites(
                         watched[f"{child_path}.{sub}"] = m
 
     target = forward_module(model, list(norm_modules))
-    with torch.no_grad(), record_calls(watched) as log:
+    with torch.no_grad(), record_calls(watched) as log, _probing(model):
         target(**sample)
     block_calls = [log.calls.get(path, [None])[0]
                    for i in range(blocks.n) for path, _ in blocks.parts(model, i)]
     first_block = min((c.start for c in block_calls if c), default=0)
     final_path = _final_path(log.calls, list(norm_modules), blocks, first_block)
-    with torch.no_grad(), record_calls(norm_modules) as log_alt:
+    with torch.no_grad(), record_calls(norm_modules) as log_alt, _probing(model):
         if final_probe is not None and final_path is not None:
             # its inputs' shapes are recorded before the probe replaces its output
             final_probe.run(model, norm_modules[final_path], final_path, sample_alt)
@@ -321,6 +340,7 @@ def find_sites(
     t2 = sample_alt["input_ids"].shape[1]
 
     n_layers = blocks.n
+    globs = [g.strip() for g in sites_glob.split(",")] if sites_glob else None
     found: list[tuple[int, SiteRecord, FoundSite]] = []
     used: set[str] = set()
     in_list = {c: lp for lp, children in lists.items() for c in children}
@@ -341,6 +361,13 @@ def find_sites(
         shape2 = tuple(alt[0].input.shape) if alt and alt[0].input is not None else ()
         site_path = in_list.get(path, path)
         layout = _layout(tuple(call.input.shape), shape2, b, t1, t2)
+        if layout is None and shape2 == shape_in:
+            # no token axis: the same input at both lengths (DeBERTa-v3 normalizes its table
+            # of relative-position embeddings): nothing a token, so no site
+            continue
+        if layout is None and globs and not any(fnmatch.fnmatchcase(site_path, g)
+                                                for g in globs):
+            continue  # left out by the site filter, which names it by its module path
         if layout is None:
             raise ModelLoadError(
                 f"norm module {path!r} sees inputs of shape {tuple(call.input.shape)} for a "
@@ -402,7 +429,6 @@ def find_sites(
                                                  bias=bias)))
 
     found.sort(key=lambda t: t[0])
-    globs = [g.strip() for g in sites_glob.split(",")] if sites_glob else None
     out: list[FoundSite] = []
     for _, rec, f in found:
         if globs and not any(
