@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -246,7 +247,7 @@ def test_probe_passes_keep_every_position_where_a_norm_follows_the_cut(family: s
 
 def test_a_site_filter_without_the_norm_the_lm_head_reads_is_refused(tmp_path: Path) -> None:
     """RoBERTa-PreLayerNorm has two norms after its blocks: the base model's last LayerNorm
-    ("final") and one inside the LM head, after a dense layer ("final_2"), whose output the
+    ("final_1") and one inside the LM head, after a dense layer ("final"), whose output the
     unembedding reads. A site filter that keeps the first and not the second takes the logit
     fit's fallback (a pass of its own, hooked on the site kept); the logits are no scale of
     W_U . final(x) there, so the ingest is refused in one sentence naming the module to add,
@@ -259,14 +260,14 @@ def test_a_site_filter_without_the_norm_the_lm_head_reads_is_refused(tmp_path: P
     kw: dict[str, Any] = {"model": model, "tokenizer": tok, "prompts": ["one prompt here"],
                           "device": "cpu", "name": "m"}
     with pytest.raises(actdb.IngestError) as e:
-        actdb.ingest(tmp_path / "a.actdb", sites="embed,blocks.*,final", **kw)
+        actdb.ingest(tmp_path / "a.actdb", sites="embed,blocks.*,final_1", **kw)
     assert "leaves out 'lm_head.layer_norm', the norm whose output the LM head reads" in str(
         e.value)
     assert not (tmp_path / "a.actdb").exists()
-    actdb.ingest(tmp_path / "b.actdb", sites="embed,final_2", **kw)
+    actdb.ingest(tmp_path / "b.actdb", sites="embed,final", **kw)
     with actdb.connect(tmp_path / "b.actdb") as db:
         assert db.sql("SELECT final_site, logit_max_rel_error < 1e-2 FROM models").fetchall() == [
-            ("final_2", True)]
+            ("final", True)]
 
 
 def test_a_norm_module_that_runs_twice_in_a_pass_is_refused_unless_left_out(
@@ -604,3 +605,69 @@ def test_a_norm_over_no_tokens_is_no_site_and_the_filter_leaves_out_unknown_layo
     with actdb.connect(tmp_path / "g.actdb") as db:
         assert [r[0] for r in db.sql("SELECT site FROM sites ORDER BY site_id").fetchall()] == [
             "blocks.1.ln1", "blocks.1.ln2", "final"]
+
+
+def _modernbert(tok: Any) -> Any:
+    import torch
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    torch.manual_seed(0)
+    return ModernBertForMaskedLM(ModernBertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+        cls_token_id=tok.cls_token_id, sep_token_id=tok.sep_token_id,
+        bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id)).eval()
+
+
+def _final_logits_match(db: Any, model: Any, tok: Any, site: str, text: str) -> int:
+    import torch
+
+    rows = db.sql(f"SELECT a.position, logit(vec, 5) FROM acts a JOIN prompts p "
+                  f"USING (prompt_id) WHERE a.site = '{site}' AND p.text = $t "
+                  "ORDER BY a.position", params={"t": text}).fetchall()
+    with torch.no_grad():
+        real = model(**tok(text, return_tensors="pt")).logits[0, :, 5].double()
+    for position, value in rows:
+        assert abs(value - float(real[position])) <= 1e-3 * max(1.0, abs(float(real[position])))
+    return len(rows)
+
+
+def test_the_site_named_final_is_the_one_the_lm_head_reads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModernBERT runs its base model's final norm, then its MLM head's own norm (after a
+    dense layer): both have the role `final`. The one the LM head reads is named `final`, so
+    that `site = 'final'` gives the model's own logits (the earlier one was `final`, the head's
+    `final_2`: review finding); the other is `final_1`. A store written with the old names
+    keeps them when an ingest adds prompts to it, and its `final_2` gives the logits."""
+    from tiny_models import build_family_tokenizer
+
+    from actdb.ingest import pipeline
+
+    tok = build_family_tokenizer("bert")
+    model = _modernbert(tok)
+    kw: dict[str, Any] = {"model": model, "tokenizer": tok, "device": "cpu", "name": "mb"}
+    actdb.ingest(tmp_path / "new.actdb", prompts=["the cat sat on the mat"], **kw)
+    with actdb.connect(tmp_path / "new.actdb") as db:
+        assert db.sql("SELECT site, module FROM sites WHERE role = 'final' "
+                      "ORDER BY site_id").fetchall() == [("final_1", "model.final_norm"),
+                                                         ("final", "head.norm")]
+        assert db.sql("SELECT final_site FROM models").fetchall() == [("final",)]
+        assert _final_logits_match(db, model, tok, "final", "the cat sat on the mat") > 3
+
+    real_find = pipeline.find_sites
+    old_names = {"final_1": "final", "final": "final_2"}
+
+    def find_with_old_names(*a: Any, **k: Any) -> Any:  # the naming of earlier versions
+        found, n = real_find(*a, **k)
+        return [dataclasses.replace(f, record=dataclasses.replace(
+            f.record, site=old_names.get(f.record.site, f.record.site))) for f in found], n
+
+    monkeypatch.setattr(pipeline, "find_sites", find_with_old_names)
+    actdb.ingest(tmp_path / "old.actdb", prompts=["the cat sat on the mat"], **kw)
+    monkeypatch.setattr(pipeline, "find_sites", real_find)
+    actdb.ingest(tmp_path / "old.actdb", prompts=["a dog of the house ran"], **kw)
+    with actdb.connect(tmp_path / "old.actdb") as db:
+        assert db.sql("SELECT final_site FROM models").fetchall() == [("final_2",)]
+        assert [r[0] for r in db.sql("SELECT site FROM sites WHERE role = 'final' "
+                                     "ORDER BY site_id").fetchall()] == ["final", "final_2"]
+        assert _final_logits_match(db, model, tok, "final_2", "a dog of the house ran") > 3

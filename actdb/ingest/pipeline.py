@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import inspect
@@ -436,13 +437,19 @@ def _register(
         known = st.catalog.token_strings(name) if existing is not None else []
         model_id = st.catalog.next_model_id() if existing is None else -1
     if existing is not None:
-        have = [(s.site, s.d, s.n_heads) for s in stored]
-        want = [(s.site, s.d, s.n_heads) for s in records]
+        # Sites are the same modules; their names are the store's (a store written before the
+        # final sites were renamed keeps `final` and `final_2` where a new one says `final_1`
+        # and `final`).
+        have = [(s.module, s.d, s.n_heads) for s in stored]
+        want = [(s.module, s.d, s.n_heads) for s in records]
         if have != want:
             raise IngestError(
                 f"model {name!r} is already in the store with other sites; "
                 "pass --name to store this one under another name"
             )
+        found[:] = [dataclasses.replace(f, record=dataclasses.replace(
+            f.record, site=s.site, site_id=s.site_id, role=s.role, layer=s.layer))
+            for f, s in zip(found, stored, strict=True)]
         _check_same_weights(st, existing, found, stored)
         return _Registration(record=existing, token_str=known)
     model = loaded.model

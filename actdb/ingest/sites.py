@@ -261,11 +261,12 @@ def _probing(model: nn.Module) -> Iterator[None]:
 def _final_path(log: dict[str, list[Call]], norm_paths: list[str], blocks: Blocks,
                 first_block: int) -> str | None:
     """The norm module whose output the LM head reads: the last to run outside the blocks,
-    after the first block. `_place` calls every such norm a final site ("final", "final_2",
-    ... in call order); where there are several (RoBERTa-PreLayerNorm: the base model's last
-    LayerNorm, then one inside its LM head, after a dense layer), the logits come from the
-    last. A model whose blocks are sibling lists (XLM, post-norm) runs no norm after them:
-    its head reads the last norm to run, when that is in the last block."""
+    after the first block. `_place` calls every such norm a final site; where there are
+    several (RoBERTa-PreLayerNorm: the base model's last LayerNorm, then one inside its LM
+    head, after a dense layer), the logits come from the last, named `final` (the others
+    `final_1`, `final_2`, ... in call order). A model whose blocks are sibling lists (XLM,
+    post-norm) runs no norm after them: its head reads the last norm to run, when that is in
+    the last block."""
     ran = [(log[p][0].start, p) for p in norm_paths
            if log.get(p) and log[p][0].input is not None]
     outside = [(t, p) for t, p in ran if t >= first_block and blocks.place(p) is None]
@@ -429,6 +430,19 @@ def find_sites(
                                                  bias=bias)))
 
     found.sort(key=lambda t: t[0])
+    # The norm the LM head reads, the last final site in call order, is `final`; norms before
+    # it outside the blocks (ModernBERT's and RoBERTa-PreLayerNorm's base-model final norm,
+    # before the LM head's own) are final_1, final_2, ...: a query of site = 'final' meets
+    # the model's logits. Named before the site filter, so that names do not depend on it.
+    finals = [i for i, (_, rec, _) in enumerate(found) if rec.role == "final"]
+    for n, i in enumerate(finals):
+        start, rec, f = found[i]
+        name = "final" if i == finals[-1] else f"final_{n + 1}"
+        if rec.site != name:
+            rec = SiteRecord(**{**rec.__dict__, "site": name})
+            found[i] = (start, rec, FoundSite(record=rec, hooks=f.hooks, layout=f.layout,
+                                              member_layout=f.member_layout, gain=f.gain,
+                                              bias=f.bias))
     out: list[FoundSite] = []
     for _, rec, f in found:
         if globs and not any(

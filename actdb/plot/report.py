@@ -166,7 +166,8 @@ def _spectrum(db: Any, model: str) -> Section:
 EMERGENCE_SQL = """\
 WITH answer AS (
     SELECT prompt_id, position, top_logits(vec, 1)[1].token_id AS token_id
-    FROM acts WHERE model = $model AND role = 'final' AND position_from_end = 0
+    FROM acts WHERE model = $model AND site = (SELECT final_site FROM models WHERE model = $model)
+      AND position_from_end = 0
 ), ranked AS (
     SELECT a.layer, a.site, token_rank(a.vec, answer.token_id) AS rank,
            prob(a.vec, answer.token_id) AS p
@@ -206,7 +207,8 @@ DIMS_SQL = """\
 WITH answer AS (
     SELECT a.prompt_id, a.vec, top_logits(a.vec, 1)[1].token_id AS token_id, s.d
     FROM acts a JOIN sites s ON s.model = a.model AND s.site = a.site
-    WHERE a.model = $model AND a.role = 'final' AND a.position_from_end = 0
+    WHERE a.model = $model AND a.position_from_end = 0
+      AND a.site = (SELECT final_site FROM models WHERE model = $model)
 ), parts AS (
     SELECT dim, logit_contribution(vec, dim, token_id) AS c
     FROM (SELECT vec, token_id, unnest(range(d)) AS dim FROM answer)
