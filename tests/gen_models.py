@@ -210,8 +210,8 @@ class GenBlock(nn.Module):
         if c.mode in ("pre", "sandwich"):
             self.ln1 = f.norm(D, f"{p}.ln1", "pre_attn")
         self.self_attn = GenAttention(c, f, f"{p}.self_attn")
-        if c.mode == "post":  # post-LN: the norm of the residual sum feeds the MLP
-            self.ln1 = f.norm(D, f"{p}.ln1", "pre_mlp")
+        if c.mode == "post":  # post-LN: the norm of the residual sum, carried on (as BERT's)
+            self.ln1 = f.norm(D, f"{p}.ln1", "post_attn")
         if c.mode in ("sandwich", "post_sub"):
             self.post_attn_norm = f.norm(D, f"{p}.post_attn_norm", "post_attn")
         if c.mode in ("pre", "sandwich"):

@@ -20,12 +20,13 @@ import actdb
 from actdb import devices
 
 # Roles that must appear, by dataflow (not names): latent norms are inner, per-head norms
-# q/k, parallel blocks' MLP norm pre_mlp.
+# q/k, parallel blocks' MLP norm pre_mlp, a post-norm block's mid-block norm (XLM's
+# layer_norm1(x + attn), whose output the MLP reads and the block carries on) post_attn.
 MUST_HAVE = {
     "deepseek_v2": {"inner"}, "deepseek_v3": {"inner"}, "bitnet": {"inner"},
     "cohere": {"q_norm", "k_norm"}, "stablelm": {"q_norm", "k_norm"},
     "falcon": {"pre_mlp"}, "gemma3_text": {"q_norm", "k_norm", "post_attn", "post_mlp"},
-    "xlm": {"embed", "pre_mlp", "post_mlp", "final"},
+    "xlm": {"embed", "post_attn", "post_mlp", "final"},
 }
 WANT_LOGITS = {"cohere": (0.125, None), "cohere2": (0.25, None), "granite": (0.25, None),
                "granitemoe": (0.125, None), "gemma3_text": (None, 30.0)}

@@ -388,7 +388,7 @@ def find_sites(
         if leaf.isdigit():  # an entry of a list of one norm a block: named by its list
             leaf = site_path.rsplit(".", 2)[-2]
         layer, role = _place(site_path, call, log.calls, blocks, first_block, leaf,
-                             sublayers, final=site_path == final_path)
+                             sublayers, final=site_path == final_path, norms=norm_modules)
         short = _SHORT.get(role, leaf)
         name = role if role in ("embed", "final") else (
             f"blocks.{layer}.{short}" if 0 <= layer < n_layers else leaf
@@ -478,9 +478,11 @@ def _place(
     sublayers: dict[str, tuple[str, int]],
     *,
     final: bool = False,
+    norms: Mapping[str, nn.Module] | None = None,
 ) -> tuple[int, str]:
     """(layer, role) of a norm from where it ran and where its output went; `final`: the
-    norm the LM head reads (`_final_path`), a final site wherever it is."""
+    norm the LM head reads (`_final_path`), a final site wherever it is; `norms`: the norm
+    modules' paths, to tell a post-norm block's mid-block norm from a pre-MLP norm."""
     at = blocks.place(path)
     if at is None or final:
         if at is None and call.start < first_block:
@@ -499,4 +501,28 @@ def _place(
         _feeds(call.output, c[0].input) for k, c in calls.items()
         if k.startswith(inside + ".") and k not in sublayers and c
     )
-    return layer, _role(leaf, call, attn, mlp, sublayer, feeds_inside)
+    role = _role(leaf, call, attn, mlp, sublayer, feeds_inside)
+    if role == "pre_mlp" and mlp is not None and norms is not None and _carried(
+            call, mlp, [c[0] for k, c in calls.items() if k in norms and c]):
+        role = "post_attn"
+    return layer, role
+
+
+def _carried(call: Call, mlp: Call, norm_calls: list[Call]) -> bool:
+    """Whether the residual the MLP's output is added to is this norm's output, not its
+    input: a post-norm block (DistilBERT's `sa_layer_norm(attn + x)`, whose output feeds the
+    MLP and is carried on) rather than a pre-MLP norm, whose output feeds the MLP while its
+    input is carried on. Read from the next norm's input, `residual + mlp(...)`; undecided
+    (False) unless the output explains it to float rounding and better than the input."""
+    nxt = min((c for c in norm_calls if c.start > mlp.end and c.input is not None),
+              key=lambda c: c.start, default=None)
+    x, y, m = call.input, call.output, mlp.output
+    if nxt is None or x is None or y is None or m is None or nxt.input is None:
+        return False
+    if not (x.shape == y.shape == m.shape == nxt.input.shape):
+        return False
+    rest = nxt.input.double() - m.double()
+    scale = float(torch.linalg.vector_norm(rest)) or 1.0
+    off_out = float(torch.linalg.vector_norm(rest - y.double())) / scale
+    off_in = float(torch.linalg.vector_norm(rest - x.double())) / scale
+    return off_out < 1e-3 and off_out < off_in
