@@ -671,3 +671,29 @@ def test_the_site_named_final_is_the_one_the_lm_head_reads(
         assert [r[0] for r in db.sql("SELECT site FROM sites WHERE role = 'final' "
                                      "ORDER BY site_id").fetchall()] == ["final", "final_2"]
         assert _final_logits_match(db, model, tok, "final_2", "a dog of the house ran") > 3
+
+
+def test_a_projection_between_the_final_norm_and_the_lm_head_is_said(tmp_path: Path) -> None:
+    """OPT with word_embed_proj_dim below its width projects the final norm's output
+    (project_out) before its LM head: the logits are no function actdb computes from the
+    final site. The refusal says so, with both widths, before anything is written (it said
+    "its logits do not come from its final norm": review finding)."""
+    import torch
+    from tiny_models import build_family_tokenizer
+    from transformers import OPTConfig, OPTForCausalLM
+
+    tok = build_family_tokenizer("llama")
+    torch.manual_seed(0)
+    model = OPTForCausalLM(OPTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, ffn_dim=64,
+        max_position_embeddings=64, do_layer_norm_before=True, word_embed_proj_dim=16,
+        vocab_size=len(tok), pad_token_id=tok.pad_token_id)).eval()
+    with pytest.raises(actdb.IngestError) as e:
+        actdb.ingest(tmp_path / "o.actdb", model=model, tokenizer=tok, prompts=["a b c"],
+                     device="cpu", name="opt")
+    assert str(e.value) == (
+        "model 'opt': its LM head reads vectors of width 16, and its final norm "
+        "'model.decoder.final_layer_norm' gives width 32: a layer between them (a projection, "
+        "as OPT's project_out) makes the logits, which actdb computes as W_U . final_norm(x) "
+        "+ b_U")
+    assert not (tmp_path / "o.actdb").exists()

@@ -152,6 +152,13 @@ class LogitFit:
         Raises IngestError when no such transform reproduces them."""
         bsz, t, head = self.bsz, self.t, self.head
         real = model_logits(self.output).double().cpu() if self.output is not None else None
+        width = int(head.weight.shape[1])  # type: ignore[index]
+        if self.sent is None and final.record.d * (final.record.n_heads or 1) != width:
+            raise IngestError(
+                f"model {name!r}: its LM head reads vectors of width {width}, and its final "
+                f"norm {final.record.module!r} gives width {final.record.d}: a layer between "
+                "them (a projection, as OPT's project_out) makes the logits, which actdb "
+                "computes as W_U . final_norm(x) + b_U")
         if self.sent is None or real is None or real.shape[:2] != (bsz, t):
             raise IngestError(f"model {name!r}: its logits do not come from its final norm "
                               f"{final.record.module!r}")
