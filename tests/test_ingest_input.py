@@ -606,6 +606,22 @@ def test_a_norm_over_no_tokens_is_no_site_and_the_filter_leaves_out_unknown_layo
         assert [r[0] for r in db.sql("SELECT site FROM sites ORDER BY site_id").fetchall()] == [
             "blocks.1.ln1", "blocks.1.ln2", "final"]
 
+    class FixedLength(nn.Module):  # a LayerNorm over every input padded to 16 tokens
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            t = x.shape[1]
+            return self.norm(torch.nn.functional.pad(x, (0, 0, 0, 16 - t)))[:, :t].contiguous()
+
+    # the same shape at both lengths, but a batch axis: tokens, not a table; refused, not
+    # left out silently
+    gpt2.transformer.h[0].ln_1 = FixedLength(32)
+    with pytest.raises(ModelLoadError, match=r"^norm module 'transformer\.h\.0\.ln_1\.norm' "
+                                             r"sees inputs of shape \(3, 16, 32\)"):
+        actdb.ingest(tmp_path / "f.actdb", **kw)
+
 
 def _modernbert(tok: Any) -> Any:
     import torch

@@ -362,9 +362,11 @@ def find_sites(
         shape2 = tuple(alt[0].input.shape) if alt and alt[0].input is not None else ()
         site_path = in_list.get(path, path)
         layout = _layout(tuple(call.input.shape), shape2, b, t1, t2)
-        if layout is None and shape2 == shape_in:
-            # no token axis: the same input at both lengths (DeBERTa-v3 normalizes its table
-            # of relative-position embeddings): nothing a token, so no site
+        if layout is None and shape2 == shape_in and shape_in[:1] != (b,):
+            # neither a batch nor a token axis: the same input at both lengths (DeBERTa-v3
+            # normalizes its table of relative-position embeddings): nothing a token, so no
+            # site. A batch axis with a fixed length (a model padding every input to one
+            # length) is tokens in a layout actdb does not know: refused below.
             continue
         if layout is None and globs and not any(fnmatch.fnmatchcase(site_path, g)
                                                 for g in globs):
