@@ -443,8 +443,12 @@ def _register(
         have = [(s.module, s.d, s.n_heads) for s in stored]
         want = [(s.module, s.d, s.n_heads) for s in records]
         if have != want:
+            renamed = "" if existing.final_site in (None, "final") else (
+                f" (the store names the norm its LM head reads {existing.final_site!r}, as "
+                "versions before the final sites were renamed did; --sites now names it "
+                "'final', and the final sites before it 'final_1', 'final_2', ...)")
             raise IngestError(
-                f"model {name!r} is already in the store with other sites; "
+                f"model {name!r} is already in the store with other sites{renamed}; "
                 "pass --name to store this one under another name"
             )
         found[:] = [dataclasses.replace(f, record=dataclasses.replace(
