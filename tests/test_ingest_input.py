@@ -764,3 +764,47 @@ def test_post_norm_roles_do_not_depend_on_the_dtype(dtype: str) -> None:
     assert [roles[f"distilbert.transformer.layer.{i}.output_layer_norm"] for i in (0, 1)] == [
         "post_mlp", "post_mlp"]
     assert [roles[f"transformer.h.{i}.ln_2"] for i in (0, 1)] == ["pre_mlp", "pre_mlp"]
+
+
+def test_a_block_whose_mlp_is_its_own_layers_gets_its_roles(tmp_path: Path) -> None:
+    """OPT's MLP is no module: fc1 and fc2 are the block's own layers. They stand for it, so
+    OPT-350m's post-norm blocks (do_layer_norm_before=False) have post_attn and post_mlp norms
+    and `delta` is NULL there (both were pre_mlp, and `delta` a difference across the next
+    norm: review finding), while the pre-norm OPT keeps pre_attn and pre_mlp and its `delta`
+    is what the sublayer wrote: the next site's input minus this one's."""
+    import numpy as np
+    import torch
+    from tiny_models import build_family_tokenizer
+    from transformers import OPTConfig, OPTForCausalLM
+
+    tok = build_family_tokenizer("llama")
+    roles = {}
+    for before in (False, True):
+        torch.manual_seed(0)
+        model = OPTForCausalLM(OPTConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
+            max_position_embeddings=64, do_layer_norm_before=before, vocab_size=len(tok),
+            pad_token_id=tok.pad_token_id)).eval()
+        store = tmp_path / f"opt-{before}.actdb"
+        actdb.ingest(store, model=model, tokenizer=tok, prompts=["the cat sat on the mat"],
+                     device="cpu", name="opt")
+        with actdb.connect(store) as db:
+            roles[before] = db.sql("SELECT module, role FROM sites WHERE layer = 0 "
+                                   "ORDER BY site_id").fetchall()
+            rows = db.sql("SELECT site, position, delta(vec), to_list(vec) FROM acts "
+                          "WHERE layer = 0 ORDER BY site, position").fetchall()
+            nxt = dict(((s, p), x) for s, p, _, x in db.sql(
+                "SELECT site, position, NULL, to_list(vec) FROM acts WHERE layer IN (0, 1) "
+                "ORDER BY site, position").fetchall())
+        for site, position, dv, x in rows:
+            if not before:
+                assert dv is None, site
+                continue
+            after = {"blocks.0.ln1": "blocks.0.ln2", "blocks.0.ln2": "blocks.1.ln1"}[site]
+            want = np.asarray(nxt[(after, position)]) - np.asarray(x)
+            assert np.allclose(dv, want, atol=1e-5), site
+    layer0 = "model.decoder.layers.0."
+    assert roles[False] == [(layer0 + "self_attn_layer_norm", "post_attn"),
+                            (layer0 + "final_layer_norm", "post_mlp")]
+    assert roles[True] == [(layer0 + "self_attn_layer_norm", "pre_attn"),
+                           (layer0 + "final_layer_norm", "pre_mlp")]

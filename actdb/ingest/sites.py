@@ -325,6 +325,17 @@ def find_sites(
                     if sub and _is_projection(m):
                         watched[f"{child_path}.{sub}"] = m
 
+    # A block whose MLP is no module of its own (OPT's fc1 and fc2 are the block's own
+    # layers): its bare projections, which stand for the MLP in `_place`.
+    bare: dict[int, list[str]] = {}
+    for i in range(blocks.n):
+        if any(v == ("mlp", i) for v in sublayers.values()):
+            continue
+        for _, child_path, child in blocks.children(model, i):
+            if _is_projection(child):
+                bare.setdefault(i, []).append(child_path)
+                watched[child_path] = child
+
     target = forward_module(model, list(norm_modules))
     with torch.no_grad(), record_calls(watched) as log, _probing(model):
         target(**sample)
@@ -376,7 +387,8 @@ def find_sites(
         if leaf.isdigit():  # an entry of a list of one norm a block: named by its list
             leaf = site_path.rsplit(".", 2)[-2]
         layer, role = _place(site_path, call, log.calls, blocks, first_block, leaf,
-                             sublayers, final=site_path == final_path, norms=norm_modules)
+                             sublayers, final=site_path == final_path, norms=norm_modules,
+                             bare=bare)
         short = _SHORT.get(role, leaf)
         name = role if role in ("embed", "final") else (
             f"blocks.{layer}.{short}" if 0 <= layer < n_layers else leaf
@@ -484,10 +496,13 @@ def _place(
     *,
     final: bool = False,
     norms: Mapping[str, nn.Module] | None = None,
+    bare: Mapping[int, list[str]] | None = None,
 ) -> tuple[int, str]:
     """(layer, role) of a norm from where it ran and where its output went; `final`: the
     norm the LM head reads (`_final_path`), a final site wherever it is; `norms`: the norm
-    modules' paths, to tell a post-norm block's mid-block norm from a pre-MLP norm."""
+    modules' paths, to tell a post-norm block's mid-block norm from a pre-MLP norm; `bare`:
+    each block's own projections, where its MLP is no module (they stand for it when called
+    after its attention)."""
     at = blocks.place(path)
     if at is None or final:
         if at is None and call.start < first_block:
@@ -500,6 +515,12 @@ def _place(
                      and k in calls), None)
     attn = calls[attn_name][0] if attn_name else None
     mlp = calls[mlp_name][0] if mlp_name else None
+    if mlp is None and bare and layer in bare:
+        after = sorted((c[0] for k in bare[layer] if (c := calls.get(k))
+                        and (attn is None or c[0].start > attn.end)), key=lambda c: c.start)
+        if after:  # from the first projection's input to the last one's output
+            mlp = Call(start=after[0].start, end=after[-1].end, input=after[0].input,
+                       output=after[-1].output)
     inside = next((k for k in (attn_name, mlp_name) if k and path.startswith(k + ".")), None)
     sublayer = sublayers[inside][0] if inside else None
     feeds_inside = inside is not None and any(
