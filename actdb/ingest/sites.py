@@ -10,6 +10,7 @@ sublayer (`inner`: a latent's norm, a sub-norm before an output projection).
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from collections.abc import Iterator, Mapping
@@ -353,6 +354,7 @@ def find_sites(
     t2 = sample_alt["input_ids"].shape[1]
 
     n_layers = blocks.n
+    norm_calls = [c[0] for p, c in log.calls.items() if p in norm_modules and c]
     globs = [g.strip() for g in sites_glob.split(",")] if sites_glob else None
     found: list[tuple[int, SiteRecord, FoundSite]] = []
     used: set[str] = set()
@@ -387,7 +389,7 @@ def find_sites(
         if leaf.isdigit():  # an entry of a list of one norm a block: named by its list
             leaf = site_path.rsplit(".", 2)[-2]
         layer, role = _place(site_path, call, log.calls, blocks, first_block, leaf,
-                             sublayers, final=site_path == final_path, norms=norm_modules,
+                             sublayers, final=site_path == final_path, norm_calls=norm_calls,
                              bare=bare)
         short = _SHORT.get(role, leaf)
         name = role if role in ("embed", "final") else (
@@ -454,12 +456,8 @@ def find_sites(
     finals = [i for i, (_, rec, _) in enumerate(found) if rec.role == "final"]
     for n, i in enumerate(finals):
         start, rec, f = found[i]
-        name = "final" if i == finals[-1] else f"final_{n + 1}"
-        if rec.site != name:
-            rec = SiteRecord(**{**rec.__dict__, "site": name})
-            found[i] = (start, rec, FoundSite(record=rec, hooks=f.hooks, layout=f.layout,
-                                              member_layout=f.member_layout, gain=f.gain,
-                                              bias=f.bias))
+        rec = dataclasses.replace(rec, site="final" if i == finals[-1] else f"final_{n + 1}")
+        found[i] = (start, rec, dataclasses.replace(f, record=rec))
     out: list[FoundSite] = []
     for _, rec, f in found:
         if globs and not any(
@@ -495,12 +493,13 @@ def _place(
     sublayers: dict[str, tuple[str, int]],
     *,
     final: bool = False,
-    norms: Mapping[str, nn.Module] | None = None,
+    norm_calls: list[Call] | None = None,
     bare: Mapping[int, list[str]] | None = None,
 ) -> tuple[int, str]:
     """(layer, role) of a norm from where it ran and where its output went; `final`: the
-    norm the LM head reads (`_final_path`), a final site wherever it is; `norms`: the norm
-    modules' paths, to tell a post-norm block's mid-block norm from a pre-MLP norm; `bare`:
+    norm the LM head reads (`_final_path`), a final site wherever it is; `norm_calls`: every
+    norm module's first call, to tell a post-norm block's mid-block norm from a pre-MLP norm;
+    `bare`:
     each block's own projections, where its MLP is no module (they stand for it when called
     after its attention)."""
     at = blocks.place(path)
@@ -528,8 +527,8 @@ def _place(
         if k.startswith(inside + ".") and k not in sublayers and c
     )
     role = _role(leaf, call, attn, mlp, sublayer, feeds_inside)
-    if role == "pre_mlp" and mlp is not None and norms is not None and _carried(
-            call, mlp, [c[0] for k, c in calls.items() if k in norms and c]):
+    if role == "pre_mlp" and mlp is not None and norm_calls and _carried(
+            call, mlp, norm_calls):
         role = "post_attn"
     return layer, role
 

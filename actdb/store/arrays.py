@@ -102,7 +102,6 @@ class Arrays:
         if path is None or not read_only:
             self.group  # noqa: B018 - writers and object storage open the group now
         # Opening an array reads its metadata file: keep the handles (and raw chunk paths).
-        self._raw: dict[tuple[int, str, str], Layout | None] = {}
         self._infos: dict[str, ArrayInfo] = {}  # by label (`info`)
         self._opened: dict[str, zarr.Array] = {}  # by label: arrays opened through zarr
         self._made: set[str] = set()  # chunk folders known to exist
@@ -625,10 +624,7 @@ class Arrays:
         return info
 
     def act_layout(self, model_id: int, site: str, field: str) -> Layout | None:
-        key = (model_id, site, field)
-        if key not in self._raw:
-            self._raw[key] = self.act_info(*key).raw
-        return self._raw[key]
+        return self.act_info(model_id, site, field).raw
 
     def read_chunk(self, model_id: int, site: str, field: str, chunk: int) -> np.ndarray:
         """One whole chunk of a site's field (the rows chunk * C .. chunk * C + C - 1),
