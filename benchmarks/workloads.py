@@ -706,6 +706,10 @@ FUNCTION_SCANS = (
     ("rotation_angle", "rotation_angle(vec)"),
     ("dim_contribution of a view", "dim_contribution(normed(vec), 5)"),
     ("cosine_to_anchor of a view", f"cosine_to_anchor(normed(vec), '{TOKEN}')"),
+    # a FLOAT[] direction (a literal here; a parameter or a subquery alike), {d} its width
+    ("cosine_to", "cosine_to(vec, [cos(i) FOR i IN range({d})])"),
+    ("project", "project(vec, [cos(i) FOR i IN range({d})])"),
+    ("cosine_to of a view", "cosine_to(normed(vec), [cos(i) FOR i IN range({d})])"),
 )
 
 
@@ -714,7 +718,8 @@ def function_scans(scan: ScanData, repeats: int) -> Result:
     NumPy float16 memmap baseline of `dim_contribution` (unit(x)[:, 5])."""
     db = actdb.connect(scan.store, device=DEVICE)
     times, values = {}, {}
-    for label, expr in FUNCTION_SCANS:
+    scans = [(label, expr.replace("{d}", str(scan.scale.d))) for label, expr in FUNCTION_SCANS]
+    for label, expr in scans:
         query = f"SELECT avg({expr}) FROM acts"
 
         def run(query: str = query) -> float:
@@ -741,10 +746,13 @@ def function_scans(scan: ScanData, repeats: int) -> Result:
               "functions that need each whole vector in float32 (its unit, or a view: "
               "`normed` is the site's output); each vector is converted from float16, scaled "
               "by its norm and transformed block by block in the core's cache "
-              "(`Group.x_blocks`). Baseline: NumPy over the float16 `.npy` memory map of "
+              "(`Group.x_blocks`). Also the functions of a FLOAT[] direction: over raw vectors "
+              "their products are the stored directions' with the direction's unit, as "
+              "`cosine_to_anchor`'s (workload 2), over a view they take the path above. "
+              "Baseline: NumPy over the float16 `.npy` memory map of "
               "workload 2, 65,536 rows a block, for `dim_contribution`."),
     )
-    for label, expr in FUNCTION_SCANS:
+    for label, expr in scans:
         r.figure(f"`{expr}`", f"{times[label]:.2f} s, {scan.n_vectors / times[label] / 1e6:.2f} "
                               f"M rows/s (mean {values[label]:.6g})")
     r.figure("NumPy unit(x)[:, 5]", f"{t_numpy:.2f} s, {scan.n_vectors / t_numpy / 1e6:.2f} "

@@ -374,6 +374,71 @@ def test_aggregates_with_many_lists_in_small_blocks(reference, family_store, mon
                                rtol=2e-3, atol=2e-3 * np.abs(xr).max())
 
 
+def test_directions_reach_their_functions_as_ids(reference, family_store, monkeypatch):
+    """A FLOAT[] direction reaches cosine_to and project as an id of the connection's table
+    of directions (aggregates.DirectionTable): a constant one is registered by one call of
+    one row however many rows use it; directions that differ by row are registered row by
+    row; a NULL direction gives NULL, a NULL element is refused; past the table's bytes, a
+    forgotten direction is an error, never another direction's values."""
+    from actdb.query import aggregates
+
+    calls = []
+    ids = aggregates.DirectionTable.ids
+
+    def counted(self, column):
+        calls.append(len(column))
+        return ids(self, column)
+
+    monkeypatch.setattr(aggregates.DirectionTable, "ids", counted)
+    ref = reference("gpt2")
+    direction = [float(v) for v in np.cos(np.arange(64))]
+    with actdb.connect(family_store("gpt2"), device="cpu") as db:
+        module = dict(db.sql("SELECT site, module FROM sites").fetchall())["blocks.1.ln1"]
+        q = """SELECT prompt_id, position, cosine_to(vec, $d) AS c, project(vec, $d) AS p,
+                      cosine_to(vec, [cos(i) FOR i IN range(64)]) AS lit,
+                      cosine_to(vec, [CASE WHEN i < 32 THEN cos(i) ELSE 0 END
+                                      FOR i IN range(64)]) AS half
+               FROM acts WHERE site = 'blocks.1.ln1' ORDER BY prompt_id, position"""
+        rows = fetch(db, q, {"d": direction})
+        assert len(rows) > 50 and calls == [1] * 4, calls  # $d twice, the two literals
+        calls.clear()
+        per_row = fetch(db, """
+            SELECT prompt_id, position, cosine_to(vec, [cos(i + position) FOR i IN range(64)])
+                   AS c
+            FROM acts WHERE site = 'blocks.1.ln1' ORDER BY prompt_id, position""")
+        assert sum(calls) == len(per_row)
+        assert fetch(db, "SELECT cosine_to(vec, NULL) AS c, project(vec, NULL) AS p FROM acts "
+                         "LIMIT 1") == [{"c": None, "p": None}]
+        with pytest.raises(actdb.QueryError, match="holds NULL"):
+            db.sql("SELECT cosine_to(vec, [NULL] || [1.0 FOR i IN range(63)]) "
+                   "FROM acts LIMIT 1").fetchall()
+    x = ref.sites[module].x
+    xr = x[ref.rows([r["prompt_id"] for r in rows], [r["position"] for r in rows])]
+    d = np.cos(np.arange(64))
+    for key in ("c", "lit"):
+        np.testing.assert_allclose([r[key] for r in rows], xr @ d / np.linalg.norm(xr, axis=-1)
+                                   / np.linalg.norm(d), atol=2e-3)
+    np.testing.assert_allclose([r["p"] for r in rows], xr @ d / np.linalg.norm(d), rtol=2e-3,
+                               atol=2e-3 * np.abs(xr).max())
+    half = np.where(np.arange(64) < 32, d, 0.0)  # d's first half: another direction
+    np.testing.assert_allclose([r["half"] for r in rows], xr @ half
+                               / np.linalg.norm(xr, axis=-1) / np.linalg.norm(half), atol=2e-3)
+    pos = np.array([r["position"] for r in per_row])
+    dr = np.cos(np.arange(64)[None, :] + pos[:, None])
+    np.testing.assert_allclose([r["c"] for r in per_row], (xr * dr).sum(-1)
+                               / np.linalg.norm(xr, axis=-1) / np.linalg.norm(dr, axis=-1),
+                               atol=2e-3)
+    # A table that holds three directions: a query with one passes, and one whose rows each
+    # need their own is told that a direction was forgotten.
+    monkeypatch.setattr(aggregates.DirectionTable, "MAX_BYTES", 3 * 64 * 4)
+    with actdb.connect(family_store("gpt2"), device="cpu") as db:
+        again = fetch(db, q, {"d": direction})
+        assert [r["c"] for r in again] == [r["c"] for r in rows]
+        with pytest.raises(actdb.QueryError, match="forgotten"):
+            db.sql("SELECT cosine_to(vec, [cos(i + position) FOR i IN range(64)]) "
+                   "FROM acts WHERE site = 'blocks.1.ln1'").fetchall()
+
+
 def test_lists_with_null_entries_skip_them(reference, family_store):
     """NULL handles in a list (a CASE without ELSE, an outer join) are skipped, and every other
     handle keeps its exact row: lists of one real vector among NULLs, and of several."""

@@ -671,12 +671,16 @@ def test_zero_vector_gives_null(zero_store):
                    cosine_to_anchor(vec, ' the', 'embed') AS cte,
                    uniform_angle(vec) AS ua, rotation_angle(vec) AS rot,
                    cosine(vec, vec) AS c, angle(vec, vec) AS a,
-                   top_dims(vec, 2) AS td, nearest_anchors(vec, 2) AS na
+                   top_dims(vec, 2) AS td, nearest_anchors(vec, 2) AS na,
+                   cosine_to(vec, [1 - i % 3 FOR i IN range(64)]) AS ct,
+                   cosine_to(vec, [1 - (i + position) % 3 FOR i IN range(64)]) AS ct_rows,
+                   project(vec, [1 - i % 3 FOR i IN range(64)]) AS pr
             FROM acts WHERE prompt_id = 0 AND site = 'blocks.0.ln1' ORDER BY position""")
-        nullable = ("dc", "cta", "cte", "ua", "rot", "c", "a", "td", "na")
+        nullable = ("dc", "cta", "cte", "ua", "rot", "c", "a", "td", "na", "ct", "ct_rows")
         zero = rows[0]
         assert zero["position"] == 0
         assert zero["norm"] == 0 and zero["n"] == 0
+        assert zero["pr"] == 0.0  # a zero vector's projection is 0, not NULL
         assert zero["l"] == [0.0] * 64
         for k in nullable:
             assert zero[k] is None, f"{k} of a zero vector is {zero[k]!r}, not NULL"

@@ -14,8 +14,9 @@ from duckdb.func import FunctionNullHandling, PythonUDFType
 from ..errors import ActdbError
 from ..lazy import lazy_module
 from . import handles as H
+from .aggregates import Directions, DirectionTable
 from .bulk import BulkEvaluator
-from .functions import ANCHORS, DIRECTION, REGISTRY, TOKEN, VEC, VECS, TensorFunction
+from .functions import ANCHORS, DIRECTION, REGISTRY, TOKEN, VEC, VECS, TensorFunction, direction_udf
 from .kernels import Arg
 from .lists import ListResults
 from .sandbox import TABLE_FUNCTIONS
@@ -60,14 +61,16 @@ def _arrow_type(sql: str) -> pa.DataType:
     return pa.list_(pa.struct([(f.split()[0], kinds[f.split()[1]]) for f in fields]))
 
 
-def _args(columns: list[pa.Array], kinds: list[str], n: int | None = None) -> list[Any]:
+def _args(columns: list[pa.Array], kinds: list[str], directions: DirectionTable,
+          n: int | None = None) -> list[Any]:
     """The kernel's arguments from the UDF's argument columns other than the vectors (a
-    packed token column is two of them: its text and its SQL type; a direction column goes
-    as it is, aggregates.Directions reads it); `n`: each column holds one row, for n rows."""
+    packed token column is two of them: its text and its SQL type; a direction column holds
+    ids in `directions`); `n`: each column holds one row, for n rows."""
     out: list[Any] = []
     for a, kind in zip(columns, kinds, strict=True):
         if kind == DIRECTION:
-            out.append(a)
+            ids = a.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+            out.append(Directions(ids if n is None else np.repeat(ids, n), directions))
         elif kind == TOKEN:
             out += Arg.tokens(a) if n is None else Arg.repeat_tokens(a, n)
         else:
@@ -96,20 +99,20 @@ def _drop_nulls(arrays: tuple[pa.Array, ...]) -> tuple[tuple[pa.Array, ...], np.
 
 
 def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
-              bulk: list[BulkEvaluator]) -> Callable[..., pa.Array]:
+              bulk: list[BulkEvaluator], directions: DirectionTable) -> Callable[..., pa.Array]:
     kinds = [p.kind for p in fn.params]
     scalar = fn.returns in _SCALARS
     out_type = _arrow_type(fn.returns)
     assert fn.kernel is not None
     kernel = fn.kernel
     evaluator: BulkEvaluator | None = None
-    if kinds.count(VEC) == 1 and not {VECS, DIRECTION} & set(kinds):
+    if kinds.count(VEC) == 1 and VECS not in kinds:
         # A function of one vector and constant-able arguments: bulk-evaluated (bulk.py).
         others = [k for k in kinds if k != VEC]
         evaluator = BulkEvaluator(
             src, kernel, scalar=scalar, vec_at=kinds.index(VEC),
-            convert=lambda columns: _args(columns, others),
-            broadcast=lambda columns, n: _args(columns, others, n),
+            convert=lambda columns: _args(columns, others, directions),
+            broadcast=lambda columns, n: _args(columns, others, directions, n),
             list_type=None if scalar else out_type,
             max_rows=BULK_ROWS if scalar else BULK_LIST_ROWS,
             cache_rows=BULK_CACHE_ROWS if scalar else BULK_LIST_CACHE_ROWS,
@@ -128,7 +131,7 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
             else:
                 columns.append(a)
                 column_kinds.append(kind)
-        rest = _args(columns, column_kinds)
+        rest = _args(columns, column_kinds, directions)
         n = len(arrays[0])
         out: Any = np.full(n, np.nan) if scalar else ListResults(n)
         kernel(src, *vecs, out, *rest)
@@ -227,6 +230,7 @@ class Functions:
         # The bulk evaluators of the functions of one vector registered so far (their
         # counters are the session's stats).
         self.bulk: list[BulkEvaluator] = []
+        self.directions = DirectionTable()  # the FLOAT[] directions its queries pass
 
     def register(self, names: Iterable[str], tables: Iterable[str] = ()) -> None:
         """Register the tensor functions among `names` (lower case) not registered yet, and
@@ -241,10 +245,18 @@ class Functions:
                 if fn is None:
                     continue
                 self._src.read_vocabularies()  # what the UDFs read, while the connection is free
+                if DIRECTION in (p.kind for p in fn.params) and "_direction" not in self._udfs:
+                    self._con.create_function(  # constants are folded: one call a query
+                        direction_udf(self._session), self.directions.ids,
+                        [_sqltype(self._con, "FLOAT[]")], _sqltype(self._con, "BIGINT"),
+                        type=PythonUDFType.ARROW, null_handling=FunctionNullHandling.SPECIAL,
+                        side_effects=False,
+                    )
+                    self._udfs.add("_direction")
                 if fn.kernel is not None and name not in self._udfs:
                     self._con.create_function(
                         fn.udf_name(self._session),
-                        _make_udf(fn, self._src, self._box, self.bulk),
+                        _make_udf(fn, self._src, self._box, self.bulk, self.directions),
                         [_sqltype(self._con, t) for t in fn.udf_params()],
                         _sqltype(self._con, fn.returns), type=PythonUDFType.ARROW,
                         null_handling=FunctionNullHandling.SPECIAL, side_effects=False,

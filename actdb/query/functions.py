@@ -63,7 +63,7 @@ class TensorFunction:
         """SQL types of the internal UDF's parameters (a token is its SQL type and its text,
         packed into one string: `token_sql`)."""
         return [{VEC: "BIGINT", VECS: "BIGINT[]", TOKEN: "VARCHAR", INT: "BIGINT",
-                 ANCHORS: "VARCHAR", DIRECTION: "FLOAT[]"}[p.kind] for p in self.params]
+                 ANCHORS: "VARCHAR", DIRECTION: "BIGINT"}[p.kind] for p in self.params]
 
     def macro_sql(self, session: str) -> str:
         """CREATE MACRO with one overload per accepted arity."""
@@ -81,8 +81,8 @@ class TensorFunction:
                         args.append(token_sql(p.name))
                     elif p.kind == ANCHORS:
                         args.append(f"CAST({p.name} AS VARCHAR)" if given else "''")
-                    elif p.kind == DIRECTION:
-                        args.append(f"CAST({p.name} AS FLOAT[])")
+                    elif p.kind == DIRECTION:  # its id (aggregates.DirectionTable)
+                        args.append(f"{direction_udf(session)}(CAST({p.name} AS FLOAT[]))")
                     elif p.kind == INT and not given:
                         args.append("0::BIGINT")  # 0: the kernel's default
                     else:
@@ -90,6 +90,12 @@ class TensorFunction:
                 body = f"{self.udf_name(session)}({', '.join(args)})"
             overloads.append(f"({', '.join(names)}) AS {body}")
         return f"CREATE OR REPLACE TEMP MACRO {self.name}{', '.join(overloads)}"
+
+
+def direction_udf(session: str) -> str:
+    """The UDF that gives a FLOAT[] direction its id (aggregates.DirectionTable): a function
+    of a direction gets the id, so the list is not copied into every row DuckDB hands it."""
+    return f"_actdb_direction_{session}"
 
 
 def token_sql(name: str) -> str:

@@ -19,7 +19,7 @@ from ..lazy import lazy_module
 from ..store.records import ModelRecord, SiteRecord
 from ..store.store import Store
 from . import handles as H
-from .dots import row_dots, tree_sum, unit_rows
+from .dots import tree_sum, unit_rows
 from .threads import READAHEAD_CHUNKS
 
 if TYPE_CHECKING:
@@ -455,9 +455,12 @@ class VectorSource:
         3x faster than torch's three passes). Without the compiled module, torch converts
         each piece to float32 in a small scratch buffer that stays in cache, multiplies and
         sums row by row (the same values up to float32 rounding).
+
+        On the CPU whatever the device, and returned there: one product a row is bound by
+        reading the stored bytes, and copying them to a GPU is one more pass over them on the
+        host (docs/ENGINE.md, "Where a function computes").
         """
-        if self.device.type != "cpu":
-            return row_dots((g.direction if at is None else g.direction[at]).float(), v)
+        v = v.cpu()
         rows, heads = (g.rows, g.heads) if at is None else (g.rows[at], g.heads[at])
         n, d = len(rows), g.site.d
         out = torch.empty(n, dtype=torch.float32)  # whatever a notebook set as torch's default
