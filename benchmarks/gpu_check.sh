@@ -13,7 +13,10 @@
 #    test runs in-process computes on the GPU and is checked against its float64 reference.
 # 3. `benchmarks/run.py --device cpu --only ingest`: the ingest against its forward pass on the
 #    host's CPUs, a machine with more cores than the two the CPU figures come from.
-# Each step has a time limit (BENCH_S, TESTS_S, CPU_S seconds), so the call ends inside its lease.
+# 4. `benchmarks/ingest_phases.py --device cuda --timeline`: where a GPU ingest's time goes,
+#    step by step and by thread, for one prompt (its fixed costs) and for 32.
+# Each step has a time limit (BENCH_S, TESTS_S, CPU_S, PHASES_S seconds), so the call ends
+# inside its lease.
 set -u
 OUT=${OUT:-/tmp/actdb-gpu}
 PY=${PY:-python3}
@@ -22,6 +25,7 @@ SCALE=${SCALE:-medium}
 BENCH_S=${BENCH_S:-240}  # 102 s on an H100 machine (2026-11-26), 176 s (2026-11-27)
 TESTS_S=${TESTS_S:-260}  # 13 modules: 97% in 130 s with 12 workers there; 15: 100% at 200 s
 CPU_S=${CPU_S:-120}     # 0 skips step 3
+PHASES_S=${PHASES_S:-90}  # 0 skips step 4
 WORKERS=${WORKERS:-12}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -60,11 +64,22 @@ if [ "$CPU_S" -gt 0 ]; then
     echo "cpu ingest: exit $? after $(( $(date +%s) - start )) s"
 fi
 
+if [ "$PHASES_S" -gt 0 ]; then
+    start=$(date +%s)
+    for n in 1 32; do
+        timeout "$PHASES_S" $PY benchmarks/ingest_phases.py --device "$DEVICE" --prompts "$n" \
+            --repeats 3 --timeline --workdir /tmp/actdb-phases >"$OUT/phases-$n.txt" 2>&1
+    done
+    echo "phases: exit $? after $(( $(date +%s) - start )) s"
+fi
+
 echo "--- benchmark summary"
 sed -n '/^## Summary/,/^## 1\./p' "$OUT/BENCHMARKS-$DEVICE.md" 2>/dev/null | head -40
 grep -A3 "(failed)" "$OUT/BENCHMARKS-$DEVICE.md" 2>/dev/null | head -20
 echo "--- cpu ingest"
 grep -E "^\| 1\. Ingest" "$OUT/BENCHMARKS-cpu-ingest.md" 2>/dev/null | head -5
+echo "--- ingest phases (one prompt)"
+head -16 "$OUT/phases-1.txt" 2>/dev/null
 echo "--- tests"
 echo "$(grep -c '] PASSED ' "$OUT/tests.log") passed, $(grep -c '] SKIPPED ' "$OUT/tests.log") skipped"
 grep -E "\] (FAILED|ERROR) |^(FAILED|ERROR) | passed| failed" "$OUT/tests.log" | cut -c1-200 | tail -45
