@@ -37,7 +37,8 @@ def _human(n: float) -> str:
 
 @contextmanager
 def _errors(ctx: click.Context) -> Iterator[None]:
-    """ActdbError -> one sentence and exit 1 (or the traceback with --debug)."""
+    """ActdbError -> one sentence and exit 1 (or the traceback with --debug); Ctrl-C -> exit
+    130, as a shell gives (an ingest says first what it saved: _interrupted)."""
     try:
         yield
     except ActdbError as e:
@@ -45,6 +46,11 @@ def _errors(ctx: click.Context) -> Iterator[None]:
             raise
         text = e.with_caret() if isinstance(e, QuerySyntaxError) else str(e)
         raise click.ClickException(text) from None
+    except KeyboardInterrupt:
+        if ctx.obj and ctx.obj.get("debug"):
+            raise
+        click.echo("\ninterrupted", err=True)
+        raise SystemExit(130) from None
 
 
 def _shard_option(ctx: click.Context, param: click.Parameter, value: str | None

@@ -72,7 +72,10 @@ def test_duckdb_fetch_names(db: actdb.Database) -> None:
     assert arrays["position"].tolist() == [e[1] for e in expected]
     assert db.sql(q).limit(3).fetchall() == expected[:3]
     assert db.sql(q).limit(2, offset=1).fetchall() == expected[1:3]
-    assert db.sql(q).torch()["position"].tolist() == [e[1] for e in expected]
+    numbers = db.sql(q.replace(", token", "")).torch()
+    assert numbers["position"].tolist() == [e[1] for e in expected]
+    with pytest.raises(actdb.QueryError, match="column 'token' holds"):
+        db.sql(q).torch()  # text is no tensor: refused, as DuckDB does, not left out
     try:
         import polars  # noqa: F401
     except ImportError:
@@ -80,6 +83,39 @@ def test_duckdb_fetch_names(db: actdb.Database) -> None:
             db.sql(q).pl()
     else:
         assert db.sql(q).pl().height == len(expected)
+
+
+def test_torch_gives_vectors_and_lists_as_tensors(db: actdb.Database, store: Path) -> None:
+    """`.torch()` of a `vec` column (and a view) is the vectors [N, d], not their handles; of a
+    list column [N, L]; `db.vectors` takes a list column too (a vector a query computed)."""
+    q = ("SELECT prompt_id, position, vec, normed(vec) AS y, to_list(vec) AS l FROM acts "
+         "WHERE site = 'final' ORDER BY prompt_id, position")
+    t = db.sql(q).torch()
+    n = len(t["position"])
+    assert t["vec"].shape == t["y"].shape == t["l"].shape and t["vec"].shape[0] == n
+    assert t["vec"].dtype == torch.float32
+    rows = db.sql("SELECT min(prompt_id), count(*) FROM acts WHERE site = 'final'").fetchone()
+    assert rows == (0, n)
+    # the final site's rows in the store's order are the query's (prompts ingested in order)
+    want = zarr_vectors(db, store, "final", n)
+    np.testing.assert_allclose(t["vec"].double().numpy(), want, rtol=2e-3,
+                               atol=2e-3 * np.abs(want).max())
+    assert torch.equal(t["l"], t["vec"])
+    assert torch.equal(t["y"], db.vectors(q.replace("vec, normed(vec) AS y", "normed(vec)")
+                                          .replace(", to_list(vec) AS l", "")
+                                          .replace("prompt_id, position, ", "")))
+    assert torch.equal(db.vectors(q.replace("vec, normed(vec) AS y, to_list(vec) AS l",
+                                            "to_list(vec)").replace("prompt_id, position, ",
+                                                                    "")), t["vec"])
+    delta = db.sql("SELECT delta(vec) AS d FROM acts WHERE role = 'pre_attn' "
+                   "ORDER BY prompt_id, position, layer").fetchall()
+    got = db.vectors("SELECT delta(vec) FROM acts WHERE role = 'pre_attn' "
+                     "ORDER BY prompt_id, position, layer")
+    assert got.shape == (len(delta), len(delta[0][0]))
+    np.testing.assert_array_equal(got.numpy(), np.array([d for (d,) in delta], np.float32))
+    with pytest.raises(actdb.QueryError, match="lists of 1 to 2 values"):
+        db.sql("SELECT CASE WHEN position = 0 THEN [1.0, 2.0] ELSE [1.0] END::FLOAT[] AS l "
+               "FROM tokens").torch()
 
 
 def test_show_prints_preview(db: actdb.Database, capsys: pytest.CaptureFixture[str]) -> None:

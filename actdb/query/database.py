@@ -20,14 +20,16 @@ from ..store.verify import verify as verify_store
 from . import plan, sandbox
 from .execute import ErrorBox, prepare
 from .functions import describe as describe_functions
-from .result import Result, translate
+from .result import Result, column_values, handle_values, interrupted, translate
 from .tables import TableLike, check_name, load_table
 from .threads import DUCKDB_THREADS, torch_threads
 from .vectors import VectorSource
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     import torch
 else:
+    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
     torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
 if TYPE_CHECKING:
@@ -125,8 +127,10 @@ class Database:
         if self._cluster is not None:
             from . import distributed
 
-            return distributed.run(self, self._cluster, query, runnable, params,
-                                   lambda text: self._run(text, params, query))
+            result = distributed.run(self, self._cluster, query, runnable, params,
+                                     lambda text: self._run(text, params, query))
+            result.gather = self._gather
+            return result
         return self._run(runnable, params, query)
 
     def _run(self, runnable: str, params: dict[str, Any] | list[Any] | None, query: str
@@ -137,9 +141,16 @@ class Database:
             rel = _relation(self.con, runnable, params)
         except duckdb.Error as e:
             raise translate(e, self._box) from None
+        except RuntimeError as e:
+            raise interrupted(e) from None
         if rel is None:
             raise QueryError("the statement returns no rows")
-        return Result(rel, self._box, query)
+        return Result(rel, self._box, query, self._gather)
+
+    def _gather(self, handles: np.ndarray, what: str) -> torch.Tensor:
+        """The vectors of `handles` [n, d] float32 on the device (Result.torch)."""
+        with torch_threads(1):
+            return self.source.gather(handles, self.device, what)
 
     def vectors(self, query: str, *, params: dict[str, Any] | list[Any] | None = None
                 ) -> torch.Tensor:
@@ -149,11 +160,14 @@ class Database:
         if table.num_columns != 1 and "vec" not in table.column_names:
             raise QueryError("vectors() needs a query with a 'vec' column or a single column")
         col = table.column(column)
-        if col.null_count:
-            raise QueryError(f"column {column!r} holds NULL handles")
-        handles = col.to_numpy().astype(np.int64)
-        with torch_threads(1):
-            return self.source.gather(handles, self.device, "vectors() rows")
+        if pa.types.is_integer(col.type):
+            return self._gather(handle_values(col, column), "vectors() rows")
+        # a vector the query computed (`delta(vec)`, `mean_vector(...)`): its lists
+        x = column_values(col, column, "vectors()")
+        if x.ndim != 2:
+            raise QueryError(f"vectors() needs vec handles or lists of numbers; column "
+                             f"{column!r} holds {col.type} values")
+        return torch.from_numpy(x.astype(np.float32)).to(self.device)
 
     def register(self, name: str, table: TableLike) -> None:
         """Add a named, read-only table that queries can join, e.g. labels for prompts.

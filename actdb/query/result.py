@@ -14,8 +14,16 @@ from .execute import ErrorBox
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    import pyarrow.compute as pc
+    import torch
 else:
     pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
+    pc = lazy_module("pyarrow.compute")
+    torch = lazy_module("torch")
+
+# The vectors of handles [n] as float32 [n, d] on the database's device (views applied);
+# `what` names the rows in errors (VectorSource.gather).
+Gather = Callable[[np.ndarray, str], Any]
 
 T = TypeVar("T")
 
@@ -31,10 +39,12 @@ class Result:
     PREVIEW_ROWS = 10
     note: str | None = None  # how a cluster ran the query (distributed.py), else None
 
-    def __init__(self, relation: duckdb.DuckDBPyRelation, box: ErrorBox, query: str) -> None:
+    def __init__(self, relation: duckdb.DuckDBPyRelation, box: ErrorBox, query: str,
+                 gather: Gather | None = None) -> None:
         self._rel = relation
         self._box = box
         self.query = query
+        self.gather = gather  # the database's vectors of handles, for `.torch()`
         self._table: pa.Table | None = None  # the rows, once computed
         self._cursor = 0  # fetchone's position in them
 
@@ -48,6 +58,8 @@ class Result:
             return fetch()
         except duckdb.Error as e:
             raise translate(e, self._box) from None
+        except RuntimeError as e:
+            raise interrupted(e) from None
 
     def _rows(self) -> pa.Table:
         """The whole result as Arrow, computed on first use and kept (tensor functions are
@@ -115,16 +127,29 @@ class Result:
                                      strict=True)}
 
     def torch(self) -> dict[str, Any]:
-        """Numeric columns as a dict of torch tensors (DuckDB's `.torch()`)."""
-        import torch
+        """Every column as a torch tensor (DuckDB's `.torch()`): numbers and booleans [N]; a
+        `vec` column (or a view of it) the vectors [N, d] in float32, as `db.vectors` gives
+        them, on the database's device; a list column of numbers (`to_list`, `delta`,
+        `mean_vector`) [N, L] when every row holds L of them. Any other column (text,
+        structs) is a QueryError naming it, as in DuckDB, where it used to be left out."""
+        from .export import handle_columns
 
-        arrays = self.fetchnumpy()
-        return {name: torch.from_numpy(np.array(values)) for name, values in arrays.items()
-                if values.dtype.kind in "biuf"}
+        table = self._rows()
+        handles = set(handle_columns(self))
+        out = {}
+        for name, col in zip(table.column_names, table.columns, strict=True):
+            if name in handles:
+                if self.gather is None:
+                    raise QueryError(f"column {name!r} holds vec handles, and this result "
+                                     "has no store to read their vectors from")
+                out[name] = self.gather(handle_values(col, name), f"column {name!r}")
+            else:
+                out[name] = torch.from_numpy(column_values(col, name, "torch()"))
+        return out
 
     def limit(self, n: int, offset: int = 0) -> Result:
         """The first `n` rows (after `offset`), as a new lazy Result."""
-        return Result(self._rel.limit(n, offset), self._box, self.query)
+        return Result(self._rel.limit(n, offset), self._box, self.query, self.gather)
 
     def show(self) -> None:
         """Print the first rows and the row count."""
@@ -147,6 +172,8 @@ class Result:
             yield from reader
         except duckdb.Error as e:
             raise translate(e, self._box) from None
+        except RuntimeError as e:
+            raise interrupted(e) from None
 
     def __repr__(self) -> str:
         from .display import text_preview
@@ -156,6 +183,41 @@ class Result:
         except Exception as e:  # noqa: BLE001 - a repr must not raise; say what went wrong
             return f"<actdb.Result columns={self.columns}: {e}>"
         return text_preview(table.slice(0, self.PREVIEW_ROWS), table.num_rows, self.columns)
+
+
+def handle_values(col: pa.ChunkedArray, name: str) -> np.ndarray:
+    """A column of vec handles as int64, refusing NULLs."""
+    if col.null_count:
+        raise QueryError(f"column {name!r} holds NULL handles; filter them out first")
+    return col.to_numpy().astype(np.int64)
+
+
+def column_values(col: pa.ChunkedArray, name: str, what: str) -> np.ndarray:
+    """A column as a NumPy array a tensor can take: numbers and booleans [N] (NaN for NULL in
+    a float column), or a list column of numbers [N, L] when every row holds L of them."""
+    t = col.type
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        inner = t.value_type
+        if not (pa.types.is_integer(inner) or pa.types.is_floating(inner)):
+            raise QueryError(f"{what}: column {name!r} holds lists of {inner}, which a tensor "
+                             "cannot hold")
+        if col.null_count:
+            raise QueryError(f"{what}: column {name!r} holds NULL lists; filter them out first")
+        lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+        if len(lengths) and not np.all(lengths == lengths[0]):
+            raise QueryError(f"{what}: column {name!r} holds lists of {int(lengths.min())} to "
+                             f"{int(lengths.max())} values; a tensor needs the same length on "
+                             "every row")
+        flat = pc.list_flatten(col)
+        if flat.null_count:
+            raise QueryError(f"{what}: column {name!r} holds lists with NULL elements")
+        values = flat.to_numpy(zero_copy_only=False)
+        return values.reshape(len(lengths), int(lengths[0]) if len(lengths) else 0)
+    values = np.array(col.to_numpy(zero_copy_only=False))
+    if values.dtype.kind not in "biuf":
+        raise QueryError(f"{what}: column {name!r} holds {t} values, which a tensor cannot "
+                         "hold; select it apart, or use .df() or .arrow()")
+    return values
 
 
 # DuckDB types whose Python values print as their Arrow values do (display._cell)
@@ -173,12 +235,23 @@ def _plain(t: Any) -> bool:
     return t.id in _PLAIN_TYPES
 
 
-def translate(e: duckdb.Error, box: ErrorBox) -> Exception:
-    """The ActdbError a UDF raised, or DuckDB's message as one sentence."""
+def interrupted(e: RuntimeError) -> BaseException:
+    """DuckDB's Python client ends a query that Ctrl-C interrupts with RuntimeError('Query
+    interrupted'): a KeyboardInterrupt, as Python would raise; any other RuntimeError as it is."""
+    return KeyboardInterrupt() if str(e) == "Query interrupted" else e
+
+
+def translate(e: duckdb.Error, box: ErrorBox) -> BaseException:
+    """The ActdbError a UDF raised, or DuckDB's message as one sentence; Ctrl-C (DuckDB's
+    interrupt, or a KeyboardInterrupt inside a UDF, which DuckDB wraps) as KeyboardInterrupt,
+    so that `except QueryError` never swallows it."""
     if box.error is not None:
         err, box.error = box.error, None
         return err
     text = str(e).strip()
+    if isinstance(e, duckdb.InterruptException) or (
+            "executing the UDF: KeyboardInterrupt" in text):
+        return KeyboardInterrupt()
     first = text.splitlines()[0] if text else type(e).__name__
     for prefix in ("Binder Error: ", "Catalog Error: ", "Conversion Error: ",
                    "Invalid Input Error: ", "Parser Error: ", "Out of Range Error: "):
