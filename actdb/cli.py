@@ -234,9 +234,10 @@ def _read_sql(sql: str | None, file: str | None) -> str:
 @click.argument("sql", required=False)
 @click.option("-f", "--file", "sql_file", default=None, metavar="FILE.sql",
               help="Read the SQL from this file (- for standard input).")
-@click.option("--format", "fmt", default="table", show_default=True,
+@click.option("--format", "fmt", default=None,
               type=click.Choice(["table", "csv", "json", "parquet"]),
-              help="json is JSON Lines: one object per row.")
+              help="json is JSON Lines: one object per row. Default: from -o's extension "
+                   "(.csv, .json, .jsonl, .parquet), else table.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Write to this file instead of stdout (required for parquet).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:i.")
@@ -249,8 +250,8 @@ def _read_sql(sql: str | None, file: str | None) -> str:
               help="Run the query on Dask: a scheduler address, or local:N to start N worker "
                    "processes here. What does not split runs here, with a note on stderr.")
 @click.pass_context
-def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None, fmt: str,
-          output: Path | None, device: str, params: tuple[str, ...],
+def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
+          fmt: str | None, output: Path | None, device: str, params: tuple[str, ...],
           tables: tuple[str, ...], cluster: str | None) -> None:
     """Run a read-only SQL query (DuckDB dialect) with the tensor functions.
 
@@ -272,6 +273,8 @@ def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
     from . import connect
     from .query.output import check_output, write_result
 
+    if fmt is None:
+        fmt = _FORMAT_OF.get(output.suffix.lower(), "table") if output is not None else "table"
     if fmt == "parquet" and output is None:
         raise click.UsageError("parquet output needs -o FILE")
     bound = dict(_parse_param(p) for p in params) if params else None
@@ -286,6 +289,10 @@ def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
             write_result(result, fmt, output)
             if result.note is not None and not result.note.startswith("split"):
                 click.echo(f"note: {result.note}", err=True)
+
+
+# `query -o FILE` without --format: the format its extension names
+_FORMAT_OF = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 def _parse_table(text: str) -> tuple[str, Path]:
@@ -336,8 +343,12 @@ def export(ctx: click.Context, store: str, sql: str | None, sql_file: str | None
     bound = dict(_parse_param(p) for p in params) if params else None
     with _errors(ctx), connect(store, device=device) as db:
         done = db.export(sql, output, params=bound)
-    click.echo(f"wrote {done.rows} vectors of d={done.d} with {len(done.columns)} other columns "
-               f"to {output}")
+    beside = f" with {len(done.columns)} other columns" if done.columns else ""
+    click.echo(f"wrote {done.rows} vectors of d={done.d}{beside} to {output}")
+    if done.left_out:
+        click.echo(f"note: {output.suffix} holds the matrix alone; the query's other columns "
+                   f"({', '.join(done.left_out)}) were not written: export to .parquet or "
+                   ".safetensors to keep them", err=True)
 
 
 @cli.command()

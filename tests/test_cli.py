@@ -451,11 +451,14 @@ def test_query_table(gpt2_store: Path, expected: pd.DataFrame) -> None:
     assert len(lines) == 1 + len(expected)
 
 
+@pytest.mark.parametrize("given", [True, False], ids=["--format", "from-extension"])
 @pytest.mark.parametrize("fmt", ["parquet", "csv", "json"])
 def test_query_to_file(gpt2_store: Path, expected: pd.DataFrame, tmp_path: Path,
-                       fmt: str) -> None:
+                       fmt: str, given: bool) -> None:
+    """-o FILE in the format --format names, or, without it, the one FILE's extension names
+    (it wrote the table format into out.csv)."""
     out = tmp_path / f"out.{fmt}"
-    result = run("query", gpt2_store, QUERY, "--format", fmt, "-o", out,
+    result = run("query", gpt2_store, QUERY, *(("--format", fmt) if given else ()), "-o", out,
                  "-p", "p=1", "-p", "s=final")
     assert result.exit_code == 0, result.stderr
     assert result.stdout == ""

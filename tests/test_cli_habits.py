@@ -137,6 +137,15 @@ def test_export_command_writes_what_db_vectors_reads(store: Path, tmp_path: Path
                                   ref)
     out = run("export", store, sql, "-o", tmp_path / "v.npy")
     np.testing.assert_array_equal(np.load(tmp_path / "v.npy"), ref)
+    # .npy holds the matrix alone: said, not claimed written (it said "with 2 other columns")
+    assert f"wrote {len(ref)} vectors of d=64 to" in out.stdout
+    assert "(prompt_id, position) were not written" in out.stderr
+    out = run("export", store, sql, "-o", tmp_path / "v.safetensors")
+    assert out.returncode == 0 and "with 2 other columns" in out.stdout
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("v.parquet", "v.npy", "v.safetensors"):  # one mode for every format
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
     bad = run("export", store, "SELECT layer FROM acts", "-o", tmp_path / "n.parquet")
     assert bad.returncode == 1 and "export needs a query selecting vec" in bad.stderr
 

@@ -176,8 +176,9 @@ def test_safetensors_and_npy_exports(db: actdb.Database, tmp_path: Path) -> None
     eps = db.sql("SELECT eps FROM sites WHERE site = 'blocks.0.ln1'").fetchone()[0]  # type: ignore[index]
     z = raw / np.sqrt((raw ** 2).mean(-1, keepdims=True) + eps)
     np.testing.assert_allclose(f["vec"], z, rtol=1e-4, atol=1e-5)
-    db.export(q, tmp_path / "z.npy")
+    done = db.export(q, tmp_path / "z.npy")
     np.testing.assert_array_equal(np.load(tmp_path / "z.npy"), ref)
+    assert done.columns == [] and done.left_out == ["prompt_id", "position"]
     with pytest.raises(actdb.QueryError, match="column 'token' is string"):
         db.export(FINAL, tmp_path / "t.safetensors")
     with pytest.raises(actdb.QueryError, match="must end in .parquet, .npy, .safetensors"):

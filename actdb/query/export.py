@@ -40,6 +40,7 @@ class Exported:
     rows: int
     d: int
     columns: list[str]  # the other columns written beside `vec`
+    left_out: list[str]  # the query's other columns the format cannot hold (.npy: all)
 
 
 def handle_columns(result: Result) -> list[str]:
@@ -110,9 +111,10 @@ def export(db: Database, query: str, path: str | os.PathLike[str], *,
         rows, d = _write_parquet(batches, out)
     elif suffix == ".npy":
         rows, d = _write_npy(batches, out)
+        return Exported(path=str(out), rows=rows, d=d, columns=[], left_out=others)
     else:
         rows, d = _write_safetensors(batches, out, others)
-    return Exported(path=str(out), rows=rows, d=d, columns=others)
+    return Exported(path=str(out), rows=rows, d=d, columns=others, left_out=[])
 
 
 def _vec_column(result: Result) -> str:
@@ -217,4 +219,7 @@ def _write_safetensors(batches: Iterator[tuple[pa.RecordBatch, np.ndarray]], out
     tensors = {"vec": np.concatenate(parts)}
     tensors.update({name: np.concatenate(v) for name, v in columns.items()})
     save_file(tensors, str(out), metadata={"columns": json.dumps(others), "source": "actdb"})
+    umask = os.umask(0)  # read back: the file gets the mode every other export's gets
+    os.umask(umask)
+    os.chmod(out, 0o666 & ~umask)  # safetensors makes its file private (0600)
     return len(tensors["vec"]), tensors["vec"].shape[1]
