@@ -157,6 +157,8 @@ def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
             s = run_ingest(store, progress=show, on_plan=announce, **kw)
         except KeyboardInterrupt:
             _interrupted(store, planned[0] if planned else None)
+    for warning in s.warnings:
+        click.echo(f"note: {warning}", err=True)
     if quiet:
         return
     if s.note:

@@ -570,6 +570,26 @@ def test_ingest_jsonl_extra_fields_become_columns(tmp_path: Path, gpt2_dir: Path
     with actdb.connect(store, device="cpu") as db:
         rows = db.sql("SELECT text, label, score FROM prompts ORDER BY text").fetchall()
     assert rows == [("The cat sat down.", "neg", 5), ("The sky is blue.", "pos", 3)]
+    assert "note:" not in result.stderr
+    again = ingest_cli(store, gpt2_dir, prompts)  # a resume: the same fields, nothing said
+    assert again.exit_code == 0 and "note:" not in again.stderr, again.stderr
+    # Fields the store will not hold are said (they were dropped in silence): a stored
+    # prompt's other label and a new field of it, and a text repeated with other fields.
+    changed = write(tmp_path / "p2.jsonl", "\n".join(json.dumps(r) for r in [
+        {"text": "The sky is blue.", "label": "neg", "score": 3, "topic": "sky"},
+        {"text": "A new one.", "label": "x"},
+        {"text": "A new one.", "label": "y"},
+    ]) + "\n")
+    said = ingest_cli(store, gpt2_dir, changed)
+    assert said.exit_code == 0, said.stderr
+    assert "note: prompts already in the store keep the fields they were stored with; this " \
+           "input gives other values for label (1 prompt), topic (1 prompt)" in said.stderr
+    assert "note: 1 prompts repeat an earlier prompt's text with other fields (first: " \
+           "'A new one.')" in said.stderr
+    with actdb.connect(store, device="cpu") as db:
+        rows = db.sql("SELECT text, label FROM prompts ORDER BY text").fetchall()
+        assert "topic" not in db.sql("SELECT * FROM prompts").columns
+    assert rows == [("A new one.", "x"), ("The cat sat down.", "neg"), ("The sky is blue.", "pos")]
 
 
 def test_ingest_from_stdin(tmp_path: Path, gpt2_dir: Path) -> None:

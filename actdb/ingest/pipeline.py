@@ -42,7 +42,14 @@ from .logits import (
     model_logits,
 )
 from .progress import progress_bar
-from .prompts import Prompt, PromptsLike, apply_chat_template, extra_columns, read_prompts
+from .prompts import (
+    Prompt,
+    PromptsLike,
+    apply_chat_template,
+    column_value,
+    extra_columns,
+    read_prompts,
+)
 from .rows import Work, batch_tables
 from .shards import nothing_to_do, parse_shard, plan_shard
 from .sites import FoundSite, find_sites, forward_module, outside_base
@@ -84,6 +91,8 @@ class IngestSummary:
     seconds: float
     max_rel_error: dict[str, float] = field(default_factory=dict)
     note: str | None = None  # a shard with nothing to do says so (and wrote nothing)
+    # what of the input the store does not hold (prompt fields it kept its own for), said
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -212,6 +221,7 @@ def ingest(
             first_recorded = reg.record.logit_max_rel_error is None and (
                 shard_of is None or shard_of[0] == 0)
             work = _plan_work(st, reg.record.model, prompt_list, ids, truncated)
+            warnings = _fields_not_stored(st, prompt_list)
             records = [f.record for f in found]
             if shard_of is not None:
                 if not work:  # no shard catalog: an empty one would block unsharded ingests
@@ -251,7 +261,7 @@ def ingest(
             prompts_new=len(work), prompts_skipped=len(prompt_list) - len(work),
             prompts_truncated=sum(truncated), tokens_written=tokens_todo, sites=len(found),
             bytes_stored=plan.bytes_estimate,
-            seconds=time.perf_counter() - started, max_rel_error=errors,
+            seconds=time.perf_counter() - started, max_rel_error=errors, warnings=warnings,
         )
     finally:  # also when the ingest failed, load's move included
         if frozen:
@@ -521,6 +531,48 @@ def _plan_work(
     if columns:
         st.catalog.add_prompt_columns(columns)
     return work
+
+
+def _fields_not_stored(st: Store, prompts: list[Prompt]) -> list[str]:
+    """Sentences on the input's prompt fields that the store will not hold, each text being
+    one prompt: fields of a text repeated in the input that differ from its first
+    occurrence's, and fields of a prompt already stored that differ from its stored ones (the
+    stored prompt keeps its own). Called after `_plan_work`, so new prompts' columns exist."""
+    first: dict[str, Prompt] = {}
+    repeated = []
+    for p in prompts:
+        f = first.setdefault(p.text, p)
+        if f is not p and dict(p.extra) != dict(f.extra):
+            repeated.append(p)
+    out = []
+    if repeated:
+        out.append(f"{len(repeated)} prompts repeat an earlier prompt's text with other fields "
+                   f"(first: {repeated[0].text[:40]!r}): a text is one prompt, stored with the "
+                   "fields it first came with")
+    with_fields = [p for p in first.values() if p.extra]
+    if not with_fields:
+        return out
+    with st.catalog.session():
+        known = st.catalog.prompt_ids([p.text for p in with_fields])
+        names = sorted({k for p in with_fields for k in p.extra})
+        types = {k.lower(): v for k, v in st.catalog.prompt_columns().items()}
+        stored = st.catalog.prompt_fields(sorted(set(known.values())), names)
+    differ: dict[str, int] = {}
+    for p in with_fields:
+        if p.text not in known:
+            continue
+        have = {k.lower(): v for k, v in stored.get(known[p.text], {}).items()}
+        for k, v in p.extra.items():
+            new = column_value(v, types.get(k.lower(), ""))
+            if new is not None and new != have.get(k.lower()):
+                differ[k] = differ.get(k, 0) + 1
+    if differ:
+        fields = ", ".join(f"{k} ({n} prompt{'s' if n > 1 else ''})"
+                           for k, n in sorted(differ.items()))
+        out.append("prompts already in the store keep the fields they were stored with; this "
+                   f"input gives other values for {fields}: to attach new fields, join a table "
+                   "(actdb query --table, db.register)")
+    return out
 
 
 def _forward_kwargs(model: nn.Module) -> dict[str, Any]:

@@ -586,6 +586,20 @@ class Catalog:
             rows = con.execute("SELECT prompt_id FROM prompt_runs WHERE model = ?", [model])
             return {int(r[0]) for r in rows.fetchall()}
 
+    def prompt_fields(self, prompt_ids: Sequence[int], names: Sequence[str]
+                      ) -> dict[int, dict[str, Any]]:
+        """The stored values of prompt columns `names` (those the store has) for these
+        prompts: {prompt_id: {column: value}}."""
+        have = {n.lower(): n for n in self.prompt_columns()}
+        cols = [have[n.lower()] for n in names if n.lower() in have]
+        if not prompt_ids:
+            return {}
+        select = ", ".join(['prompt_id', *('"' + c.replace('"', '""') + '"' for c in cols)])
+        with self._session() as con:
+            rows = con.execute(f"SELECT {select} FROM prompts WHERE prompt_id IN "
+                               "(SELECT unnest($ids))", {"ids": list(prompt_ids)}).fetchall()
+        return {int(r[0]): dict(zip(cols, r[1:], strict=True)) for r in rows}
+
     def prompt_columns(self) -> dict[str, str]:
         with self._session() as con:
             rows = con.execute(
