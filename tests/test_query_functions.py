@@ -910,6 +910,27 @@ def test_token_strings_resolve_to_the_one_id_that_decodes_to_them(family_store):
             src.resolve_token(model, "a string no vocabulary holds whole", "VARCHAR")
 
 
+def test_a_token_that_is_no_vocabulary_text_is_told_what_to_pass(family_store):
+    """A string the vocabulary does not hold: a lowercasing tokenizer's one token for it is
+    named with its id (the message said "tokenizes as ['the'] (1 tokens)" while refusing
+    'The'); an unknown word is said to be unknown; a token copied from the table output,
+    where a space shows as '␣', is told to write the space."""
+    with actdb.connect(family_store("bert"), device="cpu") as db:
+        tid = db.sql("SELECT token_id FROM vocab WHERE token = 'the'").fetchone()[0]
+        with pytest.raises(actdb.TokenError, match=(
+                rf"'The' is not one token of model 'bert': no token's text is 'The'; the "
+                rf"tokenizer reads it as the one token 'the' \(id {tid}\): pass 'the' or {tid}")):
+            db.sql("SELECT cosine_to_anchor(vec, 'The') FROM acts LIMIT 1").fetchall()
+        assert db.sql("SELECT cosine_to_anchor(vec, 'the') = cosine_to_anchor(vec, $t) "
+                      "FROM acts LIMIT 1", params={"t": tid}).fetchall() == [(True,)]
+        with pytest.raises(actdb.TokenError, match="does not know it"):
+            db.sql("SELECT cosine_to_anchor(vec, '\u00fe') FROM acts LIMIT 1").fetchall()
+    with actdb.connect(family_store("gpt2"), device="cpu") as db:
+        with pytest.raises(actdb.TokenError, match="in the table output '␣' is a space; write "
+                                                   "' the'"):
+            db.sql("SELECT cosine_to_anchor(vec, '␣the') FROM acts LIMIT 1").fetchall()
+
+
 def test_a_cosine_to_the_vectors_own_anchor_stays_a_cosine(family_store):
     """At a Llama-style model's first site the input is the token's embedding row, so its
     cosine with its own `embed` anchor is 1 in float64; the stored float16 direction's length

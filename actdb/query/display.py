@@ -14,12 +14,19 @@ if TYPE_CHECKING:
 else:
     pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
 
-_VISIBLE = ((" ", "␣"), ("\n", "↵"), ("\t", "→"), ("\r", "␍"))
+VISIBLE = ((" ", "␣"), ("\n", "↵"), ("\t", "→"), ("\r", "␍"))
+_NAMES = {" ": "a space", "\n": "a newline", "\t": "a tab", "\r": "a carriage return"}
+
+
+def shown_whitespace(text: str) -> list[str]:
+    """What each mark of whitespace in `text` stands for in the table output ("'␣' is a
+    space"): a token copied from there holds the mark, not the whitespace."""
+    return [f"{mark!r} is {_NAMES[plain]}" for plain, mark in VISIBLE if mark in text]
 
 
 def visible_token(text: str) -> str:
     """A token with its whitespace and unprintable bytes made visible (" Paris" -> "␣Paris")."""
-    for a, b in _VISIBLE:
+    for a, b in VISIBLE:
         text = text.replace(a, b)
     text = "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in text)
     return text or "∅"

@@ -368,6 +368,7 @@ class VectorSource:
         self._dots: OrderedDict[tuple[object, ...], _Dots] = OrderedDict()
         self._dots_rows = 0
         self._token_ids: dict[tuple[int, str, str], int] = {}
+        self._tokenizers: dict[int, Any] = {}  # _tokenizer
         # Where each model's committed rows run without a break: a merged sharded ingest
         # leaves unused rows (maybe without chunks) between shards, never to be read ahead.
         self._segments: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -976,9 +977,21 @@ class VectorSource:
                 f"{value!r} is the text of {len(ids)} tokens of model {model.model!r} (ids "
                 f"{shown}): pass the token id instead")
         how = ""
-        if encoded:
+        unknown = getattr(self._tokenizer(model), "unk_token_id", None) if encoded else None
+        if encoded and len(encoded) == 1 and encoded[0] == unknown:
+            how = ": its tokenizer does not know it (it reads it as its unknown token)"
+        elif encoded and len(encoded) == 1:  # a tokenizer that normalizes (BERT's lowercasing)
+            piece = column[encoded[0]].as_py() if encoded[0] < size else None
+            how = (f": no token's text is {value!r}; the tokenizer reads it as the one token "
+                   f"{piece!r} (id {encoded[0]}): pass {piece!r} or {encoded[0]}")
+        elif encoded:
             pieces = [column[i].as_py() if i < size else str(i) for i in encoded]
             how = f": it tokenizes as {pieces} ({len(encoded)} tokens)"
+        from .display import shown_whitespace
+
+        if shown_whitespace(value):  # copied from the table output, where a space shows as ␣
+            how += (f" (in the table output {', '.join(shown_whitespace(value))}; write "
+                    f"{_unshown(value)!r})")
         raise TokenError(f"{value!r} is not one token of model {model.model!r}{how}")
 
     def _ids_of_string(self, model: ModelRecord, column: pa.Array, value: str) -> list[int]:
@@ -1002,14 +1015,30 @@ class VectorSource:
         same = pc.fill_null(pc.equal(column, pa.scalar(value, pa.string())), False)
         return [int(i) for i in pc.indices_nonzero(same).to_pylist()]
 
-    def _encode(self, model: ModelRecord, text: str) -> list[int] | None:
-        folder = self.store.tokenizer_dir(model.model_id)
-        if not folder.is_dir():
-            return None
-        from transformers import AutoTokenizer
+    def _tokenizer(self, model: ModelRecord) -> Any:
+        """The model's stored tokenizer (None when the store has none), loaded once."""
+        if model.model_id not in self._tokenizers:
+            folder = self.store.tokenizer_dir(model.model_id)
+            tok = None
+            if folder.is_dir():
+                from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(folder))
-        return list(tok(text, add_special_tokens=False)["input_ids"])
+                tok = AutoTokenizer.from_pretrained(str(folder))
+            self._tokenizers[model.model_id] = tok
+        return self._tokenizers[model.model_id]
+
+    def _encode(self, model: ModelRecord, text: str) -> list[int] | None:
+        tok = self._tokenizer(model)
+        return None if tok is None else list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _unshown(text: str) -> str:
+    """`text` with the table output's marks of whitespace turned back into it (display.py)."""
+    from .display import VISIBLE
+
+    for plain, mark in VISIBLE:
+        text = text.replace(mark, plain)
+    return text
 
 
 def _salt(store: Store) -> int:
