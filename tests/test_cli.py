@@ -180,6 +180,16 @@ def test_unknown_function_suggests_close_names(gpt2_store: Path) -> None:
     assert re.search(r"\bcosine\b", line)
 
 
+@pytest.mark.parametrize(("query", "name", "hint"), [
+    ("SELECT layr FROM acts", "layr", 'candidate bindings: "layer"'),
+    ("SELECT * FROM act", "act", 'did you mean "acts"?'),
+])
+def test_a_misspelt_column_or_table_keeps_duckdbs_suggestion(gpt2_store: Path, query: str,
+                                                             name: str, hint: str) -> None:
+    """DuckDB says what it would have taken on a second line; that line was dropped."""
+    error_line(run("query", gpt2_store, query), name, hint)
+
+
 @pytest.mark.parametrize(
     ("call", "name"),
     [

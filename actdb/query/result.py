@@ -266,4 +266,9 @@ def translate(e: duckdb.Error, box: ErrorBox) -> BaseException:
                                   f"{fn.signature}")
     if "Python exception occurred while executing the UDF" in first:
         first = first.split(": ", 1)[-1]
+    # DuckDB's own hint for a misspelt name, on a line of its own: kept
+    hints = [ln.strip() for ln in text.splitlines()[1:]
+             if ln.strip().startswith(("Did you mean", "Candidate bindings:"))]
+    if hints:
+        first = f"{first.rstrip('!')}; {'; '.join(h[0].lower() + h[1:] for h in hints)}"
     return QueryError(first)
