@@ -62,6 +62,17 @@ def test_gguf_paths_that_cannot_load(tmp_path: Path) -> None:
         load(str(tmp_path / "empty"))
 
 
+def test_a_mistyped_model_folder_is_said_to_be_missing(tmp_path: Path, monkeypatch) -> None:
+    """A name that is no path here goes to the hub (offline in tests): the sentence says there
+    is no such folder before the hub's complaint, which alone read as a network problem."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(actdb.ModelLoadError, match="could not load a model config from "
+                       "'nosuch_model_dir': there is no folder or file of that name here, "
+                       "and as a hub model name: "):
+        load("nosuch_model_dir")
+
+
 @pytest.mark.cpu_only  # its map places every module on the CPU, bit for bit as a plain load
 def test_device_map_keeps_hooks_capturing(model_dir: Callable[[str], Path],
                                           tmp_path: Path) -> None:

@@ -118,6 +118,11 @@ def test_torch_gives_vectors_and_lists_as_tensors(db: actdb.Database, store: Pat
                "FROM tokens").torch()
 
 
+def test_a_query_that_is_not_text_is_one_sentence(db: actdb.Database) -> None:
+    with pytest.raises(actdb.QueryError, match="a query is a string of SQL, not NoneType"):
+        db.sql(None)  # type: ignore[arg-type]
+
+
 def test_show_prints_preview(db: actdb.Database, capsys: pytest.CaptureFixture[str]) -> None:
     db.sql("SELECT 1 AS one").show()
     assert "[1 rows x 1 columns]" in capsys.readouterr().out

@@ -90,8 +90,12 @@ def load(
             config = transformers.AutoConfig.from_pretrained(
                 where, revision=revision, **_gguf_kw(gguf))
         except (OSError, ValueError) as e:
+            # A name that is no path here was looked up on the hub: say both, so that a
+            # mistyped folder is not read as a network problem.
+            local = "" if Path(source).expanduser().exists() else (
+                "there is no folder or file of that name here, and as a hub model name: ")
             raise ModelLoadError(
-                f"could not load a model config from {source!r}: {_first_line(e)}"
+                f"could not load a model config from {source!r}: {local}{_first_line(e)}"
             ) from e
         dt = resolve_dtype(dtype, dev, config)
         auto = (transformers.AutoModelForCausalLM if _is_causal(config)

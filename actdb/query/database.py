@@ -118,6 +118,8 @@ class Database:
 
     def sql(self, query: str, *, params: dict[str, Any] | list[Any] | None = None) -> Result:
         """Run a read-only query; `$name` / `?` parameters bind from `params`."""
+        if not isinstance(query, str):
+            raise QueryError(f"a query is a string of SQL, not {type(query).__name__}")
         runnable, calls, tables = plan.check(query, self._parser, self._known)
         try:
             # the tensor functions it calls and the view `acts`, on first use
