@@ -136,6 +136,7 @@ def test_split_rules_give_the_single_process_answer(
     got = dist.sql(query, params=params)
     want = local.sql(query, params=params)
     assert got.note is not None and got.note.startswith("split into"), got.note
+    assert "on 2 workers (2 threads)" in got.note, got.note  # processes, as --help says
     assert got.columns == want.columns
     a, b = got.fetchall(), want.fetchall()
     assert len(a) > 0

@@ -91,6 +91,11 @@ class Cluster:
     def threads(self) -> int:
         return max(1, sum(self.client.nthreads().values()))
 
+    def workers(self) -> str:
+        """The cluster's size in words: its worker processes and their threads."""
+        n = len(self.client.nthreads())
+        return f"{n} worker{'s' if n != 1 else ''} ({self.threads()} threads)"
+
     def close(self) -> None:
         self._dask.close()
 
@@ -149,7 +154,7 @@ def run(db: Database, cluster: Cluster, query: str, runnable: str, params: Any,
     table = _combine(plan, tables, columns, types)
     result = _result(table, query)
     result.note = (f"split into {len(parts)} partitions of acts rows on "
-                   f"{cluster.threads()} worker threads ({plan.kind})")
+                   f"{cluster.workers()} ({plan.kind})")
     return result
 
 
@@ -194,7 +199,7 @@ def _explain_split(plan: Split, parts: list[Partition], cluster: Cluster, query:
     first = parts[0]
     steps = [
         ("split", f"{plan.kind}: {len(parts)} partitions of acts rows (whole chunks) on "
-                  f"{cluster.threads()} worker threads"),
+                  f"{cluster.workers()}"),
         ("partitions", "; ".join(f"{p.model} rows {p.lo}..{p.hi - 1}" for p in parts)),
         ("per partition", plan.partial(first.table())),
         ("combine", plan.combine(len(types), types)
