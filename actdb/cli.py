@@ -370,7 +370,7 @@ def info(ctx: click.Context, store: str) -> None:
     sizes = ", ".join(f"{k} {_human(v)}" for k, v in i.bytes_on_disk.items() if k != "total")
     click.echo(f"store {i.path} (format {i.format_version}): "
                f"{_human(i.bytes_on_disk['total'])} on disk ({sizes})")
-    click.echo(f"{i.n_prompts} prompts, {len(i.models)} models")
+    click.echo(f"{_count(i.n_prompts, 'prompt')}, {_count(len(i.models), 'model')}")
     for m in i.models:
         click.echo(
             f"\nmodel {m['model']!r}: {m['architecture']}, d={m['d_model']}, "
@@ -395,15 +395,25 @@ def _number(v: object) -> float | None:
     return None if v is None or v != v else float(v)  # type: ignore[arg-type]
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 model', '2 models'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _logit_text(m: dict[str, object]) -> str:
     """How the model's logits are made, and how well the store reproduces them."""
     scale, cap = _number(m.get("logit_scale")), _number(m.get("logit_softcap"))
-    formula = "pre" if scale is None else f"{scale:.6g} * pre"
-    if cap is not None:
-        formula = f"{cap:.6g} * tanh({formula} / {cap:.6g})"
+    pre = "W_U . final_norm(x) + b_U"
+    if scale is None and cap is None:
+        formula = pre
+    else:
+        formula = "pre" if scale is None else f"{scale:.6g} * pre"
+        if cap is not None:
+            formula = f"{cap:.6g} * tanh({formula} / {cap:.6g})"
+        formula = f"{formula} with pre = {pre}"
     err = _number(m.get("logit_max_rel_error"))
     proof = "not checked" if err is None else f"max rel err {err:.1e} against the model's own"
-    return f"{formula} with pre = W_U . final_norm(x) + b_U; {proof}"
+    return f"{formula}; {proof}"
 
 
 @cli.command()
@@ -432,7 +442,7 @@ def verify(ctx: click.Context, store: str, full: bool) -> None:
     if full and not checksums:
         note = ("; format 1 store: chunks written by format 1 carry no checksums, so only "
                 "their sizes were checked (ingest into a new store to get them)")
-    click.echo(f"ok: {store} is consistent ({n_models} models{note})")
+    click.echo(f"ok: {store} is consistent ({_count(n_models, 'model')}{note})")
 
 
 @cli.command()

@@ -525,12 +525,16 @@ def test_info_names_model_sites_faithfulness_and_bytes(gpt2_store: Path) -> None
         assert row is not None, f"site {site} missing from:\n{out}"
         assert role in row
         assert re.search(r"\d(\.\d+)?e[-+]\d+", row), f"no faithfulness figure in {row!r}"
+    # GPT-2 has no logit scale or cap: its logits are W_U . final_norm(x) + b_U, said so
+    assert re.search(r"logits: W_U \. final_norm\(x\) \+ b_U; max rel err", out), out
+    assert ", 1 model\n" in out, out
 
 
 def test_verify_good_store(gpt2_store: Path) -> None:
     result = run("verify", gpt2_store)
     assert result.exit_code == 0, result.stderr
     assert "Traceback" not in result.stderr
+    assert "is consistent (1 model" in result.stdout, result.stdout
 
 
 def test_verify_reports_missing_chunk(fresh_store: Path) -> None:

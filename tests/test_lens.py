@@ -409,6 +409,9 @@ def test_directions_reach_their_functions_as_ids(reference, family_store, monkey
         assert sum(calls) == len(per_row)
         assert fetch(db, "SELECT cosine_to(vec, NULL) AS c, project(vec, NULL) AS p FROM acts "
                          "LIMIT 1") == [{"c": None, "p": None}]
+        # a direction as a torch tensor (a probe's weights, db.vectors' rows) binds as a list
+        as_tensor = fetch(db, q, {"d": torch.tensor(direction)})
+        assert [r["c"] for r in as_tensor] == [r["c"] for r in rows]
         with pytest.raises(actdb.QueryError, match="holds NULL"):
             db.sql("SELECT cosine_to(vec, [NULL] || [1.0 FOR i IN range(63)]) "
                    "FROM acts LIMIT 1").fetchall()

@@ -120,6 +120,7 @@ class Database:
         """Run a read-only query; `$name` / `?` parameters bind from `params`."""
         if not isinstance(query, str):
             raise QueryError(f"a query is a string of SQL, not {type(query).__name__}")
+        params = _bindable(params)
         runnable, calls, tables = plan.check(query, self._parser, self._known)
         try:
             # the tensor functions it calls and the view `acts`, on first use
@@ -280,6 +281,20 @@ class Database:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _bindable(params: dict[str, Any] | list[Any] | None) -> dict[str, Any] | list[Any] | None:
+    """`params` with torch tensors as lists (a direction from a probe or from `db.vectors`):
+    DuckDB binds lists and NumPy arrays, and refused a tensor with a type error."""
+    def plain(v: Any) -> Any:
+        is_tensor = type(v).__module__.startswith("torch") and hasattr(v, "tolist")
+        return v.detach().cpu().tolist() if is_tensor else v
+
+    if isinstance(params, dict):
+        return {k: plain(v) for k, v in params.items()}
+    if isinstance(params, list | tuple):
+        return [plain(v) for v in params]
+    return params
 
 
 def _relation(con: duckdb.DuckDBPyConnection, query: str, params: Any) -> Any:
