@@ -180,6 +180,16 @@ def test_unknown_function_suggests_close_names(gpt2_store: Path) -> None:
     assert re.search(r"\bcosine\b", line)
 
 
+def test_explain_prints_its_plan_as_drawn(gpt2_store: Path) -> None:
+    """EXPLAIN's plan is text drawn over many lines: printed as it is, not as one table cell
+    with its spaces and newlines shown as marks."""
+    result = run("query", gpt2_store, "EXPLAIN SELECT count(*) FROM acts WHERE layer = 1")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "physical_plan:" and len(lines) > 5
+    assert any("Aggregate" in ln for ln in lines) and "␣" not in result.stdout
+
+
 @pytest.mark.parametrize(("query", "name", "hint"), [
     ("SELECT layr FROM acts", "layr", 'candidate bindings: "layer"'),
     ("SELECT * FROM act", "act", 'did you mean "acts"?'),

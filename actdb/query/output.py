@@ -117,5 +117,9 @@ def _write_csv(result: Result, stream: IO[str]) -> None:
 
 
 def _write_table(result: Result, stream: IO[str]) -> None:
+    if result.columns == ["explain_key", "explain_value"]:  # EXPLAIN: its plans as drawn
+        for key, plan in result.fetchall():
+            stream.write(f"{key}:\n{plan.rstrip()}\n")
+        return
     # tokens' whitespace visible, as in the pictures
     stream.write(result.text(max_colwidth=80) + "\n")
