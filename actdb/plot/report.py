@@ -187,7 +187,14 @@ def _emergence(db: Any, model: str) -> Section:
     params = {"model": model, "roles": _lens_roles(db, model)}
     df = db.sql(EMERGENCE_SQL, params=params).df()
     inner = df[df["site"] != model_row(db, model)["final_site"]]
-    half = inner[inner["top1_share"] >= 0.5]
+    # The first layer from which the answer stays the top token for at least half the prompts:
+    # one layer where it is (an early fluke, such as a prompt ending on its own answer) is not
+    # where it appears.
+    stays = None
+    for i in range(len(inner) - 1, -1, -1):
+        if inner["top1_share"].iloc[i] < 0.5:
+            break
+        stays = int(inner["layer"].iloc[i])
     return Section(
         key="emergence", title="Where the answer first appears on the logit lens",
         sql=EMERGENCE_SQL, params=params, df=df, figure=emergence_figure(df, model),
@@ -195,11 +202,11 @@ def _emergence(db: Any, model: str) -> Section:
               "stream several layers before the output, sharpening with depth.",
         finding="Here, over the last token of {prompts} prompts, the final answer is the "
                 "lens's top token for {top1_last_inner} of them at the last layer before the "
-                "final norm; the first layer where it is top for at least half: "
-                "{first_half_layer}.",
+                "final norm; the first layer from which it stays top for at least half "
+                "of them: {stays_half_layer}.",
         numbers={"prompts": int(df["prompts"].max()),
                  "top1_last_inner": float(inner["top1_share"].iloc[-1]) if len(inner) else 0.0,
-                 "first_half_layer": int(half["layer"].iloc[0]) if len(half) else "none"},
+                 "stays_half_layer": stays if stays is not None else "none"},
     )
 
 
