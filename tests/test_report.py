@@ -220,3 +220,13 @@ def test_report_opens_in_headless_chromium(page, tmp_path: Path) -> None:
     assert check.group(1) == f"figures decoded: {len(SECTIONS)} of {len(SECTIONS)}"
     console = [ln for ln in run.stderr.splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
     assert not console, console
+
+
+def test_the_layer_the_answer_stays_top_from_is_not_an_early_fluke() -> None:
+    from actdb.plot.report import stays_from
+
+    # top for half the prompts at layer 0, lost at 1, then kept from 2 on
+    assert stays_from([0, 1, 2, 3], [0.5, 0.2, 0.6, 0.7]) == 2
+    assert stays_from([0, 1, 2, 3], [0.5, 0.6, 0.6, 0.7]) == 0
+    assert stays_from([0, 1, 2], [0.9, 0.8, 0.1]) is None  # lost at the last layer
+    assert stays_from([], []) is None

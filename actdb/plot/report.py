@@ -181,20 +181,25 @@ GROUP BY layer, site
 ORDER BY layer, site"""
 
 
+def stays_from(layers: list[int], shares: list[float], at_least: float = 0.5) -> int | None:
+    """The first of `layers` (in order) from which every share is at least `at_least`: where
+    the answer stays the top token for half the prompts. The first layer where it is, once, can
+    be an early fluke (a prompt ending on its own answer), not where the answer appears."""
+    stays = None
+    for layer, share in zip(reversed(layers), reversed(shares), strict=True):
+        if share < at_least:
+            break
+        stays = int(layer)
+    return stays
+
+
 def _emergence(db: Any, model: str) -> Section:
     from .report_figures import emergence_figure
 
     params = {"model": model, "roles": _lens_roles(db, model)}
     df = db.sql(EMERGENCE_SQL, params=params).df()
     inner = df[df["site"] != model_row(db, model)["final_site"]]
-    # The first layer from which the answer stays the top token for at least half the prompts:
-    # one layer where it is (an early fluke, such as a prompt ending on its own answer) is not
-    # where it appears.
-    stays = None
-    for i in range(len(inner) - 1, -1, -1):
-        if inner["top1_share"].iloc[i] < 0.5:
-            break
-        stays = int(inner["layer"].iloc[i])
+    stays = stays_from(list(inner["layer"]), list(inner["top1_share"]))
     return Section(
         key="emergence", title="Where the answer first appears on the logit lens",
         sql=EMERGENCE_SQL, params=params, df=df, figure=emergence_figure(df, model),
