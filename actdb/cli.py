@@ -164,6 +164,10 @@ def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
     if s.note:
         click.echo(s.note)
         return
+    if s.prompts_new == 0:  # no error figure to give: nothing ran through the model
+        click.echo(f"model {s.model!r}: 0 prompts ingested, all {s.prompts_total} already "
+                   "stored; nothing to do")
+        return
     worst = max(s.max_rel_error.values(), default=0.0)
     click.echo(
         f"model {s.model!r}: {s.prompts_new} prompts ingested, {s.prompts_skipped} already "
