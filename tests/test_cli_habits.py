@@ -247,13 +247,35 @@ def test_ctrl_c_during_a_query_exits_130_and_is_a_keyboard_interrupt_in_python(
     """A query interrupted in DuckDB's own work, or inside a tensor function's UDF (which
     DuckDB wraps as an error), is KeyboardInterrupt in Python, never a QueryError that an
     `except QueryError` would swallow; the CLI says so and exits 130, as an ingest does."""
+    endless = "SELECT count(*) FROM range(20000000000) t(i) WHERE i % 7 = 3"
+    # Python's own Ctrl-C handler: a test run started in the background ignores SIGINT, and
+    # interrupt_main then does nothing (a user's terminal always has the handler)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupted_in_python(store, endless, monkeypatch)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    proc = subprocess.Popen(
+        [*ACTDB, "query", str(store), endless], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    import time
+
+    time.sleep(3.0)  # the CLI started and the query runs (it never ends by itself)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err and "Error" not in err
+
+
+def _interrupted_in_python(store: Path, endless: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import _thread
     import dataclasses
     import threading
 
     from actdb.query import functions
 
-    endless = "SELECT count(*) FROM range(20000000000) t(i) WHERE i % 7 = 3"
     with actdb.connect(store) as db:
         timer = threading.Timer(0.3, _thread.interrupt_main)
         timer.start()
@@ -269,18 +291,6 @@ def test_ctrl_c_during_a_query_exits_130_and_is_a_keyboard_interrupt_in_python(
         with pytest.raises(KeyboardInterrupt):
             db.sql("SELECT vec_norm(vec) FROM acts").fetchall()
         assert db.sql("SELECT 42").fetchall() == [(42,)]  # the connection still works
-    proc = subprocess.Popen(
-        [*ACTDB, "query", str(store), endless], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    import time
-
-    time.sleep(3.0)  # the CLI started and the query runs (it never ends by itself)
-    assert proc.poll() is None
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert "interrupted" in err and "Traceback" not in err and "Error" not in err
 
 
 def _saved(store: Path) -> int:

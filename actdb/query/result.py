@@ -211,7 +211,7 @@ def column_values(col: pa.ChunkedArray, name: str, what: str) -> np.ndarray:
         flat = pc.list_flatten(col)
         if flat.null_count:
             raise QueryError(f"{what}: column {name!r} holds lists with NULL elements")
-        values = flat.to_numpy(zero_copy_only=False)
+        values = np.array(flat.to_numpy(zero_copy_only=False))  # a copy torch may write to
         return values.reshape(len(lengths), int(lengths[0]) if len(lengths) else 0)
     values = np.array(col.to_numpy(zero_copy_only=False))
     if values.dtype.kind not in "biuf":
