@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import math
+import re
 
 import numpy as np
 import pytest
@@ -929,6 +930,11 @@ def test_a_token_that_is_no_vocabulary_text_is_told_what_to_pass(family_store):
         with pytest.raises(actdb.TokenError, match="in the table output '␣' is a space; write "
                                                    "' the'"):
             db.sql("SELECT cosine_to_anchor(vec, '␣the') FROM acts LIMIT 1").fetchall()
+        # a list or a boolean is no token (its text was tokenized: '[1]', 'true')
+        for value, sqltype in (("[1]", "INTEGER[]"), ("true", "BOOLEAN")):
+            with pytest.raises(actdb.TokenError, match=re.escape(
+                    f"a token is a string or a token id, not a value of type {sqltype}")):
+                db.sql(f"SELECT cosine_to_anchor(vec, {value}) FROM acts LIMIT 1").fetchall()
 
 
 def test_a_cosine_to_the_vectors_own_anchor_stays_a_cosine(family_store):

@@ -965,6 +965,9 @@ class VectorSource:
                     f"(vocabulary of {size})"
                 )
             return tid
+        if sqltype.upper() != "VARCHAR":  # a list, a boolean, a struct: no token, said so
+            raise TokenError(f"a token is a string or a token id, not a value of type "
+                             f"{sqltype} ({value!r})")
         ids = self._ids_of_string(model, column, value)
         encoded = self._encode(model, value) if len(ids) != 1 else None
         if len(ids) > 1 and encoded and len(encoded) == 1 and encoded[0] in ids:
