@@ -504,6 +504,9 @@ def test_query_param_binds_by_name(gpt2_store: Path) -> None:
     assert result.exit_code == 0, result.stderr
     row = json.loads(result.stdout.splitlines()[0])
     assert row["n"] > 0 and row["lo"] == row["hi"] == 2
+    # a misspelt parameter: the one missing and the ones given, so the typo is plain to see
+    error_line(run("query", gpt2_store, "SELECT count(*) FROM tokens WHERE prompt_id = $pid",
+                   "-p", "pdi=2"), "pid", "the parameters given: pdi")
 
 
 # -- functions, info, verify -------------------------------------------------------------------

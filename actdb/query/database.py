@@ -143,7 +143,11 @@ class Database:
         try:
             rel = _relation(self.con, runnable, params)
         except duckdb.Error as e:
-            raise translate(e, self._box) from None
+            err = translate(e, self._box)
+            if isinstance(params, dict) and "Values were not provided" in str(err):
+                given = ", ".join(params) or "none"  # a misspelt name is then plain to see
+                err = QueryError(f"{err}; the parameters given: {given}")
+            raise err from None
         except RuntimeError as e:
             raise interrupted(e) from None
         if rel is None:
