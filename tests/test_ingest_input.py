@@ -51,6 +51,22 @@ def test_crafted_keys_are_column_names_not_sql(tmp_path: Path,
     assert again.prompts_new == 0 and not target.exists()
 
 
+def test_a_resume_with_nan_and_wide_integer_fields_says_nothing(
+        tmp_path: Path, model_dir: Callable[[str], Path]) -> None:
+    """Fields the store holds as they came say nothing on a resume (review finding: NaN, a
+    DataFrame's missing value, is never equal to itself, and an integer past 2^53 in a DOUBLE
+    column came back another number: both were said to differ on every run)."""
+    records = [{"text": "prompt number 0", "score": float("nan"), "x": 1.5},
+               {"text": "prompt number 1", "score": 2.0, "x": 2**53 + 1}]
+    store = tmp_path / "s.actdb"
+    first = _ingest(store, model_dir, records)
+    assert first.warnings == []
+    again = _ingest(store, model_dir, records + [records[0]])  # and a repeat within the input
+    assert again.prompts_new == 0 and again.warnings == [], again.warnings
+    changed = _ingest(store, model_dir, [{**records[1], "score": 3.0}])
+    assert changed.warnings and "score (1 prompt)" in changed.warnings[0]
+
+
 BAD_RECORDS = [
     # (lines of a .jsonl file, words the sentence must hold)
     ([{"text": "a", "": 1}], "line 1: field name '' is empty"),

@@ -113,6 +113,21 @@ def test_torch_gives_vectors_and_lists_as_tensors(db: actdb.Database, store: Pat
                      "ORDER BY prompt_id, position, layer")
     assert got.shape == (len(delta), len(delta[0][0]))
     np.testing.assert_array_equal(got.numpy(), np.array([d for (d,) in delta], np.float32))
+    # handles however the query names them: a subquery's alias, a CTE, a view after a `*`
+    # (review finding: the outermost SELECT's syntax alone missed them, and handles came
+    # back as integers)
+    for q2, col in (("SELECT h FROM (SELECT vec AS h FROM acts WHERE site = 'final' "
+                     "ORDER BY prompt_id, position)", "h"),
+                    ("WITH c AS (SELECT vec AS v, prompt_id, position FROM acts WHERE site = "
+                     "'final') SELECT v FROM c ORDER BY prompt_id, position", "v"),
+                    ("SELECT * EXCLUDE (token, site, role, head, model), vec AS w FROM acts "
+                     "WHERE site = 'final' ORDER BY prompt_id, position", "w")):
+        got2 = db.sql(q2).torch()
+        assert torch.equal(got2[col], t["vec"]), q2
+    sums = db.sql("SELECT layer, sum(position) AS s, 1.5 AS d, [1.5, 2.5] AS l FROM acts "
+                  "GROUP BY layer ORDER BY layer").torch()  # DECIMAL and HUGEINT: float64
+    assert sums["s"].dtype == sums["d"].dtype == sums["l"].dtype == torch.float64
+    assert sums["l"].shape == (len(sums["layer"]), 2) and float(sums["d"][0]) == 1.5
     with pytest.raises(actdb.QueryError, match="lists of 1 to 2 values"):
         db.sql("SELECT CASE WHEN position = 0 THEN [1.0, 2.0] ELSE [1.0] END::FLOAT[] AS l "
                "FROM tokens").torch()

@@ -220,8 +220,8 @@ def ingest(
             # first batch committed, the error with it) or a later shard does not add its own.
             first_recorded = reg.record.logit_max_rel_error is None and (
                 shard_of is None or shard_of[0] == 0)
-            work = _plan_work(st, reg.record.model, prompt_list, ids, truncated)
-            warnings = _fields_not_stored(st, prompt_list)
+            work, known = _plan_work(st, reg.record.model, prompt_list, ids, truncated)
+            warnings = _fields_not_stored(st, prompt_list, known)
             records = [f.record for f in found]
             if shard_of is not None:
                 if not work:  # no shard catalog: an empty one would block unsharded ingests
@@ -510,7 +510,8 @@ def _register(
 
 def _plan_work(
     st: Store, model: str, prompts: list[Prompt], ids: list[list[int]], truncated: list[bool]
-) -> list[Work]:
+) -> tuple[list[Work], dict[str, int]]:
+    """The prompts still to run, and the ids of those texts the store already holds."""
     with st.catalog.session():  # three reads, one open of the file
         known = st.catalog.prompt_ids([p.text for p in prompts])
         done = st.catalog.ingested_prompt_ids(model)
@@ -530,41 +531,48 @@ def _plan_work(
     columns = extra_columns([w.prompt for w in work if w.new_prompt])
     if columns:
         st.catalog.add_prompt_columns(columns)
-    return work
+    return work, known
 
 
-def _fields_not_stored(st: Store, prompts: list[Prompt]) -> list[str]:
+def _same_field(a: Any, b: Any) -> bool:
+    """Whether two values of a prompt field are the same: NaN is NaN (a missing value of a
+    DataFrame's records), and numbers compare as numbers."""
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return bool(a == b)
+
+
+def _fields_not_stored(st: Store, prompts: list[Prompt], known: dict[str, int]) -> list[str]:
     """Sentences on the input's prompt fields that the store will not hold, each text being
     one prompt: fields of a text repeated in the input that differ from its first
-    occurrence's, and fields of a prompt already stored that differ from its stored ones (the
-    stored prompt keeps its own). Called after `_plan_work`, so new prompts' columns exist."""
+    occurrence's, and fields of a prompt already stored (`known`: text -> id, from
+    `_plan_work`) that differ from its stored ones (the stored prompt keeps its own). Called
+    after `_plan_work`, so new prompts' columns exist."""
     first: dict[str, Prompt] = {}
     repeated = []
     for p in prompts:
         f = first.setdefault(p.text, p)
-        if f is not p and dict(p.extra) != dict(f.extra):
+        if f is not p and (p.extra.keys() != f.extra.keys() or not all(
+                _same_field(v, f.extra[k]) for k, v in p.extra.items())):
             repeated.append(p)
     out = []
     if repeated:
         out.append(f"{len(repeated)} prompts repeat an earlier prompt's text with other fields "
                    f"(first: {repeated[0].text[:40]!r}): a text is one prompt, stored with the "
                    "fields it first came with")
-    with_fields = [p for p in first.values() if p.extra]
+    with_fields = [p for p in first.values() if p.extra and p.text in known]
     if not with_fields:
         return out
     with st.catalog.session():
-        known = st.catalog.prompt_ids([p.text for p in with_fields])
         names = sorted({k for p in with_fields for k in p.extra})
         types = {k.lower(): v for k, v in st.catalog.prompt_columns().items()}
-        stored = st.catalog.prompt_fields(sorted(set(known.values())), names)
+        stored = st.catalog.prompt_fields(sorted({known[p.text] for p in with_fields}), names)
     differ: dict[str, int] = {}
     for p in with_fields:
-        if p.text not in known:
-            continue
         have = {k.lower(): v for k, v in stored.get(known[p.text], {}).items()}
         for k, v in p.extra.items():
-            new = column_value(v, types.get(k.lower(), ""))
-            if new is not None and new != have.get(k.lower()):
+            new = column_value(v, types.get(k.lower(), ""))  # as the column holds it
+            if new is not None and not _same_field(new, have.get(k.lower())):
                 differ[k] = differ.get(k, 0) + 1
     if differ:
         fields = ", ".join(f"{k} ({n} prompt{'s' if n > 1 else ''})"

@@ -182,10 +182,14 @@ def extra_columns(prompts: list[Prompt]) -> dict[str, str]:
 
 
 def column_value(value: Any, sqltype: str) -> Any:
+    """A field's value as its column holds it: JSON text in a VARCHAR column; a float in a
+    DOUBLE one (an integer past 2^53 is rounded, as the column would, not refused by Arrow)."""
     if value is None:
         return None
     if sqltype == "VARCHAR" and not isinstance(value, str):
         return json.dumps(value)
+    if sqltype == "DOUBLE" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
     return value
 
 

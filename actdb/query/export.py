@@ -54,7 +54,11 @@ def handle_columns(result: Result) -> list[str]:
         return [n for n in names if n in found]
     select = tree if isinstance(tree, exp.Select) else tree.find(exp.Select)
     if select is not None:
-        for projection, name in zip(select.expressions, names, strict=False):
+        # by each item's output name, not its place: a `*` before it expands to many columns
+        for projection in select.expressions:
+            name = projection.alias_or_name
+            if name not in names:
+                continue
             inner = projection.unalias()
             if isinstance(inner, exp.Column) and inner.name.lower() == "vec":
                 found.add(name)

@@ -135,10 +135,12 @@ class Result:
         from .export import handle_columns
 
         table = self._rows()
-        handles = set(handle_columns(self))
+        named = set(handle_columns(self))  # `vec` and its views in the outermost SELECT
         out = {}
         for name, col in zip(table.column_names, table.columns, strict=True):
-            if name in handles:
+            # handles by their values too (a subquery's alias, a CTE, a CASE): only an
+            # integer column can hold them, and their tag bits set them apart from any count
+            if pa.types.is_integer(col.type) and (name in named or tagged(col)):
                 if self.gather is None:
                     raise QueryError(f"column {name!r} holds vec handles, and this result "
                                      "has no store to read their vectors from")
@@ -192,13 +194,29 @@ def handle_values(col: pa.ChunkedArray, name: str) -> np.ndarray:
     return col.to_numpy().astype(np.int64)
 
 
+def tagged(col: pa.ChunkedArray) -> bool:
+    """Whether every value of an integer column carries a vec handle's tag (handles.py): no
+    count, id or position does (the tag puts a handle past 5 * 2^60)."""
+    from .handles import TAG, TAG_SHIFT
+
+    values = col.drop_null().to_numpy().astype(np.int64)
+    return bool(len(values)) and bool(np.all((values >> TAG_SHIFT) == TAG))
+
+
+def _numbers(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t)
+
+
 def column_values(col: pa.ChunkedArray, name: str, what: str) -> np.ndarray:
     """A column as a NumPy array a tensor can take: numbers and booleans [N] (NaN for NULL in
-    a float column), or a list column of numbers [N, L] when every row holds L of them."""
+    a float column; DECIMAL and HUGEINT as float64, as DuckDB's own `.torch()` gives them), or
+    a list column of numbers [N, L] when every row holds L of them."""
     t = col.type
+    if pa.types.is_decimal(t):
+        col, t = col.cast(pa.float64()), pa.float64()
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
         inner = t.value_type
-        if not (pa.types.is_integer(inner) or pa.types.is_floating(inner)):
+        if not _numbers(inner):
             raise QueryError(f"{what}: column {name!r} holds lists of {inner}, which a tensor "
                              "cannot hold")
         if col.null_count:
@@ -211,10 +229,15 @@ def column_values(col: pa.ChunkedArray, name: str, what: str) -> np.ndarray:
         flat = pc.list_flatten(col)
         if flat.null_count:
             raise QueryError(f"{what}: column {name!r} holds lists with NULL elements")
+        if pa.types.is_decimal(inner):
+            flat = flat.cast(pa.float64())
         values = np.array(flat.to_numpy(zero_copy_only=False))  # a copy torch may write to
         return values.reshape(len(lengths), int(lengths[0]) if len(lengths) else 0)
     values = np.array(col.to_numpy(zero_copy_only=False))
     if values.dtype.kind not in "biuf":
+        if pa.types.is_boolean(t):  # NULLs make NumPy's booleans objects
+            raise QueryError(f"{what}: column {name!r} holds NULL booleans, which a bool "
+                             "tensor cannot hold; filter or coalesce them")
         raise QueryError(f"{what}: column {name!r} holds {t} values, which a tensor cannot "
                          "hold; select it apart, or use .df() or .arrow()")
     return values
