@@ -243,7 +243,7 @@ def _read_sql(sql: str | None, file: str | None) -> str:
 @click.option("--format", "fmt", default=None,
               type=click.Choice(["table", "csv", "json", "parquet"]),
               help="json is JSON Lines: one object per row. Default: from -o's extension "
-                   "(.csv, .json, .jsonl, .parquet), else table.")
+                   "(.csv, .json, .jsonl, .ndjson: JSON Lines, .parquet), else table.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Write to this file instead of stdout (required for parquet).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:i.")
@@ -280,7 +280,11 @@ def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
     from .query.output import check_output, write_result
 
     if fmt is None:
-        fmt = _FORMAT_OF.get(output.suffix.lower(), "table") if output is not None else "table"
+        suffix = output.suffix.lower() if output is not None else ""
+        if suffix in (".npy", ".safetensors"):
+            raise click.UsageError(f"query writes tables; for vectors in {suffix}, use actdb "
+                                   "export (or give --format)")
+        fmt = _FORMAT_OF.get(suffix, "table")
     if fmt == "parquet" and output is None:
         raise click.UsageError("parquet output needs -o FILE")
     bound = dict(_parse_param(p) for p in params) if params else None
@@ -297,8 +301,10 @@ def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
                 click.echo(f"note: {result.note}", err=True)
 
 
-# `query -o FILE` without --format: the format its extension names
-_FORMAT_OF = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# `query -o FILE` without --format: the format its extension names (json: JSON Lines, as
+# --format json writes)
+_FORMAT_OF = {".csv": "csv", ".json": "json", ".jsonl": "json", ".ndjson": "json",
+              ".parquet": "parquet"}
 
 
 def _parse_table(text: str) -> tuple[str, Path]:

@@ -491,6 +491,13 @@ def test_query_to_file(gpt2_store: Path, expected: pd.DataFrame, tmp_path: Path,
     _same(got, expected)
 
 
+def test_query_refuses_a_vector_file_extension(gpt2_store: Path, tmp_path: Path) -> None:
+    """-o x.npy without --format: query writes tables, and it wrote a text table into x.npy."""
+    result = run("query", gpt2_store, "SELECT 1 AS x", "-o", tmp_path / "x.npy")
+    assert result.exit_code == 2 and "actdb export" in result.stderr, result.stderr
+    assert not (tmp_path / "x.npy").exists()
+
+
 def test_query_parquet_needs_output_file(gpt2_store: Path) -> None:
     result = run("query", gpt2_store, "SELECT 1 AS x", "--format", "parquet")
     assert result.exit_code == 2

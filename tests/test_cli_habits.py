@@ -290,6 +290,9 @@ def _interrupted_in_python(store: Path, endless: str, monkeypatch: pytest.Monkey
             functions.REGISTRY["vec_norm"], kernel=interrupt))
         with pytest.raises(KeyboardInterrupt):
             db.sql("SELECT vec_norm(vec) FROM acts").fetchall()
+        # an error that TRY() swallowed earlier in the query is not what the interrupt is
+        with pytest.raises(KeyboardInterrupt):
+            db.sql("SELECT TRY(cosine_to(vec, [1.0, 2.0])), vec_norm(vec) FROM acts").fetchall()
         assert db.sql("SELECT 42").fetchall() == [(42,)]  # the connection still works
 
 

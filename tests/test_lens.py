@@ -442,6 +442,29 @@ def test_directions_reach_their_functions_as_ids(reference, family_store, monkey
                    "FROM acts WHERE site = 'blocks.1.ln1'").fetchall()
 
 
+def test_the_direction_table_forgets_per_row_directions_before_constants(monkeypatch):
+    """Past its bytes, the table forgets directions registered row by row before one
+    registered alone (a constant that a bulk window may use for many calls without asking
+    for it again); a forgotten id is an error, and each direction's bytes are held once."""
+    import pyarrow as pa
+
+    from actdb.query import aggregates
+
+    monkeypatch.setattr(aggregates.DirectionTable, "MAX_BYTES", 3 * 4 * 4)  # three of d = 4
+    table = aggregates.DirectionTable()
+    const = table.ids(pa.array([[1.0, 2.0, 3.0, 4.0]], pa.list_(pa.float32())))[0].as_py()
+    rows = table.ids(pa.array([[float(i), 0, 0, 1] for i in range(5)],
+                              pa.list_(pa.float32()))).to_pylist()
+    assert len(set(rows)) == 5 and const not in rows
+    np.testing.assert_array_equal(table.values(const, "cosine_to"), [1, 2, 3, 4])
+    np.testing.assert_array_equal(table.values(rows[-1], "cosine_to"), [4, 0, 0, 1])
+    with pytest.raises(actdb.QueryError, match="forgotten"):
+        table.values(rows[0], "cosine_to")
+    again = table.ids(pa.array([[1.0, 2.0, 3.0, 4.0], None], pa.list_(pa.float32())))
+    assert again.to_pylist() == [const, None]  # the same direction, the same id
+    assert table._bytes == 3 * 16  # held once each
+
+
 def test_lists_with_null_entries_skip_them(reference, family_store):
     """NULL handles in a list (a CASE without ELSE, an outer join) are skipped, and every other
     handle keeps its exact row: lists of one real vector among NULLs, and of several."""

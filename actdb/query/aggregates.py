@@ -70,15 +70,20 @@ class DirectionTable:
     once per 2,048 rows; the function then gets a column of one integer a row, where the list
     itself, copied into every row of every call, was most of a full scan's time (262,144 rows
     of d = 768: 2.3 s, 1.7 s of it DuckDB's). Directions that differ by row are registered row
-    by row, each distinct one once. The table forgets the least recently used directions past
-    `max_bytes`; a query that still needs one it forgot gets a QueryError, never another's."""
+    by row, each distinct one once. Past `max_bytes` the table forgets the least recently used
+    of those registered row by row first, and only then the ones registered alone (the
+    constants, which a bulk window may use for many calls without asking for them again); a
+    query that still needs one it forgot gets a QueryError, never another's values. Each
+    direction's bytes are held once (its key, read as float32)."""
 
     MAX_BYTES = 256 << 20
 
     def __init__(self) -> None:
         self.max_bytes = self.MAX_BYTES
         self._ids: dict[bytes, int] = {}
-        self._values: OrderedDict[int, np.ndarray] = OrderedDict()
+        # id -> values, least recently used first: registered alone (constants), or row by row
+        self._alone: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._rows: OrderedDict[int, np.ndarray] = OrderedDict()
         self._keys: dict[int, bytes] = {}
         self._bytes = 0
         self._next = 0
@@ -99,33 +104,40 @@ class DirectionTable:
                 if null[i]:
                     continue
                 n = int(n)
-                out[i] = self._id(flat[at : at + n])
+                out[i] = self._id(flat[at : at + n], alone=len(column) == 1)
                 at += n
         return pa.array(out, mask=null)
 
-    def _id(self, values: np.ndarray) -> int:
+    def _id(self, values: np.ndarray, *, alone: bool) -> int:
         key = values.tobytes()
         got = self._ids.get(key)
         if got is not None:
-            self._values.move_to_end(got)
+            self._use(got)
             return got
         got, self._next = self._next, self._next + 1
-        self._ids[key], self._keys[got], self._values[got] = got, key, values.copy()
-        self._bytes += values.nbytes
-        while self._bytes > self.max_bytes and len(self._values) > 1:
-            old, v = self._values.popitem(last=False)
+        self._ids[key], self._keys[got] = got, key
+        (self._alone if alone else self._rows)[got] = np.frombuffer(key, dtype=np.float32)
+        self._bytes += len(key)
+        while self._bytes > self.max_bytes and len(self._alone) + len(self._rows) > 1:
+            old, v = (self._rows or self._alone).popitem(last=False)
             del self._ids[self._keys.pop(old)]
             self._bytes -= v.nbytes
         return got
 
+    def _use(self, direction_id: int) -> np.ndarray | None:
+        for held in (self._alone, self._rows):
+            if direction_id in held:
+                held.move_to_end(direction_id)
+                return held[direction_id]
+        return None
+
     def values(self, direction_id: int, name: str) -> np.ndarray:
         with self._lock:
-            got = self._values.get(direction_id)
+            got = self._use(direction_id)
             if got is None:
                 raise QueryError(
                     f"{name}: the query's directions passed {self.max_bytes >> 20} MiB, and one "
                     "it still needed was forgotten; use fewer distinct directions in one query")
-            self._values.move_to_end(direction_id)
             return got
 
 

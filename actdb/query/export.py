@@ -198,6 +198,21 @@ def _write_npy(batches: Iterator[tuple[pa.RecordBatch, np.ndarray]], out: Path
     return rows, d
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it, for a moment, for
+    every thread); where /proc has no line for it, read by setting it back at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write_safetensors(batches: Iterator[tuple[pa.RecordBatch, np.ndarray]], out: Path,
                        others: list[str]) -> tuple[int, int]:
     from safetensors.numpy import save_file
@@ -223,7 +238,5 @@ def _write_safetensors(batches: Iterator[tuple[pa.RecordBatch, np.ndarray]], out
     tensors = {"vec": np.concatenate(parts)}
     tensors.update({name: np.concatenate(v) for name, v in columns.items()})
     save_file(tensors, str(out), metadata={"columns": json.dumps(others), "source": "actdb"})
-    umask = os.umask(0)  # read back: the file gets the mode every other export's gets
-    os.umask(umask)
-    os.chmod(out, 0o666 & ~umask)  # safetensors makes its file private (0600)
+    os.chmod(out, 0o666 & ~_umask())  # safetensors makes its file private (0600)
     return len(tensors["vec"]), tensors["vec"].shape[1]

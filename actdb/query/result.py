@@ -268,13 +268,14 @@ def translate(e: duckdb.Error, box: ErrorBox) -> BaseException:
     """The ActdbError a UDF raised, or DuckDB's message as one sentence; Ctrl-C (DuckDB's
     interrupt, or a KeyboardInterrupt inside a UDF, which DuckDB wraps) as KeyboardInterrupt,
     so that `except QueryError` never swallows it."""
-    if box.error is not None:
-        err, box.error = box.error, None
-        return err
     text = str(e).strip()
     if isinstance(e, duckdb.InterruptException) or (
             "executing the UDF: KeyboardInterrupt" in text):
+        box.error = None  # an error a TRY() swallowed earlier in the query is not this one
         return KeyboardInterrupt()
+    if box.error is not None:
+        err, box.error = box.error, None
+        return err
     first = text.splitlines()[0] if text else type(e).__name__
     for prefix in ("Binder Error: ", "Catalog Error: ", "Conversion Error: ",
                    "Invalid Input Error: ", "Parser Error: ", "Out of Range Error: "):
