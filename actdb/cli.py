@@ -341,8 +341,10 @@ def export(ctx: click.Context, store: str, sql: str | None, sql_file: str | None
            output: Path, device: str, params: tuple[str, ...]) -> None:
     """Write the vectors a query selects (views applied), with its other columns.
 
-    parquet: the columns plus `vec` as a FLOAT[d] list column; safetensors: a `vec` tensor
-    [N, d] and one tensor per numeric column; npy: the matrix [N, d] alone.
+    The vectors: the vec column (or a view of it), or else a list of numbers the query
+    computes, such as delta(vec) or mean_vector(list(vec)). parquet: the columns plus `vec` as
+    a FLOAT[d] list column; safetensors: a `vec` tensor [N, d] and one tensor per numeric
+    column; npy: the matrix [N, d] alone.
 
     \b
     Example:

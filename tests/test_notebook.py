@@ -199,6 +199,17 @@ def test_safetensors_and_npy_exports(db: actdb.Database, tmp_path: Path) -> None
     done = db.export(q, tmp_path / "z.npy")
     np.testing.assert_array_equal(np.load(tmp_path / "z.npy"), ref)
     assert done.columns == [] and done.left_out == ["prompt_id", "position"]
+    # a vector the query computed (a list of numbers), also named vec beside another list
+    order = " FROM acts WHERE role = 'pre_attn' ORDER BY prompt_id, position, layer"
+    want = db.vectors("SELECT delta(vec)" + order).numpy()
+    db.export("SELECT prompt_id, delta(vec) AS d" + order, tmp_path / "d.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "d.npy"), want)
+    db.export("SELECT prompt_id, delta(vec) AS vec, to_list(vec) AS x" + order,
+              tmp_path / "d.parquet")
+    table = pq.read_table(tmp_path / "d.parquet")
+    np.testing.assert_array_equal(np.stack(table.column("vec").to_numpy(zero_copy_only=False)),
+                                  want)
+    assert table.column_names == ["prompt_id", "x", "vec"]
     with pytest.raises(actdb.QueryError, match="column 'token' is string"):
         db.export(FINAL, tmp_path / "t.safetensors")
     with pytest.raises(actdb.QueryError, match="must end in .parquet, .npy, .safetensors"):

@@ -23,7 +23,7 @@ from sqlglot import exp
 
 from ..errors import QueryError
 from .handles import VIEWS
-from .result import Result
+from .result import Result, column_values, handle_values
 
 if TYPE_CHECKING:
     from .database import Database
@@ -88,7 +88,9 @@ def export(db: Database, query: str, path: str | os.PathLike[str], *,
 
     Args:
         db: the open store.
-        query: a SELECT with one vec column (`vec` or a view of it) and any other columns.
+        query: a SELECT with one vec column (`vec` or a view of it), or else one list of
+            numbers it computes (`delta(vec)`, `mean_vector(list(vec))`; a list named `vec`
+            where there are several), and any other columns.
         path: `.parquet` (the columns and `vec` as a FLOAT[d] list column, streamed),
             `.npy` (the matrix [N, d] alone, streamed) or `.safetensors` (a `vec` tensor and
             one tensor per numeric column; built in memory). Whatever view the query
@@ -108,9 +110,9 @@ def export(db: Database, query: str, path: str | os.PathLike[str], *,
         raise QueryError(f"cannot export to {str(out)!r}: the folder {str(out.parent)!r} "
                          "does not exist")
     result = db.sql(query, params=params)
-    vec = _vec_column(result)
+    vec, computed = _vec_column(result)
     others = [c for c in result.columns if c != vec]
-    batches = _with_vectors(db, result, vec, rows_per_batch)
+    batches = _with_vectors(db, result, vec, rows_per_batch, computed=computed)
     if suffix == ".parquet":
         rows, d = _write_parquet(batches, out)
     elif suffix == ".npy":
@@ -121,31 +123,49 @@ def export(db: Database, query: str, path: str | os.PathLike[str], *,
     return Exported(path=str(out), rows=rows, d=d, columns=others, left_out=[])
 
 
-def _vec_column(result: Result) -> str:
-    handles = handle_columns(result)
+def _vec_column(result: Result) -> tuple[str, bool]:
+    """The column of vectors to write, and whether the query computed them (a list of numbers:
+    `delta(vec)`, `mean_vector(...)`, `to_list(vec)`) rather than selecting vec handles."""
+    types = dict(zip(result.columns, result.types, strict=True))
+    handles = [h for h in handle_columns(result) if types[h].id == "bigint"]  # not `... AS vec`
     if "vec" in handles:
-        return "vec"
+        return "vec", False
     if len(handles) == 1:
-        return handles[0]
-    if not handles:
-        raise QueryError("export needs a query selecting vec (or a view of it, such as "
-                         "normalized(vec)); it selects " + ", ".join(result.columns))
-    raise QueryError(f"export writes one vector column, and the query selects {handles}; "
-                     "keep one, or name one of them vec")
+        return handles[0], False
+    if handles:
+        raise QueryError(f"export writes one vector column, and the query selects {handles}; "
+                         "keep one, or name one of them vec")
+    lists = [name for name, t in types.items()
+             if t.id in ("list", "array") and t.children[0][1].id in _NUMBER_TYPES]
+    if len(lists) == 1 or "vec" in lists:
+        return ("vec" if "vec" in lists else lists[0]), True
+    if lists:
+        raise QueryError(f"export writes one vector column, and the query selects the lists "
+                         f"{lists}; keep one, or name one of them vec")
+    raise QueryError("export needs a query selecting vec (or a view of it, such as "
+                     "normalized(vec)), or one list of numbers such as delta(vec); it selects "
+                     + ", ".join(result.columns))
 
 
-def _with_vectors(db: Database, result: Result, vec: str, rows_per_batch: int
-                  ) -> Iterator[tuple[pa.RecordBatch, np.ndarray]]:
-    """(the batch without its handle column, its vectors [n, d] float32), batch by batch."""
+# DuckDB's type ids of numbers: the elements of a list column export writes as vectors
+_NUMBER_TYPES = frozenset({"tinyint", "smallint", "integer", "bigint", "hugeint", "utinyint",
+                           "usmallint", "uinteger", "ubigint", "float", "double", "decimal"})
+
+
+def _with_vectors(db: Database, result: Result, vec: str, rows_per_batch: int, *,
+                  computed: bool = False) -> Iterator[tuple[pa.RecordBatch, np.ndarray]]:
+    """(the batch without its vector column, its vectors [n, d] float32), batch by batch:
+    gathered from the store for handles, or the query's own lists (`computed`)."""
     width: int | None = None
     for batch in result.record_batches(rows_per_batch):
         col = batch.column(vec)
-        if col.null_count:
-            raise QueryError(f"column {vec!r} holds NULL handles; filter them out to export")
-        handles = col.to_numpy(zero_copy_only=False).astype(np.int64)
-        if not len(handles):
+        if not len(col):
             continue
-        x = db.source.gather(handles, "cpu", "the exported vectors").numpy()
+        if computed:
+            x = column_values(pa.chunked_array([col]), vec, "export").astype(np.float32)
+        else:
+            x = db.source.gather(handle_values(pa.chunked_array([col]), vec), "cpu",
+                                 "the exported vectors").numpy()
         if width is not None and x.shape[1] != width:
             raise QueryError(f"the exported vectors have different widths ({width} and "
                              f"{x.shape[1]}); export one site width at a time")

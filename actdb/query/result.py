@@ -52,6 +52,11 @@ class Result:
     def columns(self) -> list[str]:
         return list(self._rel.columns)
 
+    @property
+    def types(self) -> list[Any]:
+        """DuckDB's type of each column."""
+        return list(self._rel.types)
+
     def _run(self, fetch: Callable[[], T]) -> T:
         self._box.error = None
         try:
