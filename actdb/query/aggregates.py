@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import QueryError
 from ..lazy import lazy_module
 from .dots import row_dots
-from .kernels import Arg, _unit
+from .kernels import Arg, _unit, stored_cosines
 from .threads import threads_for, torch_threads
 from .vectors import VectorSource
 
@@ -84,7 +84,6 @@ class DirectionTable:
         # id -> values, least recently used first: registered alone (constants), or row by row
         self._alone: OrderedDict[int, np.ndarray] = OrderedDict()
         self._rows: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._keys: dict[int, bytes] = {}
         self._bytes = 0
         self._next = 0
         self._lock = threading.Lock()
@@ -115,12 +114,12 @@ class DirectionTable:
             self._use(got)
             return got
         got, self._next = self._next, self._next + 1
-        self._ids[key], self._keys[got] = got, key
+        self._ids[key] = got
         (self._alone if alone else self._rows)[got] = np.frombuffer(key, dtype=np.float32)
         self._bytes += len(key)
         while self._bytes > self.max_bytes and len(self._alone) + len(self._rows) > 1:
-            old, v = (self._rows or self._alone).popitem(last=False)
-            del self._ids[self._keys.pop(old)]
+            _, v = (self._rows or self._alone).popitem(last=False)
+            del self._ids[v.tobytes()]  # its key: the values are the key's bytes
             self._bytes -= v.nbytes
         return got
 
@@ -208,14 +207,10 @@ def _against_stored(src: VectorSource, g: Any, out: np.ndarray, dirs: Directions
     if not bool(dok[0]):
         out[g.index] = np.nan  # a zero direction: no cosine, no projection
         return
-    c = src.project(g, du[0]).numpy().astype(np.float64)
     if unit_v:
-        np.clip(c, -1.0, 1.0, out=c)
-        if not c.all():  # only rows whose product is exactly 0 need their norm read
-            c = np.where((c == 0) & (g.norm.cpu().numpy() == 0), np.nan, c)
+        out[g.index] = stored_cosines(src, g, du[0])
     else:
-        c *= g.norm.cpu().numpy()
-    out[g.index] = c
+        out[g.index] = src.project(g, du[0]).numpy().astype(np.float64) * g.norm.cpu().numpy()
 
 
 def cosine_to(src: VectorSource, h: np.ndarray, out: np.ndarray, direction: Directions) -> None:

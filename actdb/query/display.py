@@ -24,6 +24,14 @@ def shown_whitespace(text: str) -> list[str]:
     return [f"{mark!r} is {_NAMES[plain]}" for plain, mark in VISIBLE if mark in text]
 
 
+def unshown(text: str) -> str:
+    """`text` with the table output's marks of whitespace turned back into it (a token copied
+    from there)."""
+    for plain, mark in VISIBLE:
+        text = text.replace(mark, plain)
+    return text
+
+
 def visible_token(text: str) -> str:
     """A token with its whitespace and unprintable bytes made visible (" Paris" -> "␣Paris")."""
     for a, b in VISIBLE:

@@ -47,11 +47,12 @@ def handle_columns(result: Result) -> list[str]:
     """The result's columns that hold vec handles: `vec` itself (also through `*`), and views
     of it (`normalized(vec)`, ...), found on the outermost SELECT's syntax tree."""
     names = result.columns
+    types = dict(zip(names, result.types, strict=True))
     found = {n for n in names if n.lower() == "vec"}
     try:
         tree = sqlglot.parse_one(result.query, read="duckdb")
     except sqlglot.errors.ParseError:
-        return [n for n in names if n in found]
+        return [n for n in names if n in found and types[n].id == "bigint"]
     select = tree if isinstance(tree, exp.Select) else tree.find(exp.Select)
     if select is not None:
         # by each item's output name, not its place: a `*` before it expands to many columns
@@ -64,7 +65,8 @@ def handle_columns(result: Result) -> list[str]:
                 found.add(name)
             elif isinstance(inner, exp.Func) and _function_name(inner) in _VIEW_FUNCTIONS:
                 found.add(name)
-    return [n for n in names if n in found]
+    # a handle is a BIGINT: a list named vec (`delta(vec) AS vec`) is a vector the query made
+    return [n for n in names if n in found and types[n].id == "bigint"]
 
 
 def _function_name(node: exp.Func) -> str:
@@ -126,8 +128,7 @@ def export(db: Database, query: str, path: str | os.PathLike[str], *,
 def _vec_column(result: Result) -> tuple[str, bool]:
     """The column of vectors to write, and whether the query computed them (a list of numbers:
     `delta(vec)`, `mean_vector(...)`, `to_list(vec)`) rather than selecting vec handles."""
-    types = dict(zip(result.columns, result.types, strict=True))
-    handles = [h for h in handle_columns(result) if types[h].id == "bigint"]  # not `... AS vec`
+    handles = handle_columns(result)
     if "vec" in handles:
         return "vec", False
     if len(handles) == 1:
@@ -135,7 +136,7 @@ def _vec_column(result: Result) -> tuple[str, bool]:
     if handles:
         raise QueryError(f"export writes one vector column, and the query selects {handles}; "
                          "keep one, or name one of them vec")
-    lists = [name for name, t in types.items()
+    lists = [name for name, t in zip(result.columns, result.types, strict=True)
              if t.id in ("list", "array") and t.children[0][1].id in _NUMBER_TYPES]
     if len(lists) == 1 or "vec" in lists:
         return ("vec" if "vec" in lists else lists[0]), True

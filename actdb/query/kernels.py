@@ -201,10 +201,7 @@ def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: A
             # its anchor could come out past 1 (and acos() NULL): clamped, as a cosine is.
             for key, pos in live.items():
                 whole = len(pos) == len(g.index)
-                c = src.project(g, unit_anchors[key], None if whole else pos).cpu().numpy()
-                np.clip(c, -1.0, 1.0, out=c)
-                if not c.all():  # one pass, no mask, in the usual case of no exact 0
-                    c = np.where((c == 0) & (g.norm[pos].cpu().numpy() == 0), np.nan, c)
+                c = stored_cosines(src, g, unit_anchors[key], None if whole else pos)
                 out[g.index if whole else g.index[pos]] = c
             continue
         for lo, hi, x in g.x_blocks():  # one pass over the vectors for all the tokens
@@ -212,6 +209,20 @@ def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: A
                 u, ok = _unit(x[rows])
                 cos = torch.where(ok, row_dots(u, unit_anchors[key]), torch.nan)
                 out[g.index[at]] = cos.cpu().numpy()
+
+
+def stored_cosines(src: VectorSource, g: Group, unit: torch.Tensor,
+                   at: np.ndarray | None = None) -> np.ndarray:
+    """float32 cosines of the group's raw vectors (rows `at`, or all) with a unit vector, from
+    the stored directions (`VectorSource.project`): clamped to [-1, 1], since a float16
+    direction's length is 1 only within 2^-11; NaN for a zero vector, whose direction is all
+    zeros (only rows whose product is exactly 0 have their norm read)."""
+    c = src.project(g, unit, at).cpu().numpy()
+    np.clip(c, -1.0, 1.0, out=c)
+    if not c.all():  # one pass, no mask, in the usual case of no exact 0
+        norm = g.norm if at is None else g.norm[at]
+        c = np.where((c == 0) & (norm.cpu().numpy() == 0), np.nan, c)
+    return c
 
 
 def dim_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg) -> None:

@@ -990,11 +990,11 @@ class VectorSource:
         elif encoded:
             pieces = [column[i].as_py() if i < size else str(i) for i in encoded]
             how = f": it tokenizes as {pieces} ({len(encoded)} tokens)"
-        from .display import shown_whitespace
+        from .display import shown_whitespace, unshown
 
         if shown_whitespace(value):  # copied from the table output, where a space shows as ␣
             how += (f" (in the table output {', '.join(shown_whitespace(value))}; write "
-                    f"{_unshown(value)!r})")
+                    f"{unshown(value)!r})")
         raise TokenError(f"{value!r} is not one token of model {model.model!r}{how}")
 
     def _ids_of_string(self, model: ModelRecord, column: pa.Array, value: str) -> list[int]:
@@ -1033,15 +1033,6 @@ class VectorSource:
     def _encode(self, model: ModelRecord, text: str) -> list[int] | None:
         tok = self._tokenizer(model)
         return None if tok is None else list(tok(text, add_special_tokens=False)["input_ids"])
-
-
-def _unshown(text: str) -> str:
-    """`text` with the table output's marks of whitespace turned back into it (display.py)."""
-    from .display import VISIBLE
-
-    for plain, mark in VISIBLE:
-        text = text.replace(mark, plain)
-    return text
 
 
 def _salt(store: Store) -> int:
