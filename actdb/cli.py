@@ -89,6 +89,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--prompts", "prompts", required=True,
               help="A .txt file (a prompt per line), a .jsonl file (text + extra fields), "
                    "or - for stdin.")
+@click.option("--prompts-format", type=click.Choice(["txt", "jsonl"]), default=None,
+              help="Read --prompts in this format, whatever its suffix (default: from the "
+                   "suffix; stdin is JSONL when its first line starts with '{').")
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-length", type=click.IntRange(min=1), default=None,
               help="Truncate prompts to this many tokens (the summary counts those cut).")

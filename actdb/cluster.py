@@ -40,6 +40,9 @@ class DaskClient:
                 self.client = Client(spec, timeout=20)
             except (OSError, TimeoutError) as e:
                 raise error(f"cannot reach the Dask scheduler {spec!r}: {e}") from None
+            except ValueError as e:  # distributed's parse of the address
+                raise error(f"cluster {spec!r} is not local:N or a scheduler address such as "
+                            f"tcp://host:8786 ({e})") from None
         elif isinstance(spec, Client):
             self.client = spec
         elif hasattr(spec, "scheduler_address"):

@@ -635,6 +635,13 @@ def test_ingest_from_stdin(tmp_path: Path, gpt2_dir: Path) -> None:
     with actdb.connect(store, device="cpu") as db:
         texts = {r[0] for r in db.sql("SELECT text FROM prompts").fetchall()}
     assert texts == {"Prompt from stdin.", "Another one here."}
+    # Text that starts with a brace is read as text when told so.
+    told = ingest_cli(store, gpt2_dir, "-", "--prompts-format", "txt",
+                      input="{x} is a set.\n")
+    assert told.exit_code == 0, told.stderr
+    with actdb.connect(store, device="cpu") as db:
+        assert db.sql("SELECT count(*) FROM prompts WHERE text = '{x} is a set.'"
+                      ).fetchall() == [(1,)]
 
 
 def test_ingest_max_length_truncates_and_counts(tmp_path: Path, gpt2_dir: Path) -> None:
@@ -649,6 +656,13 @@ def test_ingest_max_length_truncates_and_counts(tmp_path: Path, gpt2_dir: Path) 
                                  "USING (prompt_id) GROUP BY p.text").fetchall())
     assert per_prompt["A rather long prompt that has many more than three tokens."] == 3
     assert per_prompt["Hi"] <= 3
+    # A resume counts what it stores: the stored long prompt is not cut again.
+    more = write(tmp_path / "q.txt", "A rather long prompt that has many more than three "
+                 "tokens.\nHi\nAnother prompt of more than three tokens.\nOk\n")
+    again = ingest_cli(store, gpt2_dir, more, "--max-length", 3)
+    assert again.exit_code == 0, again.stderr
+    assert re.search(r"2 prompts ingested, 2 already stored, 1 truncated", again.stdout), \
+        again.stdout
 
 
 # -- help and docs -----------------------------------------------------------------------------

@@ -224,6 +224,14 @@ def test_cli_cluster_flag(store: Path, client: Any,
     assert [tuple(map(int, ln)) for ln in lines[1:]] == want
     with pytest.raises(actdb.QueryError, match="local:N"):
         actdb.connect(store, cluster="local:zero")
+    # An address distributed cannot parse: one sentence, exit 1, no traceback.
+    with pytest.raises(actdb.QueryError, match="not local:N or a scheduler address"):
+        actdb.connect(store, cluster="bogus")
+    run = subprocess.run(
+        [sys.executable, "-m", "actdb", "query", str(store), "SELECT 1", "--cluster", "bogus"],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "cluster 'bogus' is not local:N" in run.stderr
 
 
 @pytest.mark.parametrize(("models", "target"), [

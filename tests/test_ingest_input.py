@@ -110,6 +110,50 @@ def test_compatible_fields_are_accepted(records: list[dict[str, Any]], tmp_path:
     assert len(read_prompts(_jsonl(tmp_path / "p.jsonl", records))) == len(records)
 
 
+def test_lines_end_at_line_feeds_only_and_a_byte_order_mark_is_no_text(tmp_path: Path) -> None:
+    """A prompt may hold any character but a line feed: U+2028/2029, NEL, form feeds and
+    group separators are text (str.splitlines breaks at them all), CRLF ends a line as LF
+    does, and a UTF-8 byte-order mark (Notepad's) is not part of the first prompt."""
+    odd = ["one\u2028two", "three\u2029four", "five\x85six", "seven\x0ceight",
+           "nine\x1cten\x0beleven", "tab\there"]
+    txt = tmp_path / "p.txt"
+    txt.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(odd).encode() + b"\r\n")
+    assert [p.text for p in read_prompts(txt)] == odd
+    jsonl = tmp_path / "p.jsonl"  # JSON may hold U+2028 raw inside a string
+    jsonl.write_bytes(b"\xef\xbb\xbf" + "\n".join(
+        json.dumps({"text": t, "n": i}, ensure_ascii=False) for i, t in enumerate(odd)
+    ).encode())
+    got = read_prompts(jsonl)
+    assert [(p.text, p.extra["n"]) for p in got] == [(t, i) for i, t in enumerate(odd)]
+
+
+def test_a_format_overrides_the_suffix_and_the_sniff(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Standard input starting with '{' is taken for JSON Lines; when it is text the error
+    says how to read it as text, and the format option does."""
+    import io
+    import sys
+
+    text = "{braces} open this prompt\nand a second one\n"
+
+    def stdin(data: str) -> None:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data.encode())))
+
+    stdin(text)
+    with pytest.raises(actdb.PromptsError, match="--prompts-format txt"):
+        read_prompts("-")
+    stdin(text)
+    assert [p.text for p in read_prompts("-", format="txt")] == [
+        "{braces} open this prompt", "and a second one"]
+    data = tmp_path / "p.data"
+    data.write_text('{"text": "a", "k": 1}\n', encoding="utf-8")
+    assert [(p.text, dict(p.extra)) for p in read_prompts(data, format="jsonl")] == [
+        ("a", {"k": 1})]
+    assert [p.text for p in read_prompts(data)] == ['{"text": "a", "k": 1}']
+    with pytest.raises(actdb.PromptsError, match="format 'csv' is not one of txt, jsonl"):
+        read_prompts(data, format="csv")
+
+
 @pytest.mark.parametrize(("data", "words"), [
     (b"good line\nbad \xff byte\n", "line 2: not valid UTF-8 at byte 14 (column 5"),
     (b"\xc3(\n", "line 1: not valid UTF-8 at byte 0"),

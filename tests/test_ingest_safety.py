@@ -62,7 +62,8 @@ def test_jsonl_fields_become_columns_and_truncation_is_counted(
 def test_resume_refuses_another_checkpoint_under_the_same_name(
         model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     """Rows added under a name are read with that name's stored weights: a model whose norm
-    weights differ (another checkpoint) is refused, and nothing is added."""
+    weights, LM head or embedding differ (another checkpoint) is refused, and nothing is
+    added."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -75,6 +76,17 @@ def test_resume_refuses_another_checkpoint_under_the_same_name(
     with pytest.raises(actdb.IngestError, match="other weights"):
         actdb.ingest(store, model=other, tokenizer=AutoTokenizer.from_pretrained(path),
                      prompts=["another prompt"], name="x", device="cpu")
+    with actdb.connect(store) as db:
+        assert db.sql("SELECT count(*) FROM prompts").fetchall() == [(1,)]
+    # Norms the same, the head or the embedding another checkpoint's: refused by name.
+    for part, what in (("lm_head", "LM head"), ("model.embed_tokens", "embedding")):
+        other = AutoModelForCausalLM.from_pretrained(path)
+        assert not other.config.tie_word_embeddings
+        with torch.no_grad():
+            other.get_submodule(part).weight[7].add_(0.01)
+        with pytest.raises(actdb.IngestError, match=f"other weights \\(its {what} differs"):
+            actdb.ingest(store, model=other, tokenizer=AutoTokenizer.from_pretrained(path),
+                         prompts=["another prompt"], name="x", device="cpu")
     with actdb.connect(store) as db:
         assert db.sql("SELECT count(*) FROM prompts").fetchall() == [(1,)]
     # the same weights resume as before

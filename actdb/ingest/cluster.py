@@ -17,7 +17,8 @@ from .shards import check_shard_count, merge
 
 def ingest_on_cluster(
     store: str | os.PathLike[str], *, cluster: Any, model: Any, prompts: PromptsLike,
-    shards: int | None = None, storage_options: Mapping[str, Any] | None = None,
+    prompts_format: str | None = None, shards: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> IngestSummary:
     """Ingest `prompts` with `shards` shard ingests on the cluster (default: one per
@@ -33,7 +34,7 @@ def ingest_on_cluster(
     wanted = check_shard_count(shards)
     started = time.perf_counter()
     # Read here, once: workers get the same prompts even when the file is only local.
-    rows = [{**p.extra, "text": p.text} for p in read_prompts(prompts)]
+    rows = [{**p.extra, "text": p.text} for p in read_prompts(prompts, format=prompts_format)]
     location = os.fspath(store)
     if "://" not in location:
         location = os.path.abspath(location)
@@ -67,7 +68,7 @@ def ingest_on_cluster(
         model=first.model, store=location, prompts_total=first.prompts_total,
         prompts_new=sum(p.prompts_new for p in parts),
         prompts_skipped=first.prompts_total - sum(p.prompts_new for p in parts),
-        prompts_truncated=first.prompts_truncated,
+        prompts_truncated=sum(p.prompts_truncated for p in parts),
         tokens_written=sum(p.tokens_written for p in parts), sites=first.sites,
         bytes_stored=sum(p.bytes_stored for p in parts),
         seconds=time.perf_counter() - started, max_rel_error=errors,

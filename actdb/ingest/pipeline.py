@@ -104,6 +104,7 @@ def ingest(
     *,
     model: str | os.PathLike[str] | nn.Module,
     prompts: PromptsLike,
+    prompts_format: str | None = None,
     tokenizer: Any = None,
     batch_size: int = 8,
     max_length: int | None = None,
@@ -134,6 +135,10 @@ def ingest(
     after, so a caller's CPU model stays usable on CPU inputs; with `dtype="auto"` it keeps
     its own dtype, and another `dtype` casts it in place, as `model.to(dtype)` would.
 
+    `prompts_format` ('txt' or 'jsonl') reads a prompts file or `-` in that format,
+    whatever its suffix (standard input is otherwise JSON Lines when its first line starts
+    with '{').
+
     With `shard=(i, N)` (or `"i/N"`), this is worker i (from 0) of N ingesting its share of
     the prompts into the same store, side by side with the others: its catalog rows go to
     the store's `shards/{i}-of-{N}` catalog until `actdb.merge` moves them all into the main
@@ -148,7 +153,8 @@ def ingest(
         from .cluster import ingest_on_cluster
 
         return ingest_on_cluster(
-            store, cluster=cluster, model=model, prompts=prompts, tokenizer=tokenizer,
+            store, cluster=cluster, model=model, prompts=prompts,
+            prompts_format=prompts_format, tokenizer=tokenizer,
             batch_size=batch_size, max_length=max_length, device=device, dtype=dtype,
             sites=sites, name=name, revision=revision, device_map=device_map,
             chunk_tokens=chunk_tokens, storage_options=storage_options,
@@ -158,7 +164,7 @@ def ingest(
         raise IngestError(f"batch_size must be at least 1, got {batch_size}")
     if max_length is not None and max_length < 1:
         raise IngestError(f"max_length must be at least 1, got {max_length}")
-    prompt_list = read_prompts(prompts)
+    prompt_list = read_prompts(prompts, format=prompts_format)
     # A model object is the caller's: moved to the ingest's device for it, and back after.
     home = _device_of(model) if isinstance(model, nn.Module) and not device_map else None
     frozen = False
@@ -228,7 +234,7 @@ def ingest(
                     return IngestSummary(
                         model=reg.record.model, store=os.fspath(store),
                         prompts_total=len(prompt_list), prompts_new=0,
-                        prompts_skipped=len(prompt_list), prompts_truncated=sum(truncated),
+                        prompts_skipped=len(prompt_list), prompts_truncated=0,
                         tokens_written=0, sites=len(found), bytes_stored=0, seconds=0.0,
                         note=nothing_to_do(st.location, reg.record.model, shard_of))
                 reg, work = _enter_shard(st, reg, records, work, shard_of)
@@ -236,9 +242,10 @@ def ingest(
             record = reg.record
             per_token = sum(_bytes_per_token(s) for s in records)
             tokens_todo = sum(len(w.ids) for w in work)
+            n_truncated = sum(w.truncated for w in work)  # of the prompts this run stores
             plan = IngestPlan(
                 model=record.model, prompts_total=len(prompt_list), prompts_todo=len(work),
-                prompts_truncated=sum(truncated), tokens_todo=tokens_todo, sites=len(found),
+                prompts_truncated=n_truncated, tokens_todo=tokens_todo, sites=len(found),
                 bytes_estimate=per_token * tokens_todo + reg.weight_bytes,
             )
             if on_plan:
@@ -259,7 +266,7 @@ def ingest(
         return IngestSummary(
             model=record.model, store=os.fspath(store), prompts_total=len(prompt_list),
             prompts_new=len(work), prompts_skipped=len(prompt_list) - len(work),
-            prompts_truncated=sum(truncated), tokens_written=tokens_todo, sites=len(found),
+            prompts_truncated=n_truncated, tokens_written=tokens_todo, sites=len(found),
             bytes_stored=plan.bytes_estimate,
             seconds=time.perf_counter() - started, max_rel_error=errors, warnings=warnings,
         )
@@ -406,27 +413,43 @@ class _Registration:
     write: Callable[[], None] | None = None  # a new model's weights, tokenizer and rows
 
 
-def _check_same_weights(st: Store, existing: ModelRecord, found: list[FoundSite],
-                        sites: list[SiteRecord]) -> None:
-    """Resuming adds rows read with the stored weights: refuse a model whose measured norm
-    gains and biases differ from them (another checkpoint under the same name), which would
-    otherwise give silently wrong answers. Version-1 sites stored raw weights: not compared."""
+def _check_same_weights(st: Store, existing: ModelRecord, loaded: LoadedModel,
+                        found: list[FoundSite], sites: list[SiteRecord]) -> None:
+    """Resuming adds rows read with the stored weights: refuse a model whose embedding, LM
+    head or measured norm gains and biases differ from them (another checkpoint under the
+    same name), which would otherwise give silently wrong answers (its logits read with the
+    first checkpoint's head). Version-1 sites stored raw weights: their norms not compared."""
+    embed, lm_head, lm_bias, _ = _weights(loaded.model)
+    model_weights = (("embedding", "embed", embed), ("LM head", "lm_head", lm_head),
+                     ("LM head's bias", "lm_head_bias", lm_bias))
+    for what, name, value in model_weights:
+        stored = st.arrays.weight(existing.model_id, name, required=False)
+        if not _same_weight(stored, value):
+            raise IngestError(
+                f"model {existing.model!r} is already in the store with other weights "
+                f"(its {what} differs): pass --name to store this one under another name")
     stored_sites = {s.site: s for s in sites}
     for f in found:
         if stored_sites[f.record.site].centered is None:
             continue
-        for part, value in (("gain", f.gain), ("bias", f.bias)):
+        for part, site_value in (("gain", f.gain), ("bias", f.bias)):
             stored = st.arrays.weight(existing.model_id, f"sites/{f.record.site}/{part}",
                                       required=False)
-            same = (value is None) == (stored is None) and (
-                value is None or stored is None or (stored.shape == tuple(value.shape) and
-                np.allclose(stored, value.float().numpy(), rtol=1e-4, atol=1e-6)))
-            if not same:
+            if not _same_weight(stored, None if site_value is None
+                                else site_value.float().numpy()):
                 raise IngestError(
                     f"model {existing.model!r} is already in the store with other weights "
                     f"(the {part} of site {f.record.site!r} differs): pass --name to store "
                     "this one under another name"
                 )
+
+
+def _same_weight(stored: np.ndarray | None, value: np.ndarray | None) -> bool:
+    """The same weight up to a float32 round trip (exact first: the usual case, and cheap)."""
+    if stored is None or value is None:
+        return stored is None and value is None
+    return stored.shape == value.shape and (
+        np.array_equal(stored, value) or np.allclose(stored, value, rtol=1e-4, atol=1e-6))
 
 
 def _register(
@@ -464,7 +487,7 @@ def _register(
         found[:] = [dataclasses.replace(f, record=dataclasses.replace(
             f.record, site=s.site, site_id=s.site_id, role=s.role, layer=s.layer))
             for f, s in zip(found, stored, strict=True)]
-        _check_same_weights(st, existing, found, stored)
+        _check_same_weights(st, existing, loaded, found, stored)
         return _Registration(record=existing, token_str=known)
     model = loaded.model
     embed, lm_head, lm_bias, tied = _weights(model)

@@ -22,20 +22,33 @@ class Prompt:
 PromptsLike = str | os.PathLike[str] | Iterable[str | Mapping[str, Any]]
 
 
-def read_prompts(source: PromptsLike) -> list[Prompt]:
+FORMATS = ("txt", "jsonl")
+
+
+def read_prompts(source: PromptsLike, *, format: str | None = None) -> list[Prompt]:
     """Prompts from a path (`.txt`: one per line; `.jsonl`: `text` plus extra fields),
     `-` for standard input (JSONL if its first line is a JSON object, else text), or a list
-    of strings or dicts with a `text` key."""
+    of strings or dicts with a `text` key. `format` ('txt' or 'jsonl') overrides the file's
+    suffix or the sniff of standard input.
+
+    Lines end at a line feed only (a CR before it is dropped): a prompt may hold any other
+    character, Unicode's line and paragraph separators included. A UTF-8 byte-order mark at
+    the start is not part of the first prompt."""
+    if format is not None and format not in FORMATS:
+        raise PromptsError(f"prompts format {format!r} is not one of {', '.join(FORMATS)}")
     if isinstance(source, str | os.PathLike):
         name = os.fspath(source)
+        jsonl = None if format is None else format == "jsonl"
         if name == "-":
-            lines = _decode(sys.stdin.buffer.read(), "<stdin>").splitlines()
-            return _parse_lines(lines, "<stdin>", jsonl=None)
+            lines = _lines(_decode(sys.stdin.buffer.read(), "<stdin>"))
+            return _parse_lines(lines, "<stdin>", jsonl=jsonl)
         path = Path(name)
         if not path.is_file():
             raise PromptsError(f"prompts file {name!r} does not exist")
-        lines = _decode(path.read_bytes(), name).splitlines()
-        return _parse_lines(lines, name, jsonl=path.suffix.lower() in (".jsonl", ".ndjson"))
+        lines = _lines(_decode(path.read_bytes(), name))
+        if jsonl is None:
+            jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
+        return _parse_lines(lines, name, jsonl=jsonl)
     prompts = []
     wheres = []
     for i, item in enumerate(source):
@@ -50,9 +63,18 @@ def read_prompts(source: PromptsLike) -> list[Prompt]:
     return _nonempty(prompts, "the prompts list")
 
 
+def _lines(text: str) -> list[str]:
+    """The file's lines: split at line feeds alone (`str.splitlines` also splits at U+2028,
+    U+0085, form feeds and more, which JSON strings and prompts may hold)."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
+
+
 def _decode(data: bytes, where: str) -> str:
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is no text
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
@@ -63,6 +85,7 @@ def _decode(data: bytes, where: str) -> str:
 
 
 def _parse_lines(lines: list[str], where: str, *, jsonl: bool | None) -> list[Prompt]:
+    sniffed = jsonl is None
     if jsonl is None:  # stdin: sniff
         first = next((ln for ln in lines if ln.strip()), "")
         jsonl = first.lstrip().startswith("{")
@@ -78,7 +101,10 @@ def _parse_lines(lines: list[str], where: str, *, jsonl: bool | None) -> list[Pr
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise PromptsError(f"{where}, line {n}: not valid JSON ({e.msg})") from None
+            hint = (" (read as JSON Lines because the first line starts with '{'; pass "
+                    "--prompts-format txt, prompts_format='txt' in Python, for plain text)"
+                    ) if sniffed else ""
+            raise PromptsError(f"{where}, line {n}: not valid JSON ({e.msg}){hint}") from None
         if not isinstance(record, dict):
             raise PromptsError(f"{where}, line {n}: expected a JSON object with a 'text' field")
         prompts.append(_from_record(record, f"{where}, line {n}"))
