@@ -323,6 +323,33 @@ def test_mean_vector_spectrum_and_directions(reference, family_store):
                                atol=5e-3)
 
 
+@pytest.mark.parametrize("scale", [1e19, 1e-24, 1.0])
+def test_a_directions_scale_does_not_change_its_answers(reference, family_store, scale):
+    """cosine_to and project depend on a direction's line only: its length is taken in
+    float64, where float32 entries near 1e19 do not overflow their squares (the answer was
+    0) and entries near 1e-24 do not vanish (NULL), per row and constant."""
+    ref = reference("gpt2")
+    base = np.linspace(-1, 1, 64)
+    direction = [float(np.float32(v * scale)) for v in base]
+    with actdb.connect(family_store("gpt2"), device="cpu") as db:
+        module = db.sql("SELECT module FROM sites WHERE site = 'blocks.1.ln1'").fetchone()[0]
+        rows = fetch(db, """
+            SELECT prompt_id, position, cosine_to(vec, $d) AS c, project(vec, $d) AS pr,
+                   cosine_to(normed(vec), $d) AS cn,
+                   cosine_to(vec, CASE WHEN position >= 0 THEN $d END) AS c_rows
+            FROM acts WHERE site = 'blocks.1.ln1' AND prompt_id IN (0, 3)
+            ORDER BY prompt_id, position""", {"d": direction})
+    x = ref.sites[module].x[
+        ref.rows([r["prompt_id"] for r in rows], [r["position"] for r in rows])]
+    unit = base / np.linalg.norm(base)
+    want_c = x @ unit / np.linalg.norm(x, axis=-1)
+    for col in ("c", "c_rows"):
+        np.testing.assert_allclose([r[col] for r in rows], want_c, atol=2e-3)
+    np.testing.assert_allclose([r["pr"] for r in rows], x @ unit,
+                               rtol=2e-3, atol=2e-3 * np.abs(x).max())
+    assert all(r["cn"] is not None for r in rows)
+
+
 def test_aggregates_with_many_lists_in_small_blocks(reference, family_store, monkeypatch):
     """Lists that share a site (GROUP BY prompt: one after another; GROUP BY position % 2:
     interleaved) and directions that differ by row, with vectors converted 3 rows at a time

@@ -951,6 +951,17 @@ def test_a_cosine_to_the_vectors_own_anchor_stays_a_cosine(family_store):
     cos = np.array([r[0] for r in rows])
     assert np.all(cos <= 1.0) and np.all(cos > 1 - 2e-3), cos.min()
     assert all(r[1] is not None and r[1] == r[1] for r in rows)
+    # Every cosine the functions give is one: a vector's own (float32 rounding put these at
+    # 1.0000002, and acos() of them NULL), its nearest anchor's, against its own values.
+    with actdb.connect(family_store("qwen3"), device="cpu") as db:
+        rows = db.sql(
+            "SELECT cosine(vec, vec), cosine_to(vec, to_list(vec)), "
+            "cosine_to(normed(vec), to_list(normed(vec))), "
+            "nearest_anchors(vec, 1, 'embed')[1].cosine, angle(vec, vec) FROM acts "
+            "WHERE layer = 0 AND role = 'pre_attn'").fetchall()
+    own = np.array([r[:4] for r in rows], dtype=np.float64)
+    assert np.all(own <= 1.0) and np.all(own > 1 - 2e-3), (own.max(), own.min())
+    assert all(r[4] is not None and 0 <= r[4] < 4 for r in rows)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma2"])

@@ -167,6 +167,15 @@ class Directions:
         rows = np.stack(data)[inverse] if len(data) else np.zeros((0, d), np.float32)
         return torch.from_numpy(rows).to(device)
 
+    def units(self, index: np.ndarray, d: int, name: str, where: str,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rows` scaled to unit length, and which are nonzero: the length is taken in
+        float64, where a float32 direction's squares neither overflow (entries past about
+        1e18) nor vanish (entries below about 1e-20), so the answer does not depend on the
+        direction's scale."""
+        u, ok = _unit(self.rows(index, d, name, where, torch.device("cpu")).double())
+        return u.float().to(device), ok.to(device)
+
 
 def _where(g: Any) -> str:
     return f"site {g.site.site!r} of model {g.model.model!r}"
@@ -184,12 +193,13 @@ def _against(src: VectorSource, h: np.ndarray, out: np.ndarray, dirs: Directions
         unit_dir: tuple[torch.Tensor, torch.Tensor] | None = None
         for a, b, x in g.x_blocks():
             if unit_dir is None:
-                unit_dir = _unit(dirs.rows(g.index, x.shape[-1], name, _where(g), src.device))
+                unit_dir = dirs.units(g.index, x.shape[-1], name, _where(g), src.device)
             du, dok = unit_dir
             d_block, ok_block = (du, dok) if du.shape[0] == 1 else (du[a:b], dok[a:b])
             if unit_v:
                 u, ok = _unit(x)
-                val = torch.where(ok & ok_block, row_dots(u, d_block), torch.nan)
+                cos = row_dots(u, d_block).clamp(-1.0, 1.0)  # float32 rounding can pass 1
+                val = torch.where(ok & ok_block, cos, torch.nan)
             else:
                 val = torch.where(ok_block, row_dots(x, d_block), torch.nan)
             out[g.index[a:b]] = val.double().cpu().numpy()
@@ -203,7 +213,7 @@ def _against_stored(src: VectorSource, g: Any, out: np.ndarray, dirs: Directions
     3x `x_blocks`' rate over a full scan), times the norm for `project`. As with
     `cosine_to_anchor`, a cosine is clamped to [-1, 1] (a float16 direction's length is 1
     within 2^-11), and is NULL for a zero vector (its stored direction is all zeros)."""
-    du, dok = _unit(dirs.rows(g.index, g.site.d, name, _where(g), torch.device("cpu")))
+    du, dok = dirs.units(g.index, g.site.d, name, _where(g), torch.device("cpu"))
     if not bool(dok[0]):
         out[g.index] = np.nan  # a zero direction: no cosine, no projection
         return

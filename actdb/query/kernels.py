@@ -355,13 +355,13 @@ def cosine(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) -
         at = torch.from_numpy(rows).to(src.device)
         ua, oka = _unit(xa[w][at])
         ub, okb = _unit(xb[w][at])
-        cos = row_dots(ua, ub)
+        cos = row_dots(ua, ub).clamp(-1.0, 1.0)  # float32 rounding can pass 1
         out[rows] = torch.where(oka & okb, cos, torch.nan).double().cpu().numpy()
 
 
 def angle(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) -> None:
     cosine(src, h1, h2, out)
-    out[:] = np.degrees(np.arccos(np.clip(out, -1.0, 1.0)))
+    out[:] = np.degrees(np.arccos(out))
 
 
 # -- list kernels: fill a ListResults (lists.py) with Arrow blocks of rows ------------------
@@ -415,6 +415,8 @@ def _topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
         flat = ids.cpu().numpy().astype(np.int64).reshape(-1)
         # an LM head may have more rows than the vocabulary has strings: those are NULL
         strings = tokens.take(pa.array(flat, mask=flat >= len(tokens)))
+        if label == "cosine":  # float32 rounding can pass 1
+            vals = vals.clamp(-1.0, 1.0)
         out.put(index[lo : lo + block.shape[0]], struct_lists(k, {
             "token_id": pa.array(flat), "token": strings,
             label: pa.array(vals.double().cpu().numpy().reshape(-1)),
