@@ -113,6 +113,12 @@ ESCAPES = [
     "PIVOT (SELECT * FROM read_csv('{secret}')) ON column0 IN ('x') USING count(*)",
     "SELECT * FROM query('SELECT * FROM read_text(''{secret}'')')",
     "SELECT * FROM query_table('prompts')",
+    # a relation's name, which DuckDB's query_table reads as a file where no relation has it
+    "SELECT * FROM histogram_values('{secret}', column0)",
+    'SELECT * FROM histogram_values("{secret}", column0)',
+    "SELECT * FROM histogram('{secret}', column0)",
+    "SELECT * FROM histogram_values(('{secret}'), column0)",
+    "SELECT * FROM histogram_values(concat('{secret}', ''), column0)",
     "SELECT * FROM json_execute_serialized_sql('{{}}')",
     "SELECT * FROM arrow_scan(1, 2, 3)",
     "SELECT * FROM checkpoint()",
@@ -249,6 +255,45 @@ def test_subprocess_escape_is_refused(template: str, setup: dict[str, Any],
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.startswith("Error: "), proc.stderr
     _after(setup, digest, target, proc.stdout + proc.stderr)
+
+
+def test_the_working_directorys_tmp_folder_is_not_readable(
+        setup: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DuckDB lets a locked-down connection use its temporary directory, by default `.tmp`
+    under the working directory for an in-memory database (the catalog's copy, a cluster's
+    combining step): a user's file kept there was read by `histogram_values('.tmp/x.csv',
+    a)` and by the engine's own readers (review finding). Queries spill into a folder of the
+    process's own instead, and a relation's name is never a path."""
+    cwd = tmp_path / "work"
+    (cwd / ".tmp").mkdir(parents=True)
+    (cwd / ".tmp" / "x.csv").write_text(f"a,b\n{SECRET},2\n")
+    (cwd / "y.csv").write_text(f"a,b\n{SECRET},2\n")
+    monkeypatch.chdir(cwd)
+    digest = _digest(setup["store"])
+    with actdb.connect(setup["store"], device="cpu") as db:
+        spill = db.con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0]
+        assert Path(spill).is_dir() and (Path(spill).stat().st_mode & 0o777) == 0o700
+        import duckdb
+
+        for query in ("SELECT * FROM read_csv('.tmp/x.csv')", "SELECT * FROM '.tmp/x.csv'"):
+            with pytest.raises(duckdb.Error, match="disabled by configuration"):
+                db.con.execute(query).fetchall()  # the engine's own lock, under the checks
+        for query in ("SELECT * FROM histogram_values('.tmp/x.csv', a)",
+                      "SELECT * FROM histogram_values(y.csv, a)",
+                      'SELECT * FROM histogram_values("y.csv", a)',
+                      "SELECT * FROM histogram_values($t, a)"):
+            with pytest.raises(actdb.QueryError, match="looks like a file path|takes the name "
+                               "of a table") as info:  # the checks, before the engine's lock
+                db.sql(query, params={"t": ".tmp/x.csv"} if "$t" in query else None
+                       ).fetchall()
+            assert SECRET not in str(info.value)
+        assert db.sql("SELECT count(*) FROM histogram_values(acts, layer)").fetchall()[0][0] > 0
+    proc = subprocess.run([sys.executable, "-m", "actdb.cli", "query", str(setup["store"]),
+                           "SELECT * FROM histogram_values('.tmp/x.csv', a)"],
+                          capture_output=True, text=True, timeout=120, cwd=cwd,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 1 and SECRET not in proc.stdout + proc.stderr, proc.stderr
+    assert _digest(setup["store"]) == digest
 
 
 def test_sandbox_settings_are_locked(setup: dict[str, Any]) -> None:

@@ -76,6 +76,11 @@ def lock(con: duckdb.DuckDBPyConnection) -> None:
         # A later connection cannot turn Python replacement scans off. They look only at the
         # locals of the frame that calls DuckDB, database.py's _relation, which holds the
         # connection, the query text and its parameters: no data frame to find.
+        if con.execute("SELECT current_setting('temp_directory')").fetchall() != [
+                (spill_directory(),)]:
+            raise QueryError("the store's catalog is open elsewhere in this process with its "
+                             "settings locked and another temporary directory; close that "
+                             "connection first")
         for name, want in LOCKDOWN:
             if name in _PER_CONNECTION:
                 continue
@@ -85,8 +90,29 @@ def lock(con: duckdb.DuckDBPyConnection) -> None:
                                  f"{name} = {not want} and its settings locked; close that "
                                  "connection first")
         return
+    # DuckDB lets a locked-down connection read and write its temporary directory: for an
+    # in-memory database that is `.tmp` under the working directory, where any file a user
+    # keeps would be readable by a query. It spills into a folder of this process's own.
+    spill = spill_directory().replace("'", "''")
+    con.execute(f"SET temp_directory = '{spill}'")
     for name, want in LOCKDOWN:
         con.execute(f"SET {name} = {str(want).lower()}")
+
+
+_SPILL: list[str] = []
+
+
+def spill_directory() -> str:
+    """A folder only this process uses (mode 0700, removed at exit), for DuckDB's spills."""
+    if not _SPILL:
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="actdb-spill-")
+        atexit.register(shutil.rmtree, folder, True)
+        _SPILL.append(folder)
+    return _SPILL[0]
 
 
 def check_statement(query: str, con: duckdb.DuckDBPyConnection) -> tuple[str, str]:
@@ -138,6 +164,8 @@ def check_duckdb_tree(select: str, con: duckdb.DuckDBPyConnection
             name = str(node.get("function", {}).get("function_name", ""))
             calls.add(name.lower())
             _check_table_function(name)
+            if name.lower() in _RELATION_ARGUMENT:
+                _check_relation_argument(name.lower(), node["function"].get("arguments", []))
         elif node.get("class") in ("FUNCTION", "WINDOW") and "function_name" in node:
             name = str(node.get("function_name", ""))
             calls.add(name.lower())
@@ -175,6 +203,27 @@ def _check_table_function(name: str) -> None:
         raise QueryError(f"{low}() is refused: {FILE_HINT}")
     raise QueryError(f"table function {low}() is refused in queries; allowed table functions "
                      f"are {', '.join(sorted(TABLE_FUNCTIONS))}")
+
+
+# Table functions whose first argument names a relation, looked up by DuckDB's
+# `query_table`, which reads a file of that name where no relation has it.
+_RELATION_ARGUMENT = frozenset({"histogram", "histogram_values"})
+
+
+def _check_relation_argument(name: str, arguments: list[Any]) -> None:
+    """The relation is written as a name or a string holding one, never a path, a parameter
+    or an expression (whose value the check cannot see)."""
+    first = arguments[0].get("expression", {}) if arguments else {}
+    literal = first.get("literal", {}) if first.get("class") == "CONSTANT" else {}
+    names = first.get("column_names", []) if first.get("class") == "COLUMN_REF" else []
+    if len(names) == 1:  # `acts`, `"acts"`; `"x.csv"` and `x.csv` (two names) are paths
+        _check_table_name(str(names[0]))
+        return
+    if literal.get("kind") == "STRING":
+        _check_table_name(str(literal.get("text", "")))
+        return
+    raise QueryError(f"{name}() takes the name of a table or view as its first argument "
+                     "(e.g. acts), not a qualified name, a parameter or an expression")
 
 
 def _reads_files(name: str) -> bool:

@@ -395,8 +395,8 @@ class Catalog:
             return None
         con: duckdb.DuckDBPyConnection | None = None
         try:
-            # spills where an in-memory reader's go: DuckDB's default beside the file would be
-            # in the folder removed below
+            # not DuckDB's default beside the file, in the folder removed below; the query
+            # layer's lock moves it to a folder of the process's own (sandbox.spill_directory)
             con = duckdb.connect(str(Path(folder.name) / self.path.name), read_only=True,
                                  config={**_READER_CONFIG, "temp_directory": ".tmp"})
             tables = [r[0] for r in con.execute(
