@@ -97,6 +97,42 @@ def test_resume_refuses_another_checkpoint_under_the_same_name(
         assert db.sql("SELECT count(*) FROM prompts").fetchall() == [(2,)]
 
 
+@pytest.mark.parametrize("name", ["ingest.lock", "catalog.duckdb.wal", "shards.lock",
+                                  "catalog.duckdb.log", "dangling"])
+def test_links_in_a_stores_folder_never_redirect_a_write(
+        name: str, model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """A store received from elsewhere holding a symbolic link named like one of its files:
+    the ingest truncated the lock's target and wrote its process id there, and DuckDB wrote
+    its log through a linked .wal (review finding). The ingest refuses in one sentence, the
+    file pointed to is untouched (a dangling link's target not made), nothing is added, and
+    the store answers as before; a linked tensors folder (another disk) stays allowed."""
+    import shutil
+
+    store = tmp_path / "s.actdb"
+    path = str(model_dir("gpt2"))
+    actdb.ingest(store, model=path, prompts=["one prompt here"], device="cpu")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("important data\n")
+    target = tmp_path / "nowhere.txt" if name == "dangling" else victim
+    link = store / ("catalog.duckdb.wal" if name == "dangling" else name)
+    link.unlink(missing_ok=True)
+    link.symlink_to(target)
+    with pytest.raises(actdb.StoreFormatError, match="is a symbolic link"):
+        actdb.ingest(store, model=path, prompts=["another prompt"], device="cpu")
+    assert victim.read_text() == "important data\n" and not (tmp_path / "nowhere.txt").exists()
+    link.unlink()
+    with actdb.connect(store) as db:
+        assert db.sql("SELECT text FROM prompts").fetchall() == [("one prompt here",)]
+    moved = tmp_path / "elsewhere" / "tensors.zarr"
+    moved.parent.mkdir()
+    shutil.move(store / "tensors.zarr", moved)
+    (store / "tensors.zarr").symlink_to(moved, target_is_directory=True)
+    actdb.ingest(store, model=path, prompts=["another prompt"], device="cpu")
+    with actdb.connect(store) as db:
+        assert db.sql("SELECT count(*) FROM prompts").fetchall() == [(2,)]
+        assert db.verify(full=True) == []
+
+
 def test_second_ctrl_c_waits_for_the_commit_being_written() -> None:
     """Ctrl-C twice while a commit is being written: the ingest waits for that commit before
     it lets go of the store (its lock is released right after), whatever the user presses."""

@@ -31,6 +31,33 @@ REGISTER_LOCK_NAME = "shards.lock"  # flock: shard ingests registering a model a
 _BUILDING = ".creating-"  # a store being created: `.{name}.creating-{pid}-{random}`
 
 
+def _refuse_linked_files(folder: Path) -> None:
+    """A writer writes files of fixed names in the store's folder (the catalog, its log and
+    write-ahead log, the lock files): a store copied from elsewhere holding a symbolic link of
+    such a name would have DuckDB or the ingest overwrite the file it points to. A link to a
+    folder (the tensors kept on another disk) is the user's own choice, and stays allowed."""
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.is_symlink() and not entry.is_dir():
+                raise StoreFormatError(
+                    f"{os.path.join(folder, entry.name)!r} is a symbolic link to a file; a "
+                    "store's own files are never links (one could make a write land in the "
+                    "file it points to): replace it with the file, or remove it")
+
+
+def _open_lock_file(path: Path) -> int:
+    """A lock file, opened read-write and made if missing, never through a symbolic link: the
+    ingest writes its process id into it, and a store copied from elsewhere with a link named
+    like a lock file would have that write truncate the file it points to."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise StoreFormatError(f"{str(path)!r} is a symbolic link, where the store keeps a "
+                               "lock file of its own: remove the link, then run again") from None
+
+
 class LocalBackend:
     remote = False
     readers = 1
@@ -100,8 +127,9 @@ class LocalBackend:
         """An flock on `ingest.lock`, released by the kernel however the process ends, so a
         killed ingest never leaves the store locked: exclusive for an ingest or a merge,
         shared by the shard ingests (`shard`: the shard's name) that may run side by side."""
+        _refuse_linked_files(self.path)
         with durable.full_disk_as_error(self.path, "the store's lock file"):
-            fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_lock_file(self.path / LOCK_NAME)
             try:
                 fcntl.flock(fd, (fcntl.LOCK_SH if shard else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -119,7 +147,12 @@ class LocalBackend:
         (merge, which holds the store alone, removes it with the shard's folder)."""
         folder = self.path / SHARDS_NAME / shard
         folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / "shard.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            _refuse_linked_files(folder)
+            fd = _open_lock_file(folder / "shard.lock")
+        except StoreFormatError:
+            os.close(store_fd)
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -159,7 +192,7 @@ class LocalBackend:
         as another shard holds it. No time limit: the kernel releases the flock when its
         holder dies, so a holder is alive while it holds it, and a first registration may
         take long (a large model's weights written and fsynced)."""
-        fd = os.open(self.path / REGISTER_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock_file(self.path / REGISTER_LOCK_NAME)
         try:
             # Polled rather than a blocking flock: Ctrl-C (or a worker's cancellation) ends
             # the wait at once.
