@@ -31,6 +31,56 @@ def test_folder_without_tokenizer_is_one_sentence(model_dir: Callable[[str], Pat
         load(str(folder), device="cpu")
 
 
+@pytest.mark.parametrize("where", ["config", "tokenizer", "model"])
+def test_code_in_a_model_folder_never_runs(where: str, model_dir: Callable[[str], Path],
+                                          tmp_path: Path) -> None:
+    """A folder whose config, tokenizer config or model class names Python of its own
+    (`auto_map`): transformers asked on standard input whether to run it, so anything that
+    answered `y` (a pipe, `yes |`) ran the folder's code (review finding). actdb says no
+    whatever stdin holds: where only that code can load the folder, in one sentence naming
+    the way to load such a model; where the model type is transformers' own, with its class."""
+    import json
+    import subprocess
+    import sys
+
+    folder = copy_model(model_dir("llama"), tmp_path / "m")
+    marker = tmp_path / "ran"
+    code = f"open({str(marker)!r}, 'w').write('ran')\n"
+    (folder / "evil_config.py").write_text(
+        code + "from transformers import LlamaConfig\n"
+        "class EvilConfig(LlamaConfig):\n    model_type = 'evil'\n")
+    (folder / "evil_model.py").write_text(
+        code + "from transformers import LlamaForCausalLM\n"
+        "class EvilModel(LlamaForCausalLM):\n    pass\n")
+    (folder / "evil_tok.py").write_text(
+        code + "from transformers import PreTrainedTokenizerFast\n"
+        "class EvilTok(PreTrainedTokenizerFast):\n    pass\n")
+    name, entry = {"config": ("config.json", {"AutoConfig": "evil_config.EvilConfig"}),
+                   "model": ("config.json", {"AutoModelForCausalLM": "evil_model.EvilModel"}),
+                   "tokenizer": ("tokenizer_config.json",
+                                 {"AutoTokenizer": [None, "evil_tok.EvilTok"]})}[where]
+    data = json.loads((folder / name).read_text())
+    data["auto_map"] = entry
+    if where == "config":
+        data["model_type"] = "evil"
+    if where == "tokenizer":  # with a class of transformers' own named, that one is used
+        data["tokenizer_class"] = "EvilTok"
+    (folder / name).write_text(json.dumps(data))
+    (tmp_path / "p.txt").write_text("one prompt\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "actdb", "ingest", str(tmp_path / "s.actdb"), "--model",
+         str(folder), "--prompts", str(tmp_path / "p.txt"), "--device", "cpu"],
+        input="y\n" * 8, capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert not marker.exists()
+    if where == "model":  # a model type of transformers' own: its class, not the folder's
+        assert run.returncode == 0, run.stderr
+        return
+    assert run.returncode == 1, run.stderr
+    assert "needs Python code of its own to load" in run.stderr and "Traceback" not in run.stderr
+    assert "trust_remote_code=True" in run.stderr, run.stderr
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_corrupt_weights_are_one_sentence(model_dir: Callable[[str], Path], tmp_path: Path,
                                           damage: str) -> None:

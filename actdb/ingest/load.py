@@ -54,6 +54,15 @@ def _is_causal(config: Any) -> bool:
     return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
 
 
+# Model folders and hub repositories may ship Python (`auto_map`) that transformers runs only
+# when told to, after asking on standard input when not told: actdb always says no.
+_REMOTE_CODE = (
+    "model {source!r} needs Python code of its own to load (auto_map in its config or "
+    "tokenizer config), and actdb runs no code from a model folder or the hub: if you trust "
+    "it, load it yourself (from_pretrained(..., trust_remote_code=True)) and pass the model "
+    "and tokenizer objects to actdb.ingest")
+
+
 def load(
     model: str | os.PathLike[str] | nn.Module,
     tokenizer: Any = None,
@@ -88,8 +97,10 @@ def load(
         where, gguf = _locate(source)
         try:
             config = transformers.AutoConfig.from_pretrained(
-                where, revision=revision, **_gguf_kw(gguf))
+                where, revision=revision, trust_remote_code=False, **_gguf_kw(gguf))
         except (OSError, ValueError) as e:
+            if "trust_remote_code" in str(e):
+                raise ModelLoadError(_REMOTE_CODE.format(source=source)) from None
             # A name that is no path here was looked up on the hub: say both, so that a
             # mistyped folder is not read as a network problem.
             local = "" if Path(source).expanduser().exists() else (
@@ -108,6 +119,7 @@ def load(
             with contextlib.redirect_stderr(io.StringIO()) if gguf else contextlib.nullcontext():
                 # The config read above, passed on: parsing a GGUF's metadata takes seconds.
                 module = auto.from_pretrained(where, revision=revision, dtype=dt,
+                                              trust_remote_code=False,
                                               **_gguf_kw(gguf), **placement,
                                               **({"config": config} if gguf else {}))
         except ImportError as e:
@@ -192,8 +204,11 @@ def _load_tokenizer(transformers: Any, source: str, where: str, gguf: str | None
             "save the tokenizer beside the weights, or pass tokenizer=... from Python")
     try:
         return transformers.AutoTokenizer.from_pretrained(where, revision=revision,
+                                                          trust_remote_code=False,
                                                           **_gguf_kw(gguf))
     except Exception as e:  # noqa: BLE001 - tokenizers raise many types for a broken file
+        if "trust_remote_code" in str(e):
+            raise ModelLoadError(_REMOTE_CODE.format(source=source)) from None
         raise ModelLoadError(
             f"could not load the tokenizer of {source!r}: {_first_line(e)}") from e
 
