@@ -125,6 +125,12 @@ LOCAL = [
      "WHERE n_tokens > 8)", "subquery"),
     ("SELECT DISTINCT layer FROM acts ORDER BY layer", "DISTINCT"),
     ("SELECT count(*) FROM prompts", "acts alone"),
+    # one expression for several columns: its sort key took one of them, its aggregate
+    # failed in Python (review finding)
+    ("SELECT layer, position FROM acts ORDER BY COLUMNS(*) DESC LIMIT 3", "COLUMNS"),
+    ("SELECT max(COLUMNS('position|layer')) FROM acts", "COLUMNS"),
+    ("SELECT layer, position FROM acts ORDER BY ALL DESC LIMIT 3", "ORDER BY ALL"),
+    ("SELECT layer, count(*) FROM acts GROUP BY layer ORDER BY ALL", "ORDER BY ALL"),
 ]
 
 

@@ -101,6 +101,11 @@ def _check_shape(tree: exp.Expr, aggregates: set[str]) -> exp.Select:
             raise Unsplittable("window functions see rows of other partitions; not split")
         if isinstance(node, exp.TableSample | exp.Lateral | exp.Unnest | exp.Join):
             raise Unsplittable(f"{node.key.upper()} is not split")
+        if isinstance(node, exp.Columns):  # one expression standing for several columns
+            raise Unsplittable("COLUMNS(...) is not split")
+        if isinstance(node, exp.Ordered) and isinstance(node.this, exp.Var) and (
+                node.this.name.upper() == "ALL"):
+            raise Unsplittable("ORDER BY ALL is not split")
         if isinstance(node, exp.Table) and node is not table:
             raise Unsplittable("a query naming another table is not split")
         if isinstance(node, exp.Func) and _aggregate_kind(node, aggregates) == "other":
