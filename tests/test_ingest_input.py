@@ -89,6 +89,12 @@ BAD_RECORDS = [
     ([{"text": "a", "m": {"k": 1}}, {"text": "b", "m": [1]}], "field 'm' is a list here but an "
                                                               "object"),
     ([{"text": "a", "big": 1 << 64}], "does not fit a 64-bit integer"),
+    # a lone half of a surrogate pair (JSON's "\ud800"): the tokenizer raised a TypeError
+    ([{"text": "ok"}, {"text": "bad \ud800 one"}], "line 2: its text holds a lone surrogate "
+                                                  "U+D800 at character 4"),
+    ([{"text": "a", "tag": ["x", {"k": "\udfff"}]}], "line 1: field 'tag' holds a lone "
+                                                      "surrogate U+DFFF"),
+    ([{"text": "a", "k\ud83d": 1}], "line 1: a field name holds a lone surrogate"),
 ]
 
 
@@ -99,6 +105,15 @@ def test_bad_fields_are_one_sentence(records: list[dict[str, Any]], words: str,
     with pytest.raises(actdb.PromptsError) as info:
         read_prompts(path)
     assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_a_lone_surrogate_in_a_prompts_list_is_one_sentence(tmp_path: Path) -> None:
+    with pytest.raises(actdb.PromptsError, match=r"prompts\[1\]: its text holds a lone "
+                                                 "surrogate U\\+D800 at character 1"):
+        actdb.ingest(tmp_path / "s.actdb", model="unused", prompts=["fine", "x\ud800y"])
+    assert not (tmp_path / "s.actdb").exists()
+    # a whole pair is the character it encodes
+    assert read_prompts([json.loads('"\\ud83d\\ude00"')])[0].text == "\U0001F600"
 
 
 @pytest.mark.parametrize("records", [

@@ -53,6 +53,7 @@ def read_prompts(source: PromptsLike, *, format: str | None = None) -> list[Prom
     wheres = []
     for i, item in enumerate(source):
         if isinstance(item, str):
+            _check_encodable(item, f"prompts[{i}]", "its text")
             prompts.append(Prompt(text=item))
         elif isinstance(item, Mapping):
             prompts.append(_from_record(dict(item), f"prompts[{i}]"))
@@ -116,9 +117,37 @@ def _from_record(record: dict[str, Any], where: str) -> Prompt:
     text = record.pop("text", None)
     if not isinstance(text, str):
         raise PromptsError(f"{where}: has no 'text' string field")
-    for key in record:
+    _check_encodable(text, where, "its text")
+    for key, value in record.items():
+        if isinstance(key, str):
+            _check_encodable(key, where, "a field name")
         _check_key(key, where)
+        for inner in _strings(value):
+            _check_encodable(inner, where, f"field {key!r}")
     return Prompt(text=text, extra=record)
+
+
+def _strings(value: Any) -> list[str]:
+    """The strings in a JSON value, nested ones included."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (k, *_strings(v))]
+    return []
+
+
+def _check_encodable(text: str, where: str, what: str) -> None:
+    """Text that UTF-8 can hold: JSON's escapes (and Python strings) can hold a lone half of
+    a surrogate pair, which no tokenizer or database takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptsError(
+            f"{where}: {what} holds a lone surrogate U+{ord(text[e.start]):04X} at character "
+            f"{e.start} (half of a UTF-16 pair, no character on its own): write the whole "
+            "pair or the character itself") from None
 
 
 # Columns of `prompts` that actdb fills itself; SQL names ignore case, so neither may a field.
