@@ -288,17 +288,27 @@ class Database:
 
 
 def _bindable(params: dict[str, Any] | list[Any] | None) -> dict[str, Any] | list[Any] | None:
-    """`params` with torch tensors as lists (a direction from a probe or from `db.vectors`):
-    DuckDB binds lists and NumPy arrays, and refused a tensor with a type error."""
+    """`params` as DuckDB binds them: torch tensors and NumPy arrays as lists (a direction
+    from a probe or from `db.vectors`), NumPy scalars as Python numbers (a token id from
+    `argmax`), all of which DuckDB refused with a type error; anything but a dict (for
+    `$name`) or a list (for `?`, `$1`) is refused, a string above all, which DuckDB bound
+    one character to each `?`."""
     def plain(v: Any) -> Any:
-        is_tensor = type(v).__module__.startswith("torch") and hasattr(v, "tolist")
-        return v.detach().cpu().tolist() if is_tensor else v
+        module = type(v).__module__
+        if module.startswith("torch") and hasattr(v, "tolist"):
+            return v.detach().cpu().tolist()
+        if module == "numpy" and hasattr(v, "tolist"):  # arrays and scalars alike
+            return v.tolist()
+        return v
 
+    if params is None:
+        return None
     if isinstance(params, dict):
         return {k: plain(v) for k, v in params.items()}
     if isinstance(params, list | tuple):
         return [plain(v) for v in params]
-    return params
+    raise QueryError(f"params must be a dict ({{'name': value}} for $name) or a list (for ? "
+                     f"and $1, $2, ...), not {type(params).__name__} {params!r:.40}")
 
 
 def _relation(con: duckdb.DuckDBPyConnection, query: str, params: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -282,6 +283,15 @@ def translate(e: duckdb.Error, box: ErrorBox) -> BaseException:
         err, box.error = box.error, None
         return err
     first = text.splitlines()[0] if text else type(e).__name__
+    if "Mixing named and positional parameters" in first:
+        return QueryError("the query mixes named ($name) and positional (? or $1) parameters, "
+                          "or names them while params is a list: give params as a dict for "
+                          "$name, a list for ? and $1")
+    nested = re.search(r"Unimplemented type for cast \((\w+)\[\]\[?\]? -> (\w+)\)", first)
+    if nested and "[]" not in nested.group(2):
+        return QueryError(f"a list was given where a number belongs ({nested.group(1)}[] -> "
+                          f"{nested.group(2)}): a direction is one vector, so pass a 1-D list, "
+                          "array or tensor (x[0], not x[0:1])")
     for prefix in ("Binder Error: ", "Catalog Error: ", "Conversion Error: ",
                    "Invalid Input Error: ", "Parser Error: ", "Out of Range Error: "):
         first = first.removeprefix(prefix)
