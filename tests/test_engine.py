@@ -285,6 +285,16 @@ def test_scan_runs_read_what_zarr_reads_and_name_a_damaged_chunk(big, tmp_path):
                                                                    match="chunk 4"):
         copy.sql(f"SELECT avg(vec_norm(vec) + cosine_to_anchor(vec, 3)) FROM acts "
                  f"WHERE site = '{site}'").fetchall()
+    # a damaged norm chunk read through the view's plain column: the same error, itself
+    # (it came as a QueryError reading "StoreCorruptError: chunk 0 ...")
+    norm = store / "tensors.zarr" / "models" / "0" / "acts" / site / "norm" / "c.0"
+    data = bytearray(norm.read_bytes())
+    data[10] ^= 0x01
+    norm.write_bytes(bytes(data))
+    with actdb.connect(store, device="cpu") as copy:
+        for column in ("norm", "mean + norm"):
+            with pytest.raises(StoreCorruptError, match="^chunk 0 of array .*/norm' fails"):
+                copy.sql(f"SELECT avg({column}) FROM acts WHERE site = '{site}'").fetchall()
 
 
 @pytest.mark.cpu_only  # the runs' products are the CPU's compiled kernel; a GPU uses torch

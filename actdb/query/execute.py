@@ -164,17 +164,24 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
     return _with_arity(udf, len(kinds))
 
 
-def _stored_field_udf(src: VectorSource, name: str) -> Callable[[pa.Array], pa.Array]:
+def _stored_field_udf(src: VectorSource, name: str, box: ErrorBox
+                      ) -> Callable[[pa.Array], pa.Array]:
+    """The view's `norm` or `mean` column: an ActdbError (a damaged chunk) reaches the
+    caller as itself, as from the tensor functions."""
     def udf(h: pa.Array) -> pa.Array:
         null = h.is_null().to_numpy(zero_copy_only=False)
         keep = np.nonzero(~null)[0]
         values = pc.drop_null(h).to_numpy(zero_copy_only=False).astype(np.int64)
         out = np.full(len(h), np.nan)
         if len(values):
-            with torch_threads(1):
-                for g in src.groups(values):
-                    field = g.norm if name == "norm" else g.mean
-                    out[keep[g.index]] = field.double().cpu().numpy()
+            try:
+                with torch_threads(1):
+                    for g in src.groups(values):
+                        field = g.norm if name == "norm" else g.mean
+                        out[keep[g.index]] = field.double().cpu().numpy()
+            except ActdbError as e:
+                box.error = e
+                raise
         return pa.array(out, type=pa.float64(), mask=null)
 
     return udf
@@ -272,7 +279,7 @@ class Functions:
         for name in ("norm", "mean"):
             if f"_stored_{name}" not in self._udfs:
                 con.create_function(
-                    f"_actdb_stored_{name}_{session}", _stored_field_udf(src, name),
+                    f"_actdb_stored_{name}_{session}", _stored_field_udf(src, name, self._box),
                     [_sqltype(con, "BIGINT")], _sqltype(con, "DOUBLE"),
                     type=PythonUDFType.ARROW, null_handling=FunctionNullHandling.SPECIAL,
                     side_effects=False,
