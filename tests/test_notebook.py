@@ -247,6 +247,12 @@ def test_dataset_streams_every_row_once(db: actdb.Database) -> None:
     torch.testing.assert_close(again, x)  # the seed decides the order
     loader = torch.utils.data.DataLoader(ds, batch_size=None)
     assert next(iter(loader))["vec"].shape == (5, ref.shape[1])
+    # Without columns=, a batch holds what the query selects (layer was dropped in silence);
+    # columns=() keeps the vectors alone.
+    whole = next(iter(db.dataset(FINAL, batch_size=4)))
+    assert list(whole) == ["vec", "prompt_id", "position", "layer", "token"]
+    np.testing.assert_array_equal(whole["layer"].numpy(), meta["layer"].to_numpy()[:4])
+    assert list(next(iter(db.dataset(FINAL, batch_size=4, columns=())))) == ["vec"]
 
 
 def test_dataset_refuses_a_query_without_vectors(db: actdb.Database) -> None:

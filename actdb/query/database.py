@@ -207,7 +207,7 @@ class Database:
         return export(self, query, path, params=params)
 
     def dataset(self, query: str, *, batch_size: int = 4096, shuffle_buffer: int = 0,
-                seed: int | None = None, columns: Sequence[str] = (),
+                seed: int | None = None, columns: Sequence[str] | None = None,
                 params: dict[str, Any] | list[Any] | None = None,
                 drop_last: bool = False) -> VectorDataset:
         """A torch IterableDataset of the query's vectors, streamed with bounded memory.
@@ -217,7 +217,8 @@ class Database:
             batch_size: rows per batch; use `DataLoader(ds, batch_size=None)`.
             shuffle_buffer: rows held for shuffling (0: the query's order).
             seed: the shuffle's seed (each pass over the dataset draws anew from it).
-            columns: other columns of the query to yield beside `vec`.
+            columns: the query's other columns to yield beside `vec` (default: all it
+                selects; `()` for the vectors alone).
             params: values for `$name` / `?` in the query.
             drop_last: leave out a last batch smaller than `batch_size`.
 

@@ -35,7 +35,8 @@ class VectorDataset(IterableDataset[Batch]):
 
     def __init__(self, db: Database, query: str, *, batch_size: int = 4096,
                  shuffle_buffer: int = 0, seed: int | None = None,
-                 columns: Sequence[str] = (), params: dict[str, Any] | list[Any] | None = None,
+                 columns: Sequence[str] | None = None,
+                 params: dict[str, Any] | list[Any] | None = None,
                  drop_last: bool = False) -> None:
         if batch_size < 1:
             raise QueryError(f"batch_size must be at least 1, got {batch_size}")
@@ -51,6 +52,8 @@ class VectorDataset(IterableDataset[Batch]):
         if self.vec is None:
             raise QueryError("dataset() needs a query selecting one vec column (vec or a view "
                              f"of it); it selects {result.columns}")
+        if columns is None:  # what the query selects: every column but the vectors
+            columns = [c for c in result.columns if c not in handles]
         missing = [c for c in columns if c not in result.columns]
         if missing:
             raise QueryError(f"columns {missing} are not in the query's columns "
