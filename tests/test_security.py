@@ -142,6 +142,10 @@ ESCAPES = [
     "SELECT cosine(vec, token_id) FROM acts",
     "SELECT to_list(normed(position)) FROM acts",
     "SELECT vec_norm(vec + 1000000) FROM acts",
+    # arithmetic that stays inside the store names another row: an answer for the wrong one
+    "SELECT vec_norm(vec + 1) FROM acts WHERE position = 0",
+    "SELECT cosine_to_anchor(normed(vec) - 1, 3) FROM acts WHERE position = 1",
+    "SELECT logit((vec) + 2, 5) FROM acts WHERE position = 0",
     "SELECT vec_norm(vec | (1023::BIGINT << 38)) FROM acts",
     "SELECT vec_norm(-vec) FROM acts",
     "SELECT vec_norm(9223372036854775807)",

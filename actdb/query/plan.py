@@ -69,7 +69,34 @@ def check(query: str, con: duckdb.DuckDBPyConnection, known: Callable[[], set[st
     sandbox.check_sqlglot_tree(tree)
     for node in tree.find_all(exp.Anonymous):
         _check_call(node, known)
+    if "acts" in tables:
+        _check_handle_arithmetic(tree)
     return runnable, calls, tables
+
+
+_VIEWS = ("normalized", "normed", "final_norm")
+
+
+def _check_handle_arithmetic(tree: exp.Expr) -> None:
+    """`vec + 1` is another row's handle, and a function of it answers for that row: refused,
+    where the result would otherwise be a plausible number for the wrong vector (a handle's
+    checks catch only what leaves the store's rows)."""
+    from sqlglot import exp
+
+    arithmetic = (exp.Add, exp.Sub, exp.Mul, exp.Div, exp.IntDiv, exp.Mod, exp.Pow, exp.Neg,
+                  exp.BitwiseAnd, exp.BitwiseOr, exp.BitwiseXor, exp.BitwiseNot,
+                  exp.BitwiseLeftShift, exp.BitwiseRightShift)
+    for node in tree.find_all(*arithmetic):
+        for side in (node.args.get("this"), node.args.get("expression")):
+            while isinstance(side, exp.Paren):
+                side = side.this
+            handle = (isinstance(side, exp.Column) and side.name.lower() == "vec") or (
+                isinstance(side, exp.Anonymous) and str(side.name).lower() in _VIEWS)
+            if handle:
+                raise QueryError(
+                    f"{node.sql(dialect='duckdb')}: vec is a handle naming a stored vector, "
+                    "not its numbers, and arithmetic on it names another row; compute with "
+                    "the tensor functions (to_list(vec), delta(vec), cosine_to, project)")
 
 
 def _too_deep() -> QueryError:
