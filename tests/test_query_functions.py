@@ -909,6 +909,9 @@ def test_token_strings_resolve_to_the_one_id_that_decodes_to_them(family_store):
         with pytest.raises(actdb.TokenError, match=r"is not one token of model 'gpt2': it "
                                                    r"tokenizes as \["):
             src.resolve_token(model, "a string no vocabulary holds whole", "VARCHAR")
+        with pytest.raises(actdb.TokenError, match=r"^'' is not one token of model 'gpt2': "
+                                                   "the empty string is no token$"):
+            src.resolve_token(model, "", "VARCHAR")
 
 
 def test_a_token_that_is_no_vocabulary_text_is_told_what_to_pass(family_store):

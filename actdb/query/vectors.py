@@ -979,7 +979,7 @@ class VectorSource:
             raise TokenError(
                 f"{value!r} is the text of {len(ids)} tokens of model {model.model!r} (ids "
                 f"{shown}): pass the token id instead")
-        how = ""
+        how = ": the empty string is no token" if value == "" else ""
         unknown = getattr(self._tokenizer(model), "unk_token_id", None) if encoded else None
         if encoded and len(encoded) == 1 and encoded[0] == unknown:
             how = ": its tokenizer does not know it (it reads it as its unknown token)"
