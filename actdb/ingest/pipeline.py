@@ -391,16 +391,17 @@ def _vocab_table(tok: Any, size: int) -> pa.Table:
 
 
 def _weights(model: Any) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, bool]:
-    emb: Any = model.get_input_embeddings()
-    embed = emb.weight.detach().float().cpu().numpy()
-    head: Any = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
-        return embed, None, None, False
-    tied = head.weight.data_ptr() == emb.weight.data_ptr()
-    w = None if tied else head.weight.detach().float().cpu().numpy()
-    b = getattr(head, "bias", None)
-    bias = b.detach().float().cpu().numpy() if isinstance(b, torch.Tensor) else None
-    return embed, w, bias, tied
+    """(embedding, untied LM head, its bias, whether the head is the embedding), float32 on
+    the host, as a new model's registration stores them."""
+    tensors = {name: t for _, name, t in _model_weights(model)}
+
+    def host(t: torch.Tensor | None) -> np.ndarray | None:
+        return None if t is None else t.detach().float().cpu().numpy()
+
+    embed = host(tensors["embed"])
+    assert embed is not None
+    tied = "lm_head" in tensors and tensors["lm_head"] is None
+    return embed, host(tensors.get("lm_head")), host(tensors.get("lm_head_bias")), tied
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -419,37 +420,57 @@ def _check_same_weights(st: Store, existing: ModelRecord, loaded: LoadedModel,
     head or measured norm gains and biases differ from them (another checkpoint under the
     same name), which would otherwise give silently wrong answers (its logits read with the
     first checkpoint's head). Version-1 sites stored raw weights: their norms not compared."""
-    embed, lm_head, lm_bias, _ = _weights(loaded.model)
-    model_weights = (("embedding", "embed", embed), ("LM head", "lm_head", lm_head),
-                     ("LM head's bias", "lm_head_bias", lm_bias))
-    for what, name, value in model_weights:
-        stored = st.arrays.weight(existing.model_id, name, required=False)
-        if not _same_weight(stored, value):
-            raise IngestError(
-                f"model {existing.model!r} is already in the store with other weights "
-                f"(its {what} differs): pass --name to store this one under another name")
+    def refuse(what: str) -> IngestError:
+        return IngestError(
+            f"model {existing.model!r} is already in the store with other weights ({what} "
+            "differs): pass --name to store this one under another name")
+
+    for what, name, value in _model_weights(loaded.model):
+        stored = st.arrays.weight_blocks(existing.model_id, name)
+        if (stored is None) != (value is None):
+            raise refuse(f"its {what}")
+        if stored is None or value is None:
+            continue
+        shape, blocks = stored
+        if shape != tuple(value.shape):
+            raise refuse(f"its {what}")
+        for lo, block in blocks:  # a chunk at a time: a large vocabulary's are gigabytes
+            rows = value[lo:lo + len(block)].detach().float().cpu().numpy()
+            if not _same_values(block, rows):
+                raise refuse(f"its {what}")
     stored_sites = {s.site: s for s in sites}
     for f in found:
         if stored_sites[f.record.site].centered is None:
             continue
         for part, site_value in (("gain", f.gain), ("bias", f.bias)):
-            stored = st.arrays.weight(existing.model_id, f"sites/{f.record.site}/{part}",
-                                      required=False)
-            if not _same_weight(stored, None if site_value is None
-                                else site_value.float().numpy()):
-                raise IngestError(
-                    f"model {existing.model!r} is already in the store with other weights "
-                    f"(the {part} of site {f.record.site!r} differs): pass --name to store "
-                    "this one under another name"
-                )
+            stored_part = st.arrays.weight(existing.model_id, f"sites/{f.record.site}/{part}",
+                                           required=False)
+            same = (site_value is None) == (stored_part is None) and (
+                site_value is None or stored_part is None or (
+                    stored_part.shape == tuple(site_value.shape)
+                    and _same_values(stored_part, site_value.float().numpy())))
+            if not same:
+                raise refuse(f"the {part} of site {f.record.site!r}")
 
 
-def _same_weight(stored: np.ndarray | None, value: np.ndarray | None) -> bool:
+def _model_weights(model: Any) -> list[tuple[str, str, torch.Tensor | None]]:
+    """(what it is, its array's name, the model's tensor) of the weights `_weights` stores:
+    the embedding, and an untied LM head and its bias."""
+    emb: Any = model.get_input_embeddings()
+    head: Any = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    w = getattr(head, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        return [("embedding", "embed", emb.weight)]
+    b = getattr(head, "bias", None)
+    return [("embedding", "embed", emb.weight),
+            ("LM head", "lm_head", None if w.data_ptr() == emb.weight.data_ptr() else w),
+            ("LM head's bias", "lm_head_bias", b if isinstance(b, torch.Tensor) else None)]
+
+
+def _same_values(stored: np.ndarray, value: np.ndarray) -> bool:
     """The same weight up to a float32 round trip (exact first: the usual case, and cheap)."""
-    if stored is None or value is None:
-        return stored is None and value is None
-    return stored.shape == value.shape and (
-        np.array_equal(stored, value) or np.allclose(stored, value, rtol=1e-4, atol=1e-6))
+    return bool(np.array_equal(stored, value) or np.allclose(stored, value, rtol=1e-4,
+                                                             atol=1e-6))
 
 
 def _register(

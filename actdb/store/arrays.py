@@ -416,6 +416,19 @@ class Arrays:
             return None
         return self._read_checked(label, info)
 
+    def weight_blocks(self, model_id: int, name: str
+                      ) -> tuple[tuple[int, ...], Iterator[tuple[int, np.ndarray]]] | None:
+        """A weight array's shape and its rows chunk by chunk, as (first row, rows), each
+        chunk checked as `weight` checks it; None when absent. Memory stays one chunk (a
+        large vocabulary's embedding is gigabytes)."""
+        label = f"models/{model_id}/{name}"
+        info = self.info(label, required=False)
+        if info is None:
+            return None
+        c = info.chunks[0]
+        blocks = ((i * c, self._checked_chunk(label, info, i)) for i in range(_n_chunks(info)))
+        return info.shape, blocks
+
     def check_weight(self, model_id: int, name: str, *, required: bool, full: bool) -> None:
         """verify's check of one weight array: structure, or (`full`) every byte."""
         arr = self.open_array(f"models/{model_id}/{name}", required=required)
