@@ -146,6 +146,12 @@ ESCAPES = [
     "SELECT vec_norm(vec + 1) FROM acts WHERE position = 0",
     "SELECT cosine_to_anchor(normed(vec) - 1, 3) FROM acts WHERE position = 1",
     "SELECT logit((vec) + 2, 5) FROM acts WHERE position = 0",
+    "SELECT vec_norm(vec::BIGINT + 1) FROM acts WHERE position = 0",
+    "SELECT vec_norm(add(vec, 1)) FROM acts WHERE position = 0",
+    "SELECT vec_norm(coalesce(vec) + 1) FROM acts WHERE position = 0",
+    "SELECT vec_norm(h + 1) FROM (SELECT vec AS h FROM acts WHERE position = 0)",
+    "WITH x AS (SELECT vec AS v FROM acts WHERE position = 0), y AS (SELECT v AS w FROM x) "
+    "SELECT vec_norm(w + 1) FROM y",
     "SELECT vec_norm(vec | (1023::BIGINT << 38)) FROM acts",
     "SELECT vec_norm(-vec) FROM acts",
     "SELECT vec_norm(9223372036854775807)",
