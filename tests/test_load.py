@@ -31,14 +31,14 @@ def test_folder_without_tokenizer_is_one_sentence(model_dir: Callable[[str], Pat
         load(str(folder), device="cpu")
 
 
-@pytest.mark.parametrize("where", ["config", "tokenizer", "model"])
+@pytest.mark.parametrize("where", ["config", "tokenizer"])
 def test_code_in_a_model_folder_never_runs(where: str, model_dir: Callable[[str], Path],
                                           tmp_path: Path) -> None:
     """A folder whose config, tokenizer config or model class names Python of its own
     (`auto_map`): transformers asked on standard input whether to run it, so anything that
     answered `y` (a pipe, `yes |`) ran the folder's code (review finding). actdb says no
-    whatever stdin holds: where only that code can load the folder, in one sentence naming
-    the way to load such a model; where the model type is transformers' own, with its class."""
+    whatever stdin holds, in one sentence naming the way to load such a model (where the
+    model type is one of transformers' own, its class loads it and nothing asks)."""
     import json
     import subprocess
     import sys
@@ -55,8 +55,8 @@ def test_code_in_a_model_folder_never_runs(where: str, model_dir: Callable[[str]
     (folder / "evil_tok.py").write_text(
         code + "from transformers import PreTrainedTokenizerFast\n"
         "class EvilTok(PreTrainedTokenizerFast):\n    pass\n")
-    name, entry = {"config": ("config.json", {"AutoConfig": "evil_config.EvilConfig"}),
-                   "model": ("config.json", {"AutoModelForCausalLM": "evil_model.EvilModel"}),
+    name, entry = {"config": ("config.json", {"AutoConfig": "evil_config.EvilConfig",
+                                              "AutoModelForCausalLM": "evil_model.EvilModel"}),
                    "tokenizer": ("tokenizer_config.json",
                                  {"AutoTokenizer": [None, "evil_tok.EvilTok"]})}[where]
     data = json.loads((folder / name).read_text())
@@ -73,9 +73,6 @@ def test_code_in_a_model_folder_never_runs(where: str, model_dir: Callable[[str]
         input="y\n" * 8, capture_output=True, text=True, timeout=300,
         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     assert not marker.exists()
-    if where == "model":  # a model type of transformers' own: its class, not the folder's
-        assert run.returncode == 0, run.stderr
-        return
     assert run.returncode == 1, run.stderr
     assert "needs Python code of its own to load" in run.stderr and "Traceback" not in run.stderr
     assert "trust_remote_code=True" in run.stderr, run.stderr

@@ -306,6 +306,35 @@ def test_the_working_directorys_tmp_folder_is_not_readable(
     assert _digest(setup["store"]) == digest
 
 
+def test_a_stores_tokenizer_code_never_runs(setup: dict[str, Any], tmp_path: Path) -> None:
+    """A store from elsewhere whose saved tokenizer names Python of its own (`auto_map`):
+    a query that needs the tokenizer (a string no vocabulary entry holds) had transformers
+    ask on stdin whether to run it (review finding). The code never runs; tokens resolve by
+    the vocabulary table alone, as in a store saved without a tokenizer."""
+    import json
+
+    store = tmp_path / "s.actdb"
+    shutil.copytree(setup["store"], store)
+    folder = store / "tokenizers" / "0"
+    marker = tmp_path / "ran"
+    (folder / "evil_tok.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\n"
+        "class EvilTok(PreTrainedTokenizerFast):\n    pass\n")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(auto_map={"AutoTokenizer": [None, "evil_tok.EvilTok"]},
+                  tokenizer_class="EvilTok")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    proc = subprocess.run(
+        [sys.executable, "-m", "actdb.cli", "query", str(store),
+         "SELECT cosine_to_anchor(vec, 'zzqx qqzz') FROM acts LIMIT 1"],
+        input="y\n" * 8, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert not marker.exists()
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "'zzqx qqzz' is not one token of model" in proc.stderr, proc.stderr
+
+
 def test_sandbox_settings_are_locked(setup: dict[str, Any]) -> None:
     """The engine itself refuses files, extensions and setting changes, under the checks."""
     con = setup["db"].con

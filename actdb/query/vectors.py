@@ -1026,7 +1026,13 @@ class VectorSource:
             if folder.is_dir():
                 from transformers import AutoTokenizer
 
-                tok = AutoTokenizer.from_pretrained(str(folder))
+                try:  # a store's folder may come from anyone: its code never runs
+                    tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+                except ValueError as e:
+                    if "trust_remote_code" not in str(e):
+                        raise
+                    # one that only its own code loads: tokens resolve by the vocab table
+                    # alone, as in a store without a tokenizer
             self._tokenizers[model.model_id] = tok
         return self._tokenizers[model.model_id]
 
