@@ -140,6 +140,8 @@ def test_lines_end_at_line_feeds_only_and_a_byte_order_mark_is_no_text(tmp_path:
     ).encode())
     got = read_prompts(jsonl)
     assert [(p.text, p.extra["n"]) for p in got] == [(t, i) for i, t in enumerate(odd)]
+    txt.write_bytes("\r".join(odd).encode())  # an old Mac file's lone CRs end lines too
+    assert [p.text for p in read_prompts(txt)] == odd
 
 
 def test_a_format_overrides_the_suffix_and_the_sniff(tmp_path: Path,

@@ -440,13 +440,16 @@ def test_directions_reach_their_functions_as_ids(reference, family_store, monkey
         as_tensor = fetch(db, q, {"d": torch.tensor(direction)})
         assert [r["c"] for r in as_tensor] == [r["c"] for r in rows]
         # ... and a NumPy array of any float type, and a NumPy scalar as a token (argmax)
-        as_array = fetch(db, q, {"d": np.asarray(direction, dtype=np.float32)})
-        assert [r["c"] for r in as_array] == [r["c"] for r in rows]
+        for given in (np.asarray(direction, dtype=np.float32),
+                      list(np.asarray(direction, dtype=np.float64)),
+                      [torch.tensor(v) for v in direction]):
+            as_array = fetch(db, q, {"d": given})
+            assert [r["c"] for r in as_array] == [r["c"] for r in rows]
         tid = np.argmax(np.arange(10))
         assert db.sql("SELECT logit(vec, $t) = logit(vec, 9) FROM acts LIMIT 1",
                       params={"t": tid}).fetchall() == [(True,)]
         # a [1, d] tensor, a string, a number: one sentence each
-        with pytest.raises(actdb.QueryError, match=r"pass a 1-D list, array or tensor"):
+        with pytest.raises(actdb.QueryError, match=r"one vector: a 1-D list, array or tensor"):
             fetch(db, q, {"d": torch.tensor(direction)[None]})
         for bad in ("ab", 5):
             with pytest.raises(actdb.QueryError, match="params must be a dict"):

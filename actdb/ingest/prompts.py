@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -31,8 +32,8 @@ def read_prompts(source: PromptsLike, *, format: str | None = None) -> list[Prom
     of strings or dicts with a `text` key. `format` ('txt' or 'jsonl') overrides the file's
     suffix or the sniff of standard input.
 
-    Lines end at a line feed only (a CR before it is dropped): a prompt may hold any other
-    character, Unicode's line and paragraph separators included. A UTF-8 byte-order mark at
+    Lines end at a line feed, a CR or both: a prompt may hold any other character,
+    Unicode's line and paragraph separators included. A UTF-8 byte-order mark at
     the start is not part of the first prompt."""
     if format is not None and format not in FORMATS:
         raise PromptsError(f"prompts format {format!r} is not one of {', '.join(FORMATS)}")
@@ -65,12 +66,16 @@ def read_prompts(source: PromptsLike, *, format: str | None = None) -> list[Prom
 
 
 def _lines(text: str) -> list[str]:
-    """The file's lines: split at line feeds alone (`str.splitlines` also splits at U+2028,
-    U+0085, form feeds and more, which JSON strings and prompts may hold)."""
-    lines = text.split("\n")
+    """The file's lines: split at line feeds, CRLF and a lone CR (old Mac files) only;
+    `str.splitlines` also splits at U+2028, U+0085, form feeds and more, which JSON strings
+    and prompts may hold."""
+    lines = _LINE_END.split(text)
     if lines and lines[-1] == "":
         lines.pop()
-    return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
+    return lines
+
+
+_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
 def _decode(data: bytes, where: str) -> str:

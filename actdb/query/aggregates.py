@@ -149,10 +149,21 @@ class Directions:
         self.ids, self.table = ids, table
         self.same = bool(len(ids)) and bool(np.all(ids == ids[0]))
 
-    def rows(self, index: np.ndarray, d: int, name: str, where: str,
-             device: torch.device) -> torch.Tensor:
-        """float32 [len(index), d], or [1, d] when every row holds the same direction: the
-        directions of these rows; their width must be d."""
+    def units(self, index: np.ndarray, d: int, name: str, where: str,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The directions of these rows ([len(index), d], or [1, d] when every row holds the
+        same one; their width must be d) scaled to unit length, and which are nonzero. Each
+        distinct direction's length is taken in float64, where a float32 direction's squares
+        neither overflow (entries past about 1e18) nor vanish (entries below about 1e-20), so
+        the answer does not depend on the direction's scale."""
+        distinct, inverse = self._distinct(index, d, name, where)
+        u, ok = _unit(torch.from_numpy(distinct).double())
+        at = torch.from_numpy(inverse)
+        return u.float()[at].to(device), ok[at].to(device)
+
+    def _distinct(self, index: np.ndarray, d: int, name: str, where: str
+                  ) -> tuple[np.ndarray, np.ndarray]:
+        """(the distinct directions of these rows [u, d], each row's index into them)."""
         ids = self.ids[index[:1]] if self.same else self.ids[index]
         uniq, inverse = np.unique(ids, return_inverse=True)
         data = []
@@ -164,17 +175,8 @@ class Directions:
             if not np.all(np.isfinite(v)):
                 raise QueryError(f"{name}: the direction holds NULL, NaN or infinite values")
             data.append(v)
-        rows = np.stack(data)[inverse] if len(data) else np.zeros((0, d), np.float32)
-        return torch.from_numpy(rows).to(device)
-
-    def units(self, index: np.ndarray, d: int, name: str, where: str,
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rows` scaled to unit length, and which are nonzero: the length is taken in
-        float64, where a float32 direction's squares neither overflow (entries past about
-        1e18) nor vanish (entries below about 1e-20), so the answer does not depend on the
-        direction's scale."""
-        u, ok = _unit(self.rows(index, d, name, where, torch.device("cpu")).double())
-        return u.float().to(device), ok.to(device)
+        distinct = np.stack(data) if data else np.zeros((0, d), np.float32)
+        return distinct, inverse.reshape(-1)
 
 
 def _where(g: Any) -> str:

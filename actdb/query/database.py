@@ -218,7 +218,9 @@ class Database:
             shuffle_buffer: rows held for shuffling (0: the query's order).
             seed: the shuffle's seed (each pass over the dataset draws anew from it).
             columns: the query's other columns to yield beside `vec` (default: all it
-                selects; `()` for the vectors alone).
+                selects; `()` for the vectors alone). Numbers come as tensors, anything
+                else (text, lists) as Python lists, which cost time in a training loop:
+                select what the loop uses.
             params: values for `$name` / `?` in the query.
             drop_last: leave out a last batch smaller than `batch_size`.
 
@@ -300,6 +302,8 @@ def _bindable(params: dict[str, Any] | list[Any] | None) -> dict[str, Any] | lis
             return v.detach().cpu().tolist()
         if module == "numpy" and hasattr(v, "tolist"):  # arrays and scalars alike
             return v.tolist()
+        if isinstance(v, list | tuple):  # list(np.ones(d)), [np.int64(3)]
+            return [plain(x) for x in v]
         return v
 
     if params is None:

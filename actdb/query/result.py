@@ -287,11 +287,11 @@ def translate(e: duckdb.Error, box: ErrorBox) -> BaseException:
         return QueryError("the query mixes named ($name) and positional (? or $1) parameters, "
                           "or names them while params is a list: give params as a dict for "
                           "$name, a list for ? and $1")
-    nested = re.search(r"Unimplemented type for cast \((\w+)\[\]\[?\]? -> (\w+)\)", first)
-    if nested and "[]" not in nested.group(2):
+    nested = re.search(r"Unimplemented type for cast \((.+)\[\] -> ([^\[\]]+)\)$", first)
+    if nested:  # DuckDB's words for a list where a number belongs
         return QueryError(f"a list was given where a number belongs ({nested.group(1)}[] -> "
-                          f"{nested.group(2)}): a direction is one vector, so pass a 1-D list, "
-                          "array or tensor (x[0], not x[0:1])")
+                          f"{nested.group(2)}); a direction for cosine_to or project is one "
+                          "vector: a 1-D list, array or tensor (x[0], not x[0:1])")
     for prefix in ("Binder Error: ", "Catalog Error: ", "Conversion Error: ",
                    "Invalid Input Error: ", "Parser Error: ", "Out of Range Error: "):
         first = first.removeprefix(prefix)

@@ -42,7 +42,8 @@ def _refuse_linked_files(folder: Path) -> None:
                 raise StoreFormatError(
                     f"{os.path.join(folder, entry.name)!r} is a symbolic link to a file; a "
                     "store's own files are never links (one could make a write land in the "
-                    "file it points to): replace it with the file, or remove it")
+                    "file it points to): put the file it points to in its place if it is the "
+                    "store's, else remove the link")
 
 
 def _open_lock_file(path: Path) -> int:
