@@ -87,8 +87,23 @@ def test_resume_refuses_another_checkpoint_under_the_same_name(
         with pytest.raises(actdb.IngestError, match=f"other weights \\(its {what} differs"):
             actdb.ingest(store, model=other, tokenizer=AutoTokenizer.from_pretrained(path),
                          prompts=["another prompt"], name="x", device="cpu")
+    # ... or only an MLP weight (a merged LoRA): the digest of every parameter tells
+    other = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        other.model.layers[0].mlp.down_proj.weight[3, 5] += 1e-3
+    with pytest.raises(actdb.IngestError, match="a parameter beyond the embedding, head and "
+                                                "norms differs"):
+        actdb.ingest(store, model=other, tokenizer=AutoTokenizer.from_pretrained(path),
+                     prompts=["another prompt"], name="x", device="cpu")
+    # ... or the same weights in another dtype: said with the dtype to pass
+    with pytest.raises(actdb.IngestError, match="loaded as bfloat16, the stored rows came from "
+                                                "float32: pass --dtype float32"):
+        actdb.ingest(store, model=str(path), prompts=["another prompt"], name="x",
+                     device="cpu", dtype="bfloat16")
     with actdb.connect(store) as db:
         assert db.sql("SELECT count(*) FROM prompts").fetchall() == [(1,)]
+        digest = db.sql("SELECT params_digest FROM models").fetchall()[0][0]
+    assert len(digest) == 64
     # the same weights resume as before
     same = AutoModelForCausalLM.from_pretrained(path)
     actdb.ingest(store, model=same, tokenizer=AutoTokenizer.from_pretrained(path),

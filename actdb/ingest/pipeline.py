@@ -420,7 +420,15 @@ def _check_same_weights(st: Store, existing: ModelRecord, loaded: LoadedModel,
     head or measured norm gains and biases differ from them (another checkpoint under the
     same name), which would otherwise give silently wrong answers (its logits read with the
     first checkpoint's head). Version-1 sites stored raw weights: their norms not compared."""
+    dtype = str(loaded.dtype).removeprefix("torch.")
+
     def refuse(what: str) -> IngestError:
+        if dtype != existing.dtype:  # the same checkpoint, most likely, in another dtype
+            return IngestError(
+                f"model {existing.model!r} is already in the store with other weights ({what} "
+                f"differs): it is loaded as {dtype}, the stored rows came from "
+                f"{existing.dtype}: pass --dtype {existing.dtype}, or --name to store this one "
+                "under another name")
         return IngestError(
             f"model {existing.model!r} is already in the store with other weights ({what} "
             "differs): pass --name to store this one under another name")
@@ -451,6 +459,25 @@ def _check_same_weights(st: Store, existing: ModelRecord, loaded: LoadedModel,
                     and _same_values(stored_part, site_value.float().numpy())))
             if not same:
                 raise refuse(f"the {part} of site {f.record.site!r}")
+    if existing.params_digest is not None and params_digest(loaded.model) != (
+            existing.params_digest):
+        raise refuse("a parameter beyond the embedding, head and norms")
+
+
+def params_digest(model: nn.Module) -> str:
+    """A digest of every parameter's name, dtype, shape and bytes (a CRC-32C of each tensor's
+    bytes, about 14 GB/s, a tensor at a time on the host): what a resume under a stored name
+    must bring again. Another checkpoint (a merged LoRA changes attention and MLP weights
+    alone) or dtype gives another digest."""
+    import hashlib
+
+    import crc32c
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        data = p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy()
+        h.update(f"{name}\0{p.dtype}\0{tuple(p.shape)}\0{crc32c.crc32c(data.data)}\n".encode())
+    return h.hexdigest()
 
 
 def _model_weights(model: Any) -> list[tuple[str, str, torch.Tensor | None]]:
@@ -543,7 +570,8 @@ def _register(
         vocab = _vocab_table(loaded.tokenizer, max(vocab_size, len(loaded.tokenizer)))
         token_str[:] = vocab.column("token").to_pylist()
         st.save_tokenizer(record.model_id, loaded.tokenizer.save_pretrained)
-        st.register_model(record, records, embed=embed, lm_head=lm_head,
+        digested = dataclasses.replace(record, params_digest=params_digest(model))
+        st.register_model(digested, records, embed=embed, lm_head=lm_head,
                           lm_head_bias=lm_bias, site_params=params, vocab=vocab)
 
     weight_bytes = sum(a.nbytes for a in (embed, lm_head, lm_bias) if a is not None)

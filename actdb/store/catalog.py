@@ -60,7 +60,7 @@ CREATE TABLE models (
     has_lm_head BOOLEAN, has_lm_head_bias BOOLEAN, tied_embeddings BOOLEAN, final_site VARCHAR,
     dtype VARCHAR, max_length INTEGER, sites_glob VARCHAR, chunk_tokens INTEGER,
     n_rows BIGINT, logit_softcap DOUBLE, config JSON, created_at TIMESTAMP DEFAULT now(),
-    logit_scale DOUBLE, logit_max_rel_error DOUBLE
+    logit_scale DOUBLE, logit_max_rel_error DOUBLE, params_digest VARCHAR
 );
 CREATE TABLE prompts (prompt_id BIGINT, text VARCHAR, n_tokens INTEGER);
 CREATE TABLE prompt_runs (
@@ -77,9 +77,11 @@ CREATE TABLE sites (
 CREATE TABLE vocab (model VARCHAR, token_id INTEGER, token VARCHAR, piece VARCHAR);
 """
 
-# Columns format version 2 added: a version-1 store being written gets them (NULL in its old
-# rows, which then keep reading by kind, as version 1 did).
-_ADDED_COLUMNS = {"models": {"logit_scale": "DOUBLE", "logit_max_rel_error": "DOUBLE"},
+# Columns format version 2 added (and params_digest, later): a store without them being
+# written gets them (NULL in its old rows, which then keep reading by kind, as version 1 did,
+# and resume without the digest's check).
+_ADDED_COLUMNS = {"models": {"logit_scale": "DOUBLE", "logit_max_rel_error": "DOUBLE",
+                             "params_digest": "VARCHAR"},
                   "sites": {"centered": "BOOLEAN"}}
 _MODEL_COLUMNS = [f.name for f in fields(ModelRecord)]
 _FIELD_TYPES = ("BIGINT", "DOUBLE", "BOOLEAN", "VARCHAR")
