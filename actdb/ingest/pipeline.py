@@ -416,10 +416,12 @@ class _Registration:
 
 def _check_same_weights(st: Store, existing: ModelRecord, loaded: LoadedModel,
                         found: list[FoundSite], sites: list[SiteRecord]) -> None:
-    """Resuming adds rows read with the stored weights: refuse a model whose embedding, LM
-    head or measured norm gains and biases differ from them (another checkpoint under the
-    same name), which would otherwise give silently wrong answers (its logits read with the
-    first checkpoint's head). Version-1 sites stored raw weights: their norms not compared."""
+    """Resuming adds rows read with the stored weights: refuse a model whose parameters
+    differ from the stored model's digest, or (in stores from before the digest, and to
+    name the part) whose embedding, LM head or measured norm gains and biases differ from
+    the stored ones (another checkpoint under the same name), which would otherwise give
+    silently wrong answers (its logits read with the first checkpoint's head). Version-1
+    sites stored raw weights: their norms not compared."""
     dtype = str(loaded.dtype).removeprefix("torch.")
 
     def refuse(what: str) -> IngestError:
@@ -433,6 +435,10 @@ def _check_same_weights(st: Store, existing: ModelRecord, loaded: LoadedModel,
             f"model {existing.model!r} is already in the store with other weights ({what} "
             "differs): pass --name to store this one under another name")
 
+    digest = None if existing.params_digest is None else params_digest(loaded.model)
+    if digest is not None and digest == existing.params_digest:
+        return  # every parameter as stored: the weights and norms compared below among them
+    # A store without the digest, or another model: the parts said by name where they differ.
     for what, name, value in _model_weights(loaded.model):
         stored = st.arrays.weight_blocks(existing.model_id, name)
         if (stored is None) != (value is None):
@@ -459,8 +465,7 @@ def _check_same_weights(st: Store, existing: ModelRecord, loaded: LoadedModel,
                     and _same_values(stored_part, site_value.float().numpy())))
             if not same:
                 raise refuse(f"the {part} of site {f.record.site!r}")
-    if existing.params_digest is not None and params_digest(loaded.model) != (
-            existing.params_digest):
+    if digest is not None:  # it differs, and not in the parts compared above
         raise refuse("a parameter beyond the embedding, head and norms")
 
 

@@ -92,7 +92,7 @@ def _decode(data: bytes, where: str) -> str:
 
 def _parse_lines(lines: list[str], where: str, *, jsonl: bool | None) -> list[Prompt]:
     sniffed = jsonl is None
-    if jsonl is None:  # stdin: sniff
+    if sniffed:  # stdin: sniff
         first = next((ln for ln in lines if ln.strip()), "")
         jsonl = first.lstrip().startswith("{")
     prompts = []

@@ -425,9 +425,7 @@ class Arrays:
         info = self.info(label, required=False)
         if info is None:
             return None
-        c = info.chunks[0]
-        blocks = ((i * c, self._checked_chunk(label, info, i)) for i in range(_n_chunks(info)))
-        return info.shape, blocks
+        return info.shape, self._checked_blocks(label, info)
 
     def check_weight(self, model_id: int, name: str, *, required: bool, full: bool) -> None:
         """verify's check of one weight array: structure, or (`full`) every byte."""
@@ -465,11 +463,15 @@ class Arrays:
         """All of the array at `label`, chunk by chunk, so that a damaged or missing one is
         named (zarr itself would read a missing chunk as its fill value)."""
         out = np.empty(info.shape, dtype=info.dtype)
+        for lo, block in self._checked_blocks(label, info):
+            out[lo:lo + len(block)] = block
+        return out
+
+    def _checked_blocks(self, label: str, info: ArrayInfo) -> Iterator[tuple[int, np.ndarray]]:
+        """(first row, rows) of each chunk of the array at `label`, checked, in order."""
         c = info.chunks[0]
         for i in range(_n_chunks(info)):
-            lo, hi = i * c, min(info.shape[0], i * c + c)
-            out[lo:hi] = self._checked_chunk(label, info, i)
-        return out
+            yield i * c, self._checked_chunk(label, info, i)
 
     def _checked_chunk(self, label: str, info: ArrayInfo, i: int) -> np.ndarray:
         """Chunk `i` of the array at `label` (its rows within the array), checksum checked."""
