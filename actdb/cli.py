@@ -258,10 +258,14 @@ def _read_sql(sql: str | None, file: str | None) -> str:
 @click.option("--cluster", default=None, metavar="ADDRESS|local:N",
               help="Run the query on Dask: a scheduler address, or local:N to start N worker "
                    "processes here. What does not split runs here, with a note on stderr.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS",
+              help="Stop the query after this many seconds (exit 1, one sentence); default: "
+                   "no limit.")
 @click.pass_context
 def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
           fmt: str | None, output: Path | None, device: str, params: tuple[str, ...],
-          tables: tuple[str, ...], cluster: str | None) -> None:
+          tables: tuple[str, ...], cluster: str | None, timeout: float | None) -> None:
     """Run a read-only SQL query (DuckDB dialect) with the tensor functions.
 
     Queries run sandboxed: one SELECT, no files except those named with --table. The SQL is
@@ -277,6 +281,7 @@ def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
         JOIN labels l USING (prompt_id) GROUP BY 1" --table labels=labels.csv
       actdb query runs.actdb "SELECT layer, avg(norm) FROM acts GROUP BY layer"
         --cluster local:2
+      actdb query runs.actdb "SELECT token, top_logits(vec, 5) FROM acts" --timeout 60
     """
     sql = _read_sql(sql, sql_file)
     from . import connect
@@ -295,7 +300,7 @@ def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
     with _errors(ctx):
         if output is not None:
             check_output(output)
-        with connect(store, device=device, cluster=cluster) as db:
+        with connect(store, device=device, cluster=cluster, timeout=timeout) as db:
             for name, path in named:
                 db.register(name, path)
             result = db.sql(sql, params=bound)

@@ -94,3 +94,7 @@ class ShardSpecError(ActdbError, ValueError):
 
 class ShardError(ActdbError, RuntimeError):
     """Shard ingests that cannot be merged (missing, unfinished, or of different plans)."""
+
+
+class QueryTimeoutError(ActdbError, TimeoutError):
+    """A query ran past its time limit (`--timeout`, `timeout=`) and was stopped."""

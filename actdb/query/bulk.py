@@ -28,6 +28,7 @@ import numpy as np
 from ..lazy import lazy_module
 from . import handles as H
 from .lists import ListResults
+from .timeout import check
 from .vectors import VectorSource
 
 if TYPE_CHECKING:
@@ -174,6 +175,7 @@ class BulkEvaluator:
         return window
 
     def _compute(self, stream: int, lo: int, hi: int, rest: list[pa.Array]) -> _Window:
+        check()  # a window is the longest step of one call: a query past its limit stops here
         m = hi - lo
         handles = (np.int64(stream) << H.STREAM_SHIFT) | np.arange(lo, hi, dtype=np.int64)
         out: Any = np.full(m, np.nan) if self.scalar else ListResults(m)

@@ -23,6 +23,7 @@ from .functions import describe as describe_functions
 from .result import Result, column_values, handle_values, interrupted, translate
 from .tables import TableLike, check_name, load_table
 from .threads import DUCKDB_THREADS, torch_threads
+from .timeout import TimeLimit, check_seconds
 from .vectors import VectorSource
 
 if TYPE_CHECKING:
@@ -59,7 +60,9 @@ class Database:
         self, path: str | os.PathLike[str], *, read_only: bool = True, device: str = "auto",
         cache_bytes: int = 256 << 20, threads: int = DUCKDB_THREADS,
         storage_options: Mapping[str, Any] | None = None, cluster: Any = None,
+        timeout: float | None = None,
     ) -> None:
+        self.timeout = check_seconds(timeout)
         # `auto` and `cpu` are resolved when a tensor is first needed (so a query without
         # tensor functions never imports torch); anything else is checked now.
         spec = device if device in ("auto", "cpu") else resolve_device(device)
@@ -71,6 +74,7 @@ class Database:
             _quiet_progress_bar(self.con)
         self.source = VectorSource(self.store, spec, cache_bytes=cache_bytes)
         self._box = ErrorBox()
+        self._limit = TimeLimit(self.con, self._box.stop)
         self._functions = prepare(self.con, self.source, self._box)
         _OPEN.add(self)
         self._known_names: set[str] | None = None  # read when a query first needs it
@@ -116,10 +120,22 @@ class Database:
 
     # -- queries ---------------------------------------------------------------------------
 
-    def sql(self, query: str, *, params: dict[str, Any] | list[Any] | None = None) -> Result:
-        """Run a read-only query; `$name` / `?` parameters bind from `params`."""
+    def sql(self, query: str, *, params: dict[str, Any] | list[Any] | None = None,
+            timeout: float | None = None) -> Result:
+        """Run a read-only query (lazily: its rows are computed when first fetched or shown).
+
+        Args:
+            query: one SELECT (or EXPLAIN of one), DuckDB's dialect, with the tensor functions.
+            params: values for `$name` (a dict) or `?` / `$1` (a list) in the query.
+            timeout: seconds the query may compute (None: the connection's `timeout`); past
+                them it stops with a QueryTimeoutError and the connection stays usable.
+
+        Returns:
+            A Result: `.df()`, `.fetchall()`, `.to_arrow_table()`, `.torch()`...
+        """
         if not isinstance(query, str):
             raise QueryError(f"a query is a string of SQL, not {type(query).__name__}")
+        seconds = check_seconds(timeout) if timeout is not None else self.timeout
         params = _bindable(params)
         runnable, calls, tables = plan.check(query, self._parser, self._known)
         try:
@@ -131,13 +147,13 @@ class Database:
             from . import distributed
 
             result = distributed.run(self, self._cluster, query, runnable, params,
-                                     lambda text: self._run(text, params, query))
+                                     lambda text: self._run(text, params, query, seconds))
             result.gather = self._gather
             return result
-        return self._run(runnable, params, query)
+        return self._run(runnable, params, query, seconds)
 
-    def _run(self, runnable: str, params: dict[str, Any] | list[Any] | None, query: str
-             ) -> Result:
+    def _run(self, runnable: str, params: dict[str, Any] | list[Any] | None, query: str,
+             seconds: float | None) -> Result:
         """A checked query, here in this process."""
         self._box.error = None
         try:
@@ -152,7 +168,7 @@ class Database:
             raise interrupted(e) from None
         if rel is None:
             raise QueryError("the statement returns no rows")
-        return Result(rel, self._box, query, self._gather)
+        return Result(rel, self._box, query, self._gather, limit=self._limit, seconds=seconds)
 
     def _gather(self, handles: np.ndarray, what: str) -> torch.Tensor:
         """The vectors of `handles` [n, d] float32 on the device (Result.torch)."""
@@ -343,7 +359,7 @@ def _quiet_progress_bar(con: duckdb.DuckDBPyConnection) -> None:
 def connect(
     path: str | os.PathLike[str], *, read_only: bool = True, device: str = "auto",
     cache_bytes: int = 256 << 20, storage_options: Mapping[str, Any] | None = None,
-    cluster: Any = None,
+    cluster: Any = None, timeout: float | None = None,
 ) -> Database:
     """Open a store for queries (read-only unless `read_only=False`).
 
@@ -361,12 +377,15 @@ def connect(
             split (see `EXPLAIN`) run per chunk range on the workers, which open the store
             themselves (with the same `storage_options`); the rest run here, and their
             result's `note` says why.
+        timeout: seconds each query may compute (None, the default: no limit); past them
+            the query stops with a QueryTimeoutError (one sentence) and the connection stays
+            usable. `sql(..., timeout=)` sets it for one query.
 
     Returns:
         A Database; `.sql(query)` runs queries on it.
     """
     return Database(path, read_only=read_only, device=device, cache_bytes=cache_bytes,
-                    storage_options=storage_options, cluster=cluster)
+                    storage_options=storage_options, cluster=cluster, timeout=timeout)
 
 
 __all__ = ["ActdbError", "Database", "connect"]

@@ -21,6 +21,7 @@ from .kernels import Arg
 from .lists import ListResults
 from .sandbox import TABLE_FUNCTIONS
 from .threads import torch_threads
+from .timeout import watching
 from .vectors import VectorSource
 
 if TYPE_CHECKING:
@@ -45,10 +46,13 @@ BULK_LIST_CACHE_ROWS = 1 << 13
 
 
 class ErrorBox:
-    """The ActdbError a UDF raised, kept so the caller gets it back instead of DuckDB's wrap."""
+    """What a connection's UDFs share with its queries: the ActdbError a UDF raised, kept so
+    the caller gets it back instead of DuckDB's wrap, and the flag a query's time limit sets
+    to stop them (timeout.py)."""
 
     def __init__(self) -> None:
         self.error: ActdbError | None = None
+        self.stop = threading.Event()
 
 
 def _arrow_type(sql: str) -> pa.DataType:
@@ -141,7 +145,8 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
         n = len(arrays[0])
         arrays, keep = _drop_nulls(arrays)
         try:
-            with torch_threads(1):  # threads.py: small ops never fan out
+            # threads.py: small ops never fan out; timeout.py: a query past its limit stops
+            with torch_threads(1), watching(box.stop):
                 sub = evaluator.evaluate(arrays) if evaluator is not None else exact(arrays)
         except ActdbError as e:
             box.error = e
@@ -175,7 +180,7 @@ def _stored_field_udf(src: VectorSource, name: str, box: ErrorBox
         out = np.full(len(h), np.nan)
         if len(values):
             try:
-                with torch_threads(1):
+                with torch_threads(1), watching(box.stop):
                     for g in src.groups(values):
                         field = g.norm if name == "norm" else g.mean
                         out[keep[g.index]] = field.double().cpu().numpy()

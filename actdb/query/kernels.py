@@ -19,6 +19,7 @@ from . import topk
 from .dots import row_dots
 from .lists import ListResults, float_lists, struct_lists
 from .threads import threads_for, torch_threads
+from .timeout import check
 from .vectors import OFF_STREAM_ROLES, Group, VectorSource
 
 if TYPE_CHECKING:
@@ -401,6 +402,7 @@ def _topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
     # positive; then the transformed logits are ranked whole.
     reversing = model is not None and model.logit_scale is not None and model.logit_scale <= 0
     for lo in range(0, x.shape[0], _BLOCK):
+        check()  # each block is a vocabulary-wide product: a query past its limit stops
         block = x[lo : lo + _BLOCK]
         if reversing:
             with torch_threads(threads_for(2.0 * block.shape[0] * w.numel(), block.device)):

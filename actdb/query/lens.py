@@ -22,6 +22,7 @@ from .dots import row_dots
 from .kernels import Arg, _final_normed, _lm_groups, _per_value, _require_width, _to_logits
 from .lists import ListResults, float_lists
 from .threads import threads_for, torch_threads
+from .timeout import check
 from .vectors import VectorSource
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class LensRows:
         w, b = self.src.unembed(model)
         with lens_threads(w, hn) if own_threads else contextlib.nullcontext():
             for lo in range(0, hn.shape[0], _BLOCK):
+                check()  # each block is a vocabulary-wide product: a query past its limit stops
                 scores = hn[lo : lo + _BLOCK] @ w.T  # [block, V]
                 if b is not None:
                     scores = scores + b

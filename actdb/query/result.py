@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import duckdb
@@ -12,6 +13,7 @@ import numpy as np
 from ..errors import MissingDependencyError, QueryError
 from ..lazy import lazy_module
 from .execute import ErrorBox
+from .timeout import TimeLimit
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -41,11 +43,13 @@ class Result:
     note: str | None = None  # how a cluster ran the query (distributed.py), else None
 
     def __init__(self, relation: duckdb.DuckDBPyRelation, box: ErrorBox, query: str,
-                 gather: Gather | None = None) -> None:
+                 gather: Gather | None = None, *, limit: TimeLimit | None = None,
+                 seconds: float | None = None) -> None:
         self._rel = relation
         self._box = box
         self.query = query
         self.gather = gather  # the database's vectors of handles, for `.torch()`
+        self._limit, self._seconds = limit, seconds  # the time limit its computing runs under
         self._table: pa.Table | None = None  # the rows, once computed
         self._cursor = 0  # fetchone's position in them
 
@@ -58,14 +62,21 @@ class Result:
         """DuckDB's type of each column."""
         return list(self._rel.types)
 
+    def _timed(self) -> AbstractContextManager[None]:
+        """The query's time limit (timeout.py) around a step that computes its rows."""
+        if self._limit is None:
+            return nullcontext()
+        return self._limit.running(self._seconds)
+
     def _run(self, fetch: Callable[[], T]) -> T:
         self._box.error = None
-        try:
-            return fetch()
-        except duckdb.Error as e:
-            raise translate(e, self._box) from None
-        except RuntimeError as e:
-            raise interrupted(e) from None
+        with self._timed():
+            try:
+                return fetch()
+            except duckdb.Error as e:
+                raise translate(e, self._box) from None
+            except RuntimeError as e:
+                raise interrupted(e) from None
 
     def _rows(self) -> pa.Table:
         """The whole result as Arrow, computed on first use and kept (tensor functions are
@@ -157,7 +168,8 @@ class Result:
 
     def limit(self, n: int, offset: int = 0) -> Result:
         """The first `n` rows (after `offset`), as a new lazy Result."""
-        return Result(self._rel.limit(n, offset), self._box, self.query, self.gather)
+        return Result(self._rel.limit(n, offset), self._box, self.query, self.gather,
+                      limit=self._limit, seconds=self._seconds)
 
     def show(self) -> None:
         """Print the first rows and the row count."""
@@ -173,15 +185,17 @@ class Result:
         return html_preview(table.slice(0, self.PREVIEW_ROWS), table.num_rows, self.columns)
 
     def record_batches(self, rows_per_batch: int = 65536) -> Iterator[pa.RecordBatch]:
-        """Stream the result in Arrow record batches, so memory stays bounded."""
+        """Stream the result in Arrow record batches, so memory stays bounded (a time limit
+        covers the whole stream, until its last batch is read)."""
         self._box.error = None
-        try:
-            reader = self._rel.to_arrow_reader(rows_per_batch)
-            yield from reader
-        except duckdb.Error as e:
-            raise translate(e, self._box) from None
-        except RuntimeError as e:
-            raise interrupted(e) from None
+        with self._timed():
+            try:
+                reader = self._rel.to_arrow_reader(rows_per_batch)
+                yield from reader
+            except duckdb.Error as e:
+                raise translate(e, self._box) from None
+            except RuntimeError as e:
+                raise interrupted(e) from None
 
     def __repr__(self) -> str:
         from .display import text_preview
