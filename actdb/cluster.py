@@ -10,7 +10,9 @@ from .errors import ActdbError
 
 
 class DaskClient:
-    """A `distributed.Client` and what to close with it.
+    """A `distributed.Client` and what to close with it. A client made here never becomes
+    dask's default scheduler: a default left behind by one closed out of order made every
+    later dask or xarray computation in the process ask for a client that no longer exists.
 
     Args:
         spec: `local:N` (a LocalCluster of N single-thread worker processes on 127.0.0.1,
@@ -34,10 +36,10 @@ class DaskClient:
             self._own = LocalCluster(n_workers=int(n), threads_per_worker=1, processes=True,
                                      host="127.0.0.1", dashboard_address=None,
                                      silence_logs=logging.ERROR)
-            self.client = Client(self._own)
+            self.client = Client(self._own, set_as_default=False)
         elif isinstance(spec, str):
             try:
-                self.client = Client(spec, timeout=20)
+                self.client = Client(spec, timeout=20, set_as_default=False)
             except (OSError, TimeoutError) as e:
                 raise error(f"cannot reach the Dask scheduler {spec!r}: {e}") from None
             except ValueError as e:  # distributed's parse of the address
@@ -46,7 +48,7 @@ class DaskClient:
         elif isinstance(spec, Client):
             self.client = spec
         elif hasattr(spec, "scheduler_address"):
-            self.client = Client(spec)
+            self.client = Client(spec, set_as_default=False)
         else:
             raise error(f"cluster must be 'local:N', a scheduler address or a Dask client, "
                         f"not {type(spec).__name__}")

@@ -289,6 +289,36 @@ def test_split_shapes(query: str, kind: str | None) -> None:
         assert split(tree, aggregates).kind == kind
 
 
+@pytest.mark.parametrize("order", ["as opened", "reversed"])
+def test_cluster_connections_never_become_dasks_default(order: str, store: Path) -> None:
+    """Two cluster connections, closed in either order, leave dask's scheduler as it was: a
+    default left on dask.distributed made every later xarray or dask read in the process fail
+    ("no Client active"), as `test_xarray_opens_every_array` did after this module."""
+    import dask
+    import dask.array as da
+    import xarray as xr
+
+    before = dask.config.get("scheduler", None)
+    first = actdb.connect(store, device="cpu", cluster="local:1")
+    second = actdb.connect(store, device="cpu", cluster="local:1")
+    try:
+        for db in (first, second):
+            got = db.sql("SELECT count(*) FROM acts")
+            assert got.note is not None and got.note.startswith("split into")
+        assert dask.config.get("scheduler", None) == before
+    finally:
+        for db in ((first, second) if order == "as opened" else (second, first)):
+            db.close()
+    assert dask.config.get("scheduler", None) == before
+    want = np.asarray(zarr.open_group(str(store / "tensors.zarr"), mode="r")[
+        "models/0/acts/final/norm"][:7], dtype=np.float64)
+    ds = xr.open_zarr(str(store / "tensors.zarr"), group="models/0/acts/final",
+                      consolidated=False)
+    np.testing.assert_array_equal(ds["norm"][:7].values, want)
+    lazy = da.from_zarr(str(store / "tensors.zarr"), component="models/0/acts/final/norm")
+    assert float(lazy[:7].sum().compute()) == pytest.approx(float(want.sum()), rel=1e-6)
+
+
 def test_workers_see_the_coordinators_snapshot(store: Path, client: Any,
                                                model_dir: Callable[[str], Path],
                                                dbs: tuple[actdb.Database, actdb.Database]
