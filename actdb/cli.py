@@ -296,7 +296,7 @@ def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
     if fmt == "parquet" and output is None:
         raise click.UsageError("parquet output needs -o FILE")
     bound = dict(_parse_param(p) for p in params) if params else None
-    named = [_parse_table(t) for t in tables]
+    named = _parse_tables(tables)
     with _errors(ctx):
         if output is not None:
             check_output(output)
@@ -315,11 +315,21 @@ _FORMAT_OF = {".csv": "csv", ".json": "json", ".jsonl": "json", ".ndjson": "json
               ".parquet": "parquet"}
 
 
-def _parse_table(text: str) -> tuple[str, Path]:
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise click.BadParameter(f"{text!r} is not NAME=FILE", param_hint="--table")
-    return name, Path(path)
+def _parse_tables(texts: tuple[str, ...]) -> list[tuple[str, Path]]:
+    """--table NAME=FILE options; a name given twice (SQL names ignore case) is refused, where
+    the last file would silently have hidden the first."""
+    named: dict[str, tuple[str, Path]] = {}
+    for text in texts:
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise click.BadParameter(f"{text!r} is not NAME=FILE", param_hint="--table")
+        earlier = named.get(name.lower())
+        if earlier is not None:
+            raise click.BadParameter(
+                f"table name {name!r} is given twice ({str(earlier[1])!r} and {path!r}); give "
+                "each file its own name", param_hint="--table")
+        named[name.lower()] = (name, Path(path))
+    return list(named.values())
 
 
 def _parse_param(text: str) -> tuple[str, Any]:

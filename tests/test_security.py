@@ -466,6 +466,31 @@ def test_cli_table_option(setup: dict[str, Any], tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "NAME=FILE" in bad.output
 
 
+@pytest.mark.parametrize("second", ["labels", "LABELS"])
+def test_cli_table_name_given_twice_is_refused(second: str, setup: dict[str, Any],
+                                               tmp_path: Path) -> None:
+    """Two files under one name: the last one hid the first in silence."""
+    paths = _labels(tmp_path)
+    res = CliRunner().invoke(cli, ["query", str(setup["store"]), JOIN, "--table",
+                                   f"labels={paths['csv']}", "--table",
+                                   f"{second}={paths['jsonl']}"])
+    assert res.exit_code == 2, res.output
+    line = res.output.strip().splitlines()[-1]
+    assert "given twice" in line and "labels.csv" in line and "labels.jsonl" in line, line
+
+
+def test_register_again_replaces_the_table(setup: dict[str, Any], tmp_path: Path) -> None:
+    """In Python a name registered again is replaced (a notebook cell re-run with new data,
+    as DuckDB's own register does), whatever case it is written in."""
+    import pandas as pd
+
+    with actdb.connect(setup["store"], device="cpu") as db:
+        db.register("labels", _labels(tmp_path)["csv"])
+        assert db.sql(JOIN).fetchall() == [(0, "a"), (1, "b"), (2, "c")]
+        db.register("Labels", pd.DataFrame({"prompt_id": [1], "label": ["new"]}))
+        assert db.sql(JOIN).fetchall() == [(1, "new")]
+
+
 # -- output paths and notebooks --------------------------------------------------------------
 
 
