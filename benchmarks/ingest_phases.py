@@ -32,11 +32,12 @@ from run import SCALES  # noqa: E402
 from workloads import _gpt2_small  # noqa: E402
 
 import actdb  # noqa: E402
-from actdb.ingest import logits, pipeline  # noqa: E402
+from actdb.ingest import logits, process, run  # noqa: E402
 from actdb.store.store import Store  # noqa: E402
 
 STEPS = {
-    pipeline: ["find_sites", "_register", "_plan_work", "_run"],
+    process: ["find_sites", "register", "plan_work"],
+    run.BatchRunner: ["run"],
     Store: ["open_or_create", "register_model", "reserve_rows", "commit_batch", "close"],
     logits.LogitFit: ["transform"],
     logits.LogitCheck: ["error"],

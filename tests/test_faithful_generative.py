@@ -19,7 +19,7 @@ from gen_models import Choices, build, sample_choices
 from tiny_models import build_family_tokenizer
 
 import actdb
-from actdb.ingest import pipeline
+from actdb.ingest import run
 
 CASES = sample_choices(24, seed=9)
 OFF_STREAM = {"inner", "q_norm", "k_norm"}
@@ -95,7 +95,7 @@ def test_small_commit_groups_store_the_same_vectors(case: int, batch_size: int,
     (padded batches of two uneven prompts, a group each), and groups of several prompts fill
     their buffers to the size the ingest computed (prompts of 17, 31, 6, 36, 19 and 20 tokens,
     groups of at least 40)."""
-    monkeypatch.setattr(pipeline, "_FLUSH_TOKENS", group_tokens)
+    monkeypatch.setattr(run, "FLUSH_TOKENS", group_tokens)
     _check_stored_faithfully(CASES[case], tokenizer, tmp_path, batch_size=batch_size,
                              chunk_tokens=4)
 

@@ -223,7 +223,7 @@ def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
     import duckdb
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from actdb.ingest import pipeline
+    from actdb.ingest import register, run
     from actdb.store import catalog as catalog_module
     from actdb.store import catalog_lock
 
@@ -241,8 +241,9 @@ def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
             return f(*a, **kw)
         return run
 
-    monkeypatch.setattr(pipeline, "_vocab_table", watching(pipeline._vocab_table))
-    monkeypatch.setattr(pipeline, "_check_same_weights", watching(pipeline._check_same_weights))
+    monkeypatch.setattr(register, "vocab_table", watching(register.vocab_table))
+    monkeypatch.setattr(register, "check_same_weights",
+                        watching(register.check_same_weights))
     actdb.ingest(store, model=model, tokenizer=tok, prompts=["one prompt first"])
 
     opened: list[str] = []
@@ -273,7 +274,7 @@ def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
 
     monkeypatch.setattr(catalog_module.duckdb, "connect", connect)
     monkeypatch.setattr(catalog_module.Catalog, "_attach", attach)
-    monkeypatch.setattr(pipeline, "_run", stop)
+    monkeypatch.setattr(run.BatchRunner, "run", stop)
     try:
         with pytest.raises(Stop):
             actdb.ingest(store, model=model, tokenizer=tok,
@@ -737,7 +738,7 @@ def test_the_site_named_final_is_the_one_the_lm_head_reads(
     keeps them when an ingest adds prompts to it, and its `final_2` gives the logits."""
     from tiny_models import build_family_tokenizer
 
-    from actdb.ingest import pipeline
+    from actdb.ingest import process
 
     tok = build_family_tokenizer("bert")
     model = _modernbert(tok)
@@ -750,7 +751,7 @@ def test_the_site_named_final_is_the_one_the_lm_head_reads(
         assert db.sql("SELECT final_site FROM models").fetchall() == [("final",)]
         assert _final_logits_match(db, model, tok, "final", "the cat sat on the mat") > 3
 
-    real_find = pipeline.find_sites
+    real_find = process.find_sites
     old_names = {"final_1": "final", "final": "final_2"}
 
     def find_with_old_names(*a: Any, **k: Any) -> Any:  # the naming of earlier versions
@@ -758,11 +759,11 @@ def test_the_site_named_final_is_the_one_the_lm_head_reads(
         return [dataclasses.replace(f, record=dataclasses.replace(
             f.record, site=old_names.get(f.record.site, f.record.site))) for f in found], n
 
-    monkeypatch.setattr(pipeline, "find_sites", find_with_old_names)
+    monkeypatch.setattr(process, "find_sites", find_with_old_names)
     actdb.ingest(tmp_path / "old.actdb", prompts=["the cat sat on the mat"], **kw)
     actdb.ingest(tmp_path / "old-head.actdb", prompts=["the cat sat on the mat"],
                  sites="embed,final", **kw)  # the head's norm, then called final_2
-    monkeypatch.setattr(pipeline, "find_sites", real_find)
+    monkeypatch.setattr(process, "find_sites", real_find)
     actdb.ingest(tmp_path / "old.actdb", prompts=["a dog of the house ran"], **kw)
     with actdb.connect(tmp_path / "old.actdb") as db:
         assert db.sql("SELECT final_site FROM models").fetchall() == [("final_2",)]

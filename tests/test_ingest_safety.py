@@ -157,7 +157,7 @@ def test_second_ctrl_c_waits_for_the_commit_being_written() -> None:
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from actdb.ingest.pipeline import _drained
+    from actdb.ingest.run import drained as _drained
 
     started, second_sent, finished = threading.Event(), threading.Event(), threading.Event()
 

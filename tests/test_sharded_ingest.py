@@ -34,7 +34,7 @@ PROMPTS = [f"Prompt {i}: the quick brown fox jumps over {i % 5} lazy dogs" + " a
 # A shard process: the CLI with small commits (a few prompts each), so that a kill leaves
 # some of a shard committed and the next commit patches a chunk the last one began.
 _SCRIPT = (
-    "import os, sys, importlib; importlib.import_module('actdb.ingest.pipeline')._FLUSH_TOKENS "
+    "import os, sys, importlib; importlib.import_module('actdb.ingest.run').FLUSH_TOKENS "
     "= int(os.environ.get('FLUSH_TOKENS', 40)); "
     "from actdb.cli import cli; cli(sys.argv[1:])"
 )
@@ -382,11 +382,13 @@ def test_parse_shard_accepts_good_specs() -> None:
 def test_a_cluster_ingest_needs_one_shard_or_more(shards: object, tmp_path: Path) -> None:
     from actdb.errors import ShardSpecError
     from actdb.ingest.cluster import ingest_on_cluster
+    from actdb.ingest.options import IngestOptions
 
     # refused before any cluster is started or anything is read
+    opts = IngestOptions(store=tmp_path / "c.actdb", model="gpt2",
+                         prompts=tmp_path / "absent.txt")
     with pytest.raises(ShardSpecError, match=rf"^shards={shards!r}: .* at least 1"):
-        ingest_on_cluster(tmp_path / "c.actdb", cluster="local:1", model="gpt2",
-                          prompts=tmp_path / "absent.txt", shards=shards)  # type: ignore
+        ingest_on_cluster(opts, cluster="local:1", shards=shards)  # type: ignore[arg-type]
     assert not (tmp_path / "c.actdb").exists()
 
 

@@ -5,50 +5,52 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from ..cluster import DaskClient
 from ..errors import IngestError
-from .pipeline import IngestSummary, ingest
-from .prompts import PromptsLike, read_prompts
+from .options import IngestOptions, IngestSummary
+from .process import ingest_here
+from .prompts import read_prompts
 from .shards import check_shard_count, merge
 
 
-def ingest_on_cluster(
-    store: str | os.PathLike[str], *, cluster: Any, model: Any, prompts: PromptsLike,
-    prompts_format: str | None = None, shards: int | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    **options: Any,
-) -> IngestSummary:
-    """Ingest `prompts` with `shards` shard ingests on the cluster (default: one per
-    worker), then merge them. The workers must reach `store` and `model` at the same path
-    or URL. Options are `ingest`'s (batch size, device, name, ...).
+def ingest_on_cluster(opts: IngestOptions, *, cluster: Any, shards: int | None = None
+                      ) -> IngestSummary:
+    """Ingest `opts.prompts` with `shards` shard ingests on the cluster (default: one per
+    worker), then merge them. The workers must reach the store and the model at the same
+    path or URL.
 
     Returns:
         The whole ingest's summary (counts summed over shards; seconds of the whole run).
     """
-    if not isinstance(model, str | os.PathLike):
+    if not isinstance(opts.model, str | os.PathLike):
         raise IngestError("a cluster ingest loads the model on every worker: pass its hub name "
                           "or folder, not a model object")
     wanted = check_shard_count(shards)
     started = time.perf_counter()
     # Read here, once: workers get the same prompts even when the file is only local.
-    rows = [{**p.extra, "text": p.text} for p in read_prompts(prompts, format=prompts_format)]
-    location = os.fspath(store)
+    rows = [{**p.extra, "text": p.text}
+            for p in read_prompts(opts.prompts, format=opts.prompts_format)]
+    location = os.fspath(opts.store)
     if "://" not in location:
         location = os.path.abspath(location)
-    source = os.fspath(model)
+    source = os.fspath(opts.model)
     if os.path.exists(source):
         source = os.path.abspath(source)
+    storage_options = opts.storage_options
+    # What each worker runs: its shard of the same prompts, without this process's progress
+    # display or plan callback.
+    worker = replace(opts, store=location, model=source, prompts=rows, prompts_format=None,
+                     progress=False, on_plan=None)
     dask = DaskClient(cluster, IngestError)
     try:
         workers = dask.workers()
         n = wanted or max(1, len(workers))
         futures = [
             dask.client.submit(
-                ingest, location, model=source, prompts=rows, shard=(i, n),
-                storage_options=storage_options, **options, pure=False,
+                ingest_here, replace(worker, shard=(i, n)), pure=False,
                 workers=[workers[i % len(workers)]] if workers else None,
                 allow_other_workers=True,
             )

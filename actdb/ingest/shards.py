@@ -1,11 +1,13 @@
-"""A sharded ingest's plan: which prompts shard i of N runs, and into which rows.
+"""A sharded ingest's plan: which batches shard i of N runs, and into which rows.
 
 Every shard computes the same plan from the same main catalog and the same prompts: the
-prompts to ingest (with their ids and token ids), cut into N contiguous runs of about equal
-numbers of prompts. Shard 0's rows start where the model's committed rows end; each later
-shard's start is the previous shard's end rounded up to the write alignment (a whole chunk
-file of every field, or a whole shard object on object storage), so no two shards ever write
-the same chunk or shard object.
+prompts to ingest (with their ids and token ids) cut into the batches a one-process ingest
+runs (`batches.plan_batches`), and those batches cut into N contiguous runs of about equal
+numbers of batches. A shard runs whole batches of the plan, so its prompts share forward
+passes, and padding, exactly as they do in one process. Shard 0's rows start where the
+model's committed rows end; each later shard's start is the previous shard's end rounded up
+to the write alignment (a whole chunk file of every field, or a whole shard object on object
+storage), so no two shards ever write the same chunk or shard object.
 """
 
 from __future__ import annotations
@@ -15,12 +17,22 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
-from ..errors import ShardSpecError
-from ..store.sharding import MergeSummary, ShardPlan, merge_shards
+from ..errors import IngestError, ShardSpecError
+from ..store.arrays import write_alignment
+from ..store.records import SiteRecord
+from ..store.sharding import (
+    MergeSummary,
+    ShardPlan,
+    create_shard_catalog,
+    merge_shards,
+    other_plans,
+)
 from ..store.store import Store
-from .rows import Work
+from .batches import Batch, left_to_run
+from .register import Registration
 
 # ASCII digits only: str.isdigit() also passes '²', which int() refuses (and '٣', which it
 # reads as 3), so a typo would not be one clear error.
@@ -69,43 +81,79 @@ def nothing_to_do(location: str, model: str, shard: tuple[int, int]) -> str:
             f"in {location!r} (merged from its shards, or by an earlier ingest); nothing to do")
 
 
-def fingerprint(model: str, n_shards: int, base: int, align: int, work: list[Work]) -> str:
+def fingerprint(model: str, n_shards: int, base: int, align: int, batches: list[Batch]
+                ) -> str:
     """The same for every shard of one plan; different for another model name, another
-    number of shards, other prompts (text, fields or token ids) or other committed rows."""
+    number of shards, other prompts (text, fields or token ids), another batching of them
+    or other committed rows."""
     h = hashlib.sha256()
     h.update(json.dumps([model, n_shards, base, align]).encode())
-    for w in work:
-        h.update(json.dumps([w.prompt_id, w.prompt.text, w.ids, w.truncated, w.new_prompt,
-                             sorted(w.prompt.extra.items(), key=lambda kv: kv[0])],
-                            default=str).encode())
+    for b in batches:
+        h.update(b"batch\n")
+        for w in b:
+            h.update(json.dumps([w.prompt_id, w.prompt.text, w.ids, w.truncated, w.new_prompt,
+                                 sorted(w.prompt.extra.items(), key=lambda kv: kv[0])],
+                                default=str).encode())
     return h.hexdigest()
 
 
-def plan_shard(work: list[Work], *, model: str, shard: int, n_shards: int, base: int,
-               align: int) -> tuple[ShardPlan, list[Work]]:
-    """Shard `shard`'s plan and its prompts, in the order they are ingested.
+def plan_shard(batches: list[Batch], *, model: str, shard: int, n_shards: int, base: int,
+               align: int) -> tuple[ShardPlan, list[Batch]]:
+    """Shard `shard`'s plan and its batches, in the order they are ingested.
 
     Args:
-        work: every prompt the whole ingest runs, in input order (the same in every shard).
+        batches: the batch plan of every prompt the whole ingest runs, in input order (the
+            same in every shard, and the one a one-process ingest runs).
         model: the model's name in the store.
         shard, n_shards: which shard of how many.
         base: the model's committed rows before the plan (main catalog).
         align: rows each later shard's start is rounded up to.
     """
-    cuts = [round(k * len(work) / n_shards) for k in range(n_shards + 1)]
+    cuts = [round(k * len(batches) / n_shards) for k in range(n_shards + 1)]
     start, end = base, base
     ranges = []
     for k in range(n_shards):
-        tokens = sum(len(w.ids) for w in work[cuts[k] : cuts[k + 1]])
+        tokens = sum(len(w.ids) for b in batches[cuts[k] : cuts[k + 1]] for w in b)
         if k:
             start = -(-end // align) * align
         end = start + tokens
         ranges.append((start, end))
     mine = ranges[shard]
     plan = ShardPlan(model=model, shard=shard, n_shards=n_shards,
-                     fingerprint=fingerprint(model, n_shards, base, align, work), base=base,
+                     fingerprint=fingerprint(model, n_shards, base, align, batches), base=base,
                      start=mine[0], end=mine[1], total_end=ranges[-1][1])
-    return plan, work[cuts[shard] : cuts[shard + 1]]
+    return plan, batches[cuts[shard] : cuts[shard + 1]]
+
+
+def enter_shard(st: Store, reg: Registration, records: list[SiteRecord],
+                batches: list[Batch], shard_of: tuple[int, int]
+                ) -> tuple[Registration, list[Batch]]:
+    """Under the shards' registration lock: plan, refuse beside shards of another plan,
+    register a new model now, size the arrays to the plan's end, open (or create) this
+    shard's catalog; then this shard's registration (its own committed rows) and the
+    batches it has still to run."""
+    record = reg.record
+    align = write_alignment(record.chunk_tokens, sharded=st.arrays.sharded)
+    plan, mine = plan_shard(batches, model=record.model, shard=shard_of[0],
+                            n_shards=shard_of[1], base=record.n_rows, align=align)
+    # Before anything is written: shards of another plan (another N, batch size, prompts
+    # file or store state) own rows this plan would overwrite.
+    others = other_plans(st, plan.fingerprint)
+    if others:
+        raise IngestError(
+            f"store {st.location!r} has shard ingests of another plan ({', '.join(others)}: "
+            "another shard count, batch size, prompts file or model); finish them and run "
+            "`actdb merge`, or rerun this shard with their arguments"
+        )
+    if reg.write is not None:
+        reg.write()
+    st.reserve_rows(record, records, plan.total_end)  # only ever grows: racing shards agree
+    # Its own catalog, if it exists, was among those checked: it follows this plan.
+    cat = st.open_shard(lambda path: create_shard_catalog(path, st.catalog, record, plan))
+    mine_record = cat.model(record.model)
+    assert mine_record is not None
+    done = cat.ingested_prompt_ids(record.model)
+    return replace(reg, record=mine_record, write=None), left_to_run(mine, done)
 
 
 def merge(store: str | os.PathLike[str], *,

@@ -24,7 +24,7 @@ from .store import Store
 if TYPE_CHECKING:
     import pyarrow as pa
 else:
-    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
+    pa = lazy_module("pyarrow")  # imported when Arrow data is first made or read
 
 _PLAN_KEY = "shard_plan"
 _FINISHED_KEY = "shard_finished"

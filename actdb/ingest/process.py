@@ -1,0 +1,194 @@
+"""One process's ingest, a whole ingest or one shard of a sharded one: load the model, find
+its norm sites and logit transform, register it in the store, plan the batches, run them."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import IngestError
+from ..store.records import ModelRecord, SiteRecord
+from ..store.sharding import mark_finished, pending_shards, shard_name
+from ..store.store import Store
+from .batches import length_limit, plan_batches, probe_batch, tokenize
+from .load import LoadedModel, load
+from .logits import LogitCheck, LogitFit, LogitTransform, measure_logits
+from .options import IngestOptions, IngestPlan, IngestSummary
+from .prompts import Prompt, apply_chat_template, read_prompts
+from .register import register
+from .run import BatchRunner, forward_kwargs
+from .shards import enter_shard, nothing_to_do
+from .sites import FoundSite, find_sites
+from .work import fields_not_stored, plan_work
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSetup:
+    """What an ingest knows of its model and prompts before it opens the store."""
+
+    loaded: LoadedModel
+    name: str  # the model's name in the store
+    prompts: list[Prompt]
+    ids: list[list[int]]  # each prompt's token ids
+    truncated: list[bool]
+    limit: int | None  # the most tokens a prompt keeps
+    found: list[FoundSite]
+    n_layers: int
+    head: nn.Module | None  # the LM head
+    transform: LogitTransform | None
+    final: FoundSite | None  # the final site the LM head reads
+
+
+def ingest_here(opts: IngestOptions) -> IngestSummary:
+    """Run `opts` in this process (`opts.shard`: as that shard); see `actdb.ingest`."""
+    prompts = read_prompts(opts.prompts, format=opts.prompts_format)
+    model = opts.model
+    # A model object is the caller's: moved to the ingest's device for it, and back after.
+    home = _device_of(model) if isinstance(model, nn.Module) and not opts.device_map else None
+    frozen = False
+    try:
+        loaded = load(model, opts.tokenizer, device=opts.device, dtype=opts.dtype,
+                      revision=opts.revision, device_map=opts.device_map)
+        # The cyclic garbage collector skips what exists by now (torch, transformers and the
+        # model: hundreds of thousands of objects), which each full collection would walk
+        # again; what the ingest allocates is collected as usual. A process that froze
+        # objects itself keeps its own arrangement.
+        frozen = not gc.get_freeze_count()
+        if frozen:
+            gc.freeze()
+        return _into_store(opts, set_up(loaded, opts, prompts))
+    finally:  # also when the ingest failed, load's move included
+        if frozen:
+            gc.unfreeze()
+        if home is not None and isinstance(model, nn.Module) and _device_of(model) != home:
+            model.to(home)
+
+
+def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> ModelSetup:
+    """Tokenize the prompts, find the model's norm sites and fit its logit transform."""
+    name = opts.name or loaded.default_name
+    if opts.chat_template:
+        prompts = apply_chat_template(prompts, loaded.tokenizer, name)
+    limit = length_limit(loaded, opts.max_length)
+    ids, truncated = tokenize(loaded.tokenizer, [p.text for p in prompts], limit,
+                             special=not opts.chat_template)
+    sample, sample_alt = probe_batch(loaded, ids, 11), probe_batch(loaded, ids, 7)
+    head = _lm_head(loaded.model)
+    # The logit fit rides on the site-finding's second pass, hooked on the final norm.
+    fit = None if head is None else LogitFit(
+        head, sample_alt, forward_kwargs(loaded.model), getattr(loaded.model, "config", None))
+    found, n_layers = find_sites(loaded.model, sample, sample_alt, sites_glob=opts.sites,
+                                 final_probe=fit)
+    # The final site whose output the LM head reads: the last of them (sites._final_path).
+    final = next((f for f in reversed(found) if f.record.role == "final"), None)
+    transform = None
+    if fit is not None and final is not None:
+        if fit.ready and fit.path == final.record.module:
+            transform = fit.transform(final, name)
+        else:  # the site filter left out the norm the fit rode on: a pass of its own
+            try:
+                transform = measure_logits(loaded.model, sample, final, fit.head, fit.kwargs,
+                                           name)
+            except IngestError as e:
+                if not opts.sites or fit.path is None or fit.path == final.record.module:
+                    raise  # not the filter's doing
+                raise IngestError(
+                    f"model {name!r}: --sites keeps the final site {final.record.site!r} "
+                    f"({final.record.module}) but leaves out {fit.path!r}, the norm whose "
+                    "output the LM head reads, and the logits cannot be recomputed from the "
+                    f"site kept: add {fit.path!r} to --sites") from e
+    return ModelSetup(loaded=loaded, name=name, prompts=prompts, ids=ids, truncated=truncated,
+                      limit=limit, found=found, n_layers=n_layers, head=head,
+                      transform=transform, final=final)
+
+
+def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
+    """Register the model, plan its batches and run them; the summary."""
+    started = time.perf_counter()
+    shard_of = opts.shard
+    shard_label = shard_name(*shard_of) if shard_of else None
+    found, location = m.found, os.fspath(opts.store)
+    with Store.open_or_create(opts.store, storage_options=opts.storage_options,
+                              shard=shard_label) as st:
+        if shard_of is None and pending_shards(st):
+            raise IngestError(
+                f"store {st.location!r} has shard ingests not merged yet "
+                f"({', '.join(pending_shards(st))}): finish them and run `actdb merge`, "
+                "then ingest"
+            )
+        reg = register(st, m.loaded, found, m.n_layers, m.name, opts.sites, m.limit,
+                       opts.chunk_tokens, m.transform)
+        # The model's very first batch is part of the recorded sample; a resumed run (its
+        # first batch committed, the error with it) or a later shard does not add its own.
+        first_recorded = reg.record.logit_max_rel_error is None and (
+            shard_of is None or shard_of[0] == 0)
+        work, known = plan_work(st, reg.record.model, m.prompts, m.ids, m.truncated)
+        warnings = fields_not_stored(st, m.prompts, known)
+        records = [f.record for f in found]
+        # The plan: which prompts share a forward pass, the same for every shard and run.
+        batches = plan_batches(work, opts.batch_size)
+        if shard_of is not None:
+            if not work:  # no shard catalog: an empty one would block unsharded ingests
+                return IngestSummary(
+                    model=reg.record.model, store=location, prompts_total=len(m.prompts),
+                    prompts_new=0, prompts_skipped=len(m.prompts), prompts_truncated=0,
+                    tokens_written=0, sites=len(found), bytes_stored=0, seconds=0.0,
+                    note=nothing_to_do(st.location, reg.record.model, shard_of))
+            reg, batches = enter_shard(st, reg, records, batches, shard_of)
+            first_recorded = first_recorded and reg.record.logit_max_rel_error is None
+        mine = [w for b in batches for w in b]
+        tokens_todo = sum(len(w.ids) for w in mine)
+        n_truncated = sum(w.truncated for w in mine)  # of the prompts this run stores
+        plan = IngestPlan(
+            model=reg.record.model, prompts_total=len(m.prompts), prompts_todo=len(mine),
+            prompts_truncated=n_truncated, tokens_todo=tokens_todo, sites=len(found),
+            bytes_estimate=sum(_bytes_per_token(s) for s in records) * tokens_todo
+            + reg.weight_bytes,
+        )
+        if opts.on_plan:
+            opts.on_plan(plan)
+        errors = BatchRunner(st, m.loaded, reg, found, batches, batch_size=opts.batch_size,
+                             progress=opts.progress, check=_logit_check(m, reg.record),
+                             first_recorded=first_recorded).run()
+        if shard_of is not None:
+            with st.backend.writing("the shard catalog"):
+                mark_finished(st.commits)
+    return IngestSummary(
+        model=reg.record.model, store=location, prompts_total=len(m.prompts),
+        prompts_new=len(mine), prompts_skipped=len(m.prompts) - len(mine),
+        prompts_truncated=n_truncated, tokens_written=tokens_todo, sites=len(found),
+        bytes_stored=plan.bytes_estimate, seconds=time.perf_counter() - started,
+        max_rel_error=errors, warnings=warnings,
+    )
+
+
+def _logit_check(m: ModelSetup, record: ModelRecord) -> LogitCheck | None:
+    """The check of logits recomputed from the store against the model's, if it has a head.
+    A model already in the store keeps the final site its logit transform was fitted on
+    (stores written before the last final site was chosen may name an earlier one)."""
+    final = next((f for f in m.found if f.record.site == record.final_site), m.final)
+    if m.head is None or final is None or not record.has_lm_head:
+        return None
+    recorded = LogitTransform(scale=record.logit_scale, softcap=record.logit_softcap, error=0.0)
+    return LogitCheck(final, m.head, recorded, m.loaded.device)
+
+
+def _device_of(model: nn.Module) -> torch.device | None:
+    """Where a model's first weight lives (None for a model without weights)."""
+    return next((p.device for p in model.parameters()), None)
+
+
+def _lm_head(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(getattr(head, "weight", None), torch.Tensor) else None
+
+
+def _bytes_per_token(s: SiteRecord) -> int:
+    heads = s.n_heads or 1
+    return heads * (2 * s.d + 8)
