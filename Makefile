@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 STORE ?= demo.actdb
 PICTURES ?= demo-pictures
 
-.PHONY: setup browser demo test lint bench clean
+.PHONY: setup browser demo test test-fast lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -36,8 +36,14 @@ browser:
 	    --no-install-recommends chromium >/dev/null) || \
 	  echo "chromium could not be installed: the report's browser test will skip"
 
+# Every tier: tests/unit, tests/integration and tests/slow (fault injection, fuzzing, clusters,
+# browsers, real checkpoints).
 test: lint browser
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=15
+
+# The unit tier alone: about a minute on two cores, for the edit-test loop.
+test-fast: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests/unit
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/run.py --output BENCHMARKS.md

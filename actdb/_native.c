@@ -19,7 +19,7 @@
    d mod 32 products added in order with fused multiply-adds. A row's value therefore never
    depends on the rows computed with it (docs/ENGINE.md, "A row's value does not depend on its
    neighbours"), and the portable C path computes exactly the AVX2 path's operations, so both
-   give the same bits (tests/test_native.py checks it).
+   give the same bits (tests/unit/test_native.py checks it).
 
    Python 3.11's C API, no NumPy headers: arguments are buffers. */
 
@@ -135,7 +135,7 @@ static void dots_avx2(const uint16_t *x, const float *v, float *out, Py_ssize_t 
    With SSE4.2, three streams of the crc32 instruction over three consecutive blocks, joined by
    shifting the earlier streams' CRCs over the later blocks' lengths (a linear map over GF(2),
    tabulated at import); without it, a table a byte. The method is Mark Adler's (crc32c.c,
-   zlib licence). tests/test_native.py checks both paths against the crc32c package. */
+   zlib licence). tests/unit/test_native.py checks both paths against the crc32c package. */
 
 #define CRC_POLY 0x82f63b78u
 #define CRC_LONG 8192

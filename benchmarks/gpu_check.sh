@@ -52,7 +52,7 @@ TESTS=${TESTS:-"test_query_functions test_handles test_engine test_lens test_fai
     test_faithful_generative test_ingest_families test_ingest_input test_native test_load
     test_ingest_safety test_plot test_real_families test_anchor_rows test_lazy"}
 ACTDB_TEST_DEVICE=$DEVICE timeout "$TESTS_S" $PY -m pytest -v --tb=short -n "$WORKERS" \
-    -p no:cacheprovider -rfE --durations=5 $(for t in $TESTS; do echo "tests/$t.py"; done) \
+    -p no:cacheprovider -rfE --durations=5 $(for t in $TESTS; do echo tests/*/"$t".py; done) \
     >"$OUT/tests.log" 2>&1
 echo "tests: exit $? after $(( $(date +%s) - start )) s"
 

@@ -7,7 +7,6 @@ temporary directory, then loaded through the real `from_pretrained` path.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,11 +15,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).parent))
 
-import s3server  # noqa: E402
-from s3server import S3Server  # noqa: E402
-from tiny_models import build_tiny_model  # noqa: E402
+from support import s3server  # noqa: E402
+from support.prompts import PROMPTS  # noqa: E402
+from support.s3server import S3Server  # noqa: E402
+from support.tiny_models import build_tiny_model  # noqa: E402
 
 # ACTDB_TEST_DEVICE=cuda runs the suite's tensor work on a GPU: every device a test names as
 # `cpu` or `auto` resolves to that one instead, for queries and ingests in this process (CLI
@@ -41,22 +40,19 @@ if os.environ.get("ACTDB_TEST_DEVICE"):
     _load.resolve_device = _test_device
 
 
+_SLOW_TIER = Path(__file__).parent / "slow"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The slow tier is `slow` as a whole, so `-m "not slow"` keeps meaning what it did.
+    for item in items:
+        if item.path.is_relative_to(_SLOW_TIER):
+            item.add_marker(pytest.mark.slow)
     if os.environ.get("ACTDB_TEST_DEVICE"):
         skip = pytest.mark.skip(reason="checks a CPU-only path; ACTDB_TEST_DEVICE is set")
         for item in items:
             if item.get_closest_marker("cpu_only"):
                 item.add_marker(skip)
-
-# Prompts of different lengths so batches are padded; one repeats a word to vary anchors.
-PROMPTS = [
-    "The capital of France is Paris.",
-    "One two three four five six seven eight nine ten.",
-    "the the the the",
-    "A quick brown fox jumps over the lazy dog near the river bank today.",
-    "She sells sea shells by the sea shore.",
-    "Water boils at one hundred degrees.",
-]
 
 
 @pytest.fixture(scope="session")
@@ -74,8 +70,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
 
 @pytest.fixture(scope="session")
 def reference(model_dir: Callable[[str], Path]) -> Callable[[str], object]:
-    """family -> its float64 reference run (tests/query_reference.py), built once."""
-    from query_reference import build_reference
+    """family -> its float64 reference run (tests/support/query_reference.py), built once."""
+    from support.query_reference import build_reference
 
     cache: dict[str, object] = {}
 

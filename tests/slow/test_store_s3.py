@@ -19,9 +19,9 @@ import pytest
 import test_faults
 import zarr
 from click.testing import CliRunner
-from conftest import PROMPTS
-from s3server import S3Server
-from snapshots import assert_same, open_plain, snapshot
+from support.prompts import PROMPTS
+from support.s3server import S3Server
+from support.snapshots import assert_same, open_plain, snapshot
 
 import actdb
 from actdb.cli import cli
@@ -305,7 +305,7 @@ def test_two_writers_cannot_both_publish(s3: S3Server, tmp_path: Path) -> None:
         assert db.verify() == []
 
 
-# The fault tests' ingest script (tests/test_faults.py), with commits of about 3 prompts.
+# The fault tests' ingest script (tests/slow/test_faults.py), with commits of about 3 prompts.
 FAULT_SCRIPT = test_faults._SCRIPT.replace("_FLUSH_TOKENS = 32", "_FLUSH_TOKENS = 40")
 FAULT_PROMPTS = test_faults.PROMPTS[:8]
 
@@ -339,7 +339,7 @@ def test_kill_then_resume_on_s3(s3: S3Server, model_dir: Callable[[str], Path], 
     prompts.write_text("\n".join(FAULT_PROMPTS) + "\n")
     script = tmp_path / "ingest.py"
     script.write_text(FAULT_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "ACTDB_FAULT": point}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "ACTDB_FAULT": point}
     work_folders = set(Path(tempfile.gettempdir()).glob("actdb-s3-*"))
     proc = subprocess.run([sys.executable, str(script), url, str(model_dir("gpt2")),
                            str(prompts)], capture_output=True, text=True, env=env, timeout=300)

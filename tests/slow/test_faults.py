@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from snapshots import assert_same, snapshot
+from support.snapshots import assert_same, snapshot
 
 import actdb
 from actdb.cli import cli
@@ -25,7 +25,7 @@ from actdb.cli import cli
 pytestmark = pytest.mark.slow
 
 PROMPTS = [f"Prompt {i}: the quick brown fox jumps over {i % 7} lazy dogs." for i in range(24)]
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 # Small commits (a few prompts each) so that every point is passed several times.
 _SCRIPT = textwrap.dedent("""

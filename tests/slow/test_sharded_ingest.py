@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zarr
 from click.testing import CliRunner
-from s3server import S3Server
+from support.s3server import S3Server
 
 import actdb
 from actdb.cli import cli
@@ -26,7 +26,7 @@ from actdb.store.objects import Objects, parse_url
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 # Varied lengths; with 4-row chunks (norm/mean chunks of 128 rows) each shard's ~60 tokens
 # leave a gap of whole direction chunks before the next shard's aligned start.
 PROMPTS = [f"Prompt {i}: the quick brown fox jumps over {i % 5} lazy dogs" + " again" * (i % 4)

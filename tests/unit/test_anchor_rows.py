@@ -16,7 +16,7 @@ import actdb
 from actdb.errors import StoreCorruptError
 from actdb.query.vectors import ANCHOR_SETS
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from generate import Shape, generate  # noqa: E402
 
 

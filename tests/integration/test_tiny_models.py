@@ -1,4 +1,4 @@
-"""Tests for the offline tiny-model builders in ``tests/tiny_models.py``."""
+"""Tests for the offline tiny-model builders in ``tests/support/tiny_models.py``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from tiny_models import (
+from support.tiny_models import (
     BOS_FAMILIES,
     FAMILIES,
     build_tiny_model,
@@ -129,14 +129,14 @@ def test_tokenizer_roundtrip(tmp_path: pathlib.Path) -> None:
 _VOCAB_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from tiny_models import build_tokenizer
+from support.tiny_models import build_tokenizer
 print(json.dumps([build_tokenizer(kind=k).get_vocab() for k in ("bpe", "wordpiece")]))
 """
 
 
 def test_tokenizer_training_is_deterministic() -> None:
     """A fresh process trains exactly the same vocabularies."""
-    here = str(pathlib.Path(__file__).parent)
+    here = str(pathlib.Path(__file__).resolve().parents[1])  # tests/, which holds `support`
     proc = subprocess.run(
         [sys.executable, "-c", _VOCAB_SCRIPT, here], capture_output=True, text=True, check=True
     )

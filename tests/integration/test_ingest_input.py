@@ -330,8 +330,8 @@ def test_a_site_filter_without_the_norm_the_lm_head_reads_is_refused(tmp_path: P
     fit's fallback (a pass of its own, hooked on the site kept); the logits are no scale of
     W_U . final(x) there, so the ingest is refused in one sentence naming the module to add,
     before anything is written; with the head's norm kept, the logits come from it."""
-    from real_families import build
-    from tiny_models import build_family_tokenizer
+    from support.real_families import build
+    from support.tiny_models import build_family_tokenizer
 
     tok = build_family_tokenizer("llama")
     model = build("roberta-prelayernorm", len(tok))
@@ -356,8 +356,8 @@ def test_a_norm_module_that_runs_twice_in_a_pass_is_refused_unless_left_out(
     ingest is refused in one sentence naming the module, before anything is written; leaving
     the shared module out with --sites ingests the rest, faithfully."""
     import torch
-    from real_families import COMMON
-    from tiny_models import build_family_tokenizer
+    from support.real_families import COMMON
+    from support.tiny_models import build_family_tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from actdb.errors import ModelLoadError
@@ -606,7 +606,7 @@ def test_an_encoder_decoder_model_is_refused_in_one_sentence(tmp_path: Path) -> 
     CLI (review finding). It is one sentence naming the model's complaint, exit 1, and
     nothing is written."""
     import torch
-    from tiny_models import build_family_tokenizer
+    from support.tiny_models import build_family_tokenizer
     from transformers import T5Config, T5ForConditionalGeneration
 
     from actdb.errors import ModelLoadError
@@ -642,7 +642,7 @@ def test_a_norm_over_no_tokens_is_no_site_and_the_filter_leaves_out_unknown_layo
     finding). A norm that does see tokens, in a layout actdb does not know ([T, B, d]), is
     still refused in one sentence, unless the site filter leaves it out by its module path."""
     import torch
-    from tiny_models import build_family_tokenizer
+    from support.tiny_models import build_family_tokenizer
     from torch import nn
     from transformers import DebertaV2Config, DebertaV2ForMaskedLM, GPT2Config, GPT2LMHeadModel
 
@@ -736,7 +736,7 @@ def test_the_site_named_final_is_the_one_the_lm_head_reads(
     that `site = 'final'` gives the model's own logits (the earlier one was `final`, the head's
     `final_2`: review finding); the other is `final_1`. A store written with the old names
     keeps them when an ingest adds prompts to it, and its `final_2` gives the logits."""
-    from tiny_models import build_family_tokenizer
+    from support.tiny_models import build_family_tokenizer
 
     from actdb.ingest import process
 
@@ -790,7 +790,7 @@ def test_a_projection_between_the_final_norm_and_the_lm_head_is_said(tmp_path: P
     final site. The refusal says so, with both widths, before anything is written (it said
     "its logits do not come from its final norm": review finding)."""
     import torch
-    from tiny_models import build_family_tokenizer
+    from support.tiny_models import build_family_tokenizer
     from transformers import OPTConfig, OPTForCausalLM
 
     tok = build_family_tokenizer("llama")
@@ -818,7 +818,7 @@ def test_post_norm_roles_do_not_depend_on_the_dtype(dtype: str) -> None:
     dtype the model may run in, whose rounding the comparison allows for (it asked float32's
     of bfloat16: review finding)."""
     import torch
-    from tiny_models import randomize_norms
+    from support.tiny_models import randomize_norms
     from transformers import DistilBertConfig, DistilBertForMaskedLM, GPT2Config, GPT2LMHeadModel
 
     from actdb.ingest.sites import find_sites
@@ -852,7 +852,7 @@ def test_a_block_whose_mlp_is_its_own_layers_gets_its_roles(tmp_path: Path) -> N
     is what the sublayer wrote: the next site's input minus this one's."""
     import numpy as np
     import torch
-    from tiny_models import build_family_tokenizer
+    from support.tiny_models import build_family_tokenizer
     from transformers import OPTConfig, OPTForCausalLM
 
     tok = build_family_tokenizer("llama")

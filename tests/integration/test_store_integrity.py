@@ -16,7 +16,7 @@ import duckdb
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from snapshots import snapshot
+from support.snapshots import snapshot
 
 import actdb
 from actdb.cli import cli
@@ -257,7 +257,7 @@ def test_two_ingests_racing_to_create_one_store(
     prompts.write_text("".join(f"racing prompt {i}\n" for i in range(6)))
     argv = [sys.executable, "-m", "actdb.cli", "ingest", str(store), "--model",
             str(model_dir("gpt2")), "--prompts", str(prompts), "--device", "cpu", "--name", "m"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=env) for _ in range(2)]
     results = [(p.wait(timeout=300), p.stderr.read() if p.stderr else "") for p in procs]

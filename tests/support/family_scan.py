@@ -1,13 +1,13 @@
 """Every causal-LM model type `transformers` knows, built tiny from a config and ingested.
 
-    python tests/family_scan.py [--from NAME] [--timeout 60] [model_type ...]
+    python tests/support/family_scan.py [--from NAME] [--timeout 60] [model_type ...]
 
 Not part of the test suite (about 20 minutes on two cores): a survey that finds the families
 actdb cannot ingest. Each model type gets the real-families test's common sizes
-(tests/real_families.py) and a tiny tokenizer, its own forward pass once (a failure there is
+(tests/support/real_families.py) and a tiny tokenizer, its own forward pass once (a failure there is
 the config's, not actdb's), then an ingest of two prompts of different lengths in one padded
 batch. Prints one line a model type: OK, or the stage that failed (build, forward, ingest)
-with the error. The families of tests/test_real_families.py are skipped (tested there).
+with the error. The families of tests/slow/test_real_families.py are skipped (tested there).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `support`
 
 
 class _Timeout(Exception):
@@ -42,12 +42,12 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     import torch
-    from real_families import COMMON, TESTED
-    from tiny_models import build_family_tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     import actdb
+    from support.real_families import COMMON, TESTED
+    from support.tiny_models import build_family_tokenizer
 
     tok = build_family_tokenizer("llama")
     types = args.types or [t for t in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)

@@ -28,7 +28,7 @@ import actdb
 from actdb.cli import cli
 from actdb.query.functions import REGISTRY
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 D_MODEL = 64  # tiny_models.HIDDEN_SIZE
 
 # A few short prompts for the stores these tests write themselves (kept tiny for speed).
@@ -123,7 +123,7 @@ def no_norm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved Hugging Face model with no LayerNorm/RMSNorm at all (a tiny ResNet: BatchNorm
     only), with a tokenizer next to it so that only the missing norm sites can fail."""
     import transformers
-    from tiny_models import build_tokenizer
+    from support.tiny_models import build_tokenizer
 
     path = tmp_path_factory.mktemp("no-norm-model")
     config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8], depths=[1])

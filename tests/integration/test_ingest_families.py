@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import PROMPTS
-from tiny_models import FAMILIES, load_tiny_model, norm_modules
+from support.prompts import PROMPTS
+from support.tiny_models import FAMILIES, load_tiny_model, norm_modules
 
 # Roles each family must show (by where its norms run, not by their names).
 EXPECTED_ROLES = {

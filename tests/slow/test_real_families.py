@@ -1,7 +1,7 @@
-"""Real `transformers` decoder families beyond the 13 of tests/tiny_models.py, built from tiny
-configs offline (tests/real_families.py): every norm site's output through the query layer
-(`normed(vec)`) equals the module's own output, and `logit` equals the model's own logits,
-both against the model's own run (float32, compared in float64); roles where the
+"""Real `transformers` decoder families beyond the 13 of tests/support/tiny_models.py, built
+from tiny configs offline (tests/support/real_families.py): every norm site's output through the
+query layer (`normed(vec)`) equals the module's own output, and `logit` equals the model's own
+logits, both against the model's own run (float32, compared in float64); roles where the
 architecture fixes them."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS as ALL_PROMPTS
-from real_families import TESTED, build
-from tiny_models import build_family_tokenizer
+from support.prompts import PROMPTS as ALL_PROMPTS
+from support.real_families import TESTED, build
+from support.tiny_models import build_family_tokenizer
 
 import actdb
 from actdb import devices

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tiny_models import load_tiny_model, norm_modules
+
+from .tiny_models import load_tiny_model, norm_modules
 
 LM_FAMILIES = ("gpt2", "llama", "gemma", "gemma2")
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import PROMPTS
-from gen_models import Choices, GenForCausalLM, _Norm, build
-from tiny_models import build_family_tokenizer
+from support.gen_models import Choices, GenForCausalLM, _Norm, build
+from support.prompts import PROMPTS
+from support.tiny_models import build_family_tokenizer
 from torch import nn
 
 import actdb
@@ -71,7 +71,7 @@ def test_a_norm_the_store_cannot_reproduce_fails_the_ingest(tokenizer: Any,
 
 def test_logits_the_store_cannot_reproduce_fail_the_ingest(tokenizer: Any,
                                                             tmp_path: Path) -> None:
-    from gen_models import GenConfig
+    from support.gen_models import GenConfig
 
     model = _Offset(GenConfig(vocab_size=len(tokenizer)), Choices(seed=4)).eval()
     with pytest.raises(IngestError, match=r"logits recomputed from the stored final-site"):

@@ -313,7 +313,7 @@ def test_norms_mark_outlier_positions(model_dir, tmp_path: Path) -> None:
     """gpt2 with position 0's embedding made huge: an attention-sink-like token whose norm is
     far above the rest at every layer."""
     import torch
-    from tiny_models import load_tiny_model
+    from support.tiny_models import load_tiny_model
 
     model, tok = load_tiny_model("gpt2", model_dir("gpt2"))
     with torch.no_grad():

@@ -213,7 +213,7 @@ def test_a_handle_of_another_store_is_refused(family_store: Callable[[str], Path
     """Two stores of the same model and prompts, open in one process: a handle of one is not a
     handle of the other (it used to read the other store's row at the same stream and row).
     The same store opened twice agrees on its handles (workers of a cluster query do too)."""
-    from conftest import PROMPTS
+    from support.prompts import PROMPTS
 
     other = tmp_path / "other.actdb"
     actdb.ingest(other, model=str(model_dir("gpt2")), prompts=PROMPTS, device="cpu",

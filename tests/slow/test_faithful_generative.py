@@ -1,6 +1,6 @@
 """Generative faithfulness: many tiny random models built by combining architectural choices
-(tests/gen_models.py), each ingested and checked against a float64 run of the model itself:
-the stored vectors are the hooked inputs, the outputs recomputed from what is stored are the
+(tests/support/gen_models.py), each ingested and checked against a float64 run of the model
+itself: the stored vectors are the hooked inputs, the outputs recomputed from what is stored are the
 modules' outputs, roles are as built, and `logit` through SQL is the model's own logit."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import PROMPTS
-from gen_models import Choices, build, sample_choices
-from tiny_models import build_family_tokenizer
+from support.gen_models import Choices, build, sample_choices
+from support.prompts import PROMPTS
+from support.tiny_models import build_family_tokenizer
 
 import actdb
 from actdb.ingest import run

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import sqlglot
 import zarr
-from conftest import PROMPTS
+from support.prompts import PROMPTS
 
 import actdb
 from actdb.query.distributed import partitions
@@ -344,7 +344,7 @@ def test_workers_see_the_coordinators_snapshot(store: Path, client: Any,
 def test_cluster_query_on_an_s3_store(client: Any, model_dir: Callable[[str], Path]) -> None:
     """Workers open an S3 store themselves, with the coordinator's storage_options (they do
     not share its environment): the split answers equal the single-process ones."""
-    from s3server import running
+    from support.s3server import running
 
     query = ("SELECT layer, count(*), sum(norm), max(uniform_angle(vec)) FROM acts "
              "GROUP BY layer ORDER BY layer")

@@ -17,8 +17,8 @@ import duckdb
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS
-from query_reference import build_reference, uniform_angle, unit
+from support.prompts import PROMPTS
+from support.query_reference import build_reference, uniform_angle, unit
 from test_query_functions import (
     COS_TOL,
     LOGIT_ATOL,

@@ -1,6 +1,6 @@
 """The SQL tensor functions against an independent float64 reference.
 
-The reference (tests/query_reference.py) runs each tiny model in float64 over every prompt
+The reference (tests/support/query_reference.py) runs each tiny model in float64 over every prompt
 alone, with our own hooks on the norm modules, and computes every function from the captured
 input x / output y and the model's own weights. actdb stores x as a float16 unit direction
 plus a float32 norm and mean, so the tolerances are those of float16 rounding.
@@ -15,8 +15,8 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS
-from query_reference import (
+from support.prompts import PROMPTS
+from support.query_reference import (
     LM_FAMILIES,
     FamilyRef,
     cos_rows,
@@ -24,7 +24,7 @@ from query_reference import (
     uniform_angle,
     unit,
 )
-from tiny_models import load_tiny_model
+from support.tiny_models import load_tiny_model
 
 import actdb
 from actdb.query import vectors
@@ -995,7 +995,7 @@ def test_padding_rows_of_the_lm_head_are_ranked_as_the_model_ranks_them(tmp_path
     decodes to it); `nearest_anchors` ranks their anchors likewise. Padding rows are made large here
     so that they win: the lists are compared with the model's own float64 logits and a
     float64 ranking of the anchors."""
-    from tiny_models import build_family_tokenizer
+    from support.tiny_models import build_family_tokenizer
     from transformers import GPT2Config, GPT2LMHeadModel
 
     tok = build_family_tokenizer("llama")
@@ -1044,7 +1044,7 @@ def test_anchor_functions_use_the_anchors_width_with_factorized_embeddings(tmp_p
     width (embed, final), against a float64 reference from the model's own weights and the
     norm inputs our own hooks capture; at the 32-wide block sites they say which widths
     differ (they required d_model, and refused every ALBERT site: review finding)."""
-    from tiny_models import build_family_tokenizer
+    from support.tiny_models import build_family_tokenizer
     from transformers import AlbertConfig, AlbertForMaskedLM
 
     tok = build_family_tokenizer("bert")

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from snapshots import assert_same, snapshot
+from support.snapshots import assert_same, snapshot
 
 import actdb
 

@@ -1,5 +1,5 @@
 """The logit lens as a distribution, `delta`, vector aggregates and per-model token counts,
-against an independent float64 reference (tests/query_reference.py).
+against an independent float64 reference (tests/support/query_reference.py).
 
 The lens reference is the model's own float64 run: its real logits at the final site, and
 elsewhere softmax of transform(W_U . final_norm(x) + b_U) from the hooked input x, with the
@@ -14,10 +14,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS
-from query_reference import build_reference
 from scipy.special import log_softmax
-from tiny_models import load_tiny_model
+from support.prompts import PROMPTS
+from support.query_reference import build_reference
+from support.tiny_models import load_tiny_model
 
 import actdb
 from actdb.query.functions import REGISTRY
