@@ -23,7 +23,7 @@ from actdb.cli import cli
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 _WORDS = ("the quick brown fox jumps over a lazy dog while seven small birds sing in the old "
           "oak tree near the river bank").split()
 # 42 prompts of 2 to 43 words, longer as they go: a batch is padded to its last prompt, so
