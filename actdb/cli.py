@@ -194,6 +194,11 @@ def merge(ctx: click.Context, store: str) -> None:
 
     with _errors(ctx):
         s = run_merge(store)
+    if s.already_merged:
+        model = "" if s.model is None else f"model {s.model!r}: "
+        click.echo(f"{model}the shards of {store} are merged already (no shard ingest is left "
+                   "to merge); nothing to do")
+        return
     if s.finished_removal:
         click.echo(f"model {s.model!r}: its shards were already merged into {store} (by a "
                    "merge that stopped while removing them); removed what was left of them")

@@ -166,11 +166,12 @@ def merge(store: str | os.PathLike[str], *,
         storage_options: object storage settings beyond the AWS environment variables.
 
     Returns:
-        What was merged: the model, how many shards, prompt runs and token rows.
+        What was merged: the model, how many shards, prompt runs and token rows; with
+        `already_merged`, no shard was left and an earlier merge had finished (nothing done).
 
     Raises:
-        ShardError: a shard is missing or unfinished, or the shards disagree on their plan;
-            nothing is changed then.
+        ShardError: no shards and none ever merged, a shard missing or unfinished, or shards
+            that disagree on their plan; nothing is changed then.
     """
     with Store(store, ingest=True, storage_options=storage_options) as st:
         return merge_shards(st)

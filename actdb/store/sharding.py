@@ -29,6 +29,7 @@ else:
 _PLAN_KEY = "shard_plan"
 _FINISHED_KEY = "shard_finished"
 _MERGED_KEY = "merged_shards"  # main catalog: the fingerprint of the last plan merged
+_MERGED_MODEL_KEY = "merged_shards_model"  # main catalog: the model of the last plan merged
 _ROW_TABLES = ("prompts", "prompt_runs", "tokens")
 
 
@@ -55,13 +56,16 @@ class ShardPlan:
 @dataclass(frozen=True, kw_only=True)
 class MergeSummary:
     store: str
-    model: str
+    model: str | None  # None: a store merged before merges recorded the model
     shards: int
     prompts: int  # prompt runs merged
     tokens: int
     # the shards had been merged by an earlier merge that was killed while removing their
     # catalogs: this one only removed what was left
     finished_removal: bool = False
+    # no shards left, and the store records a merge: an earlier merge finished (a rerun of
+    # a merge that may have been killed tells done from failed); nothing was changed
+    already_merged: bool = False
 
 
 def shard_name(shard: int, n_shards: int) -> str:
@@ -159,7 +163,12 @@ def merge_shards(store: Store) -> MergeSummary:
     where = store.location
     names = store.backend.shard_names()
     if not names:
-        raise ShardError(f"store {where!r} has no shard ingests to merge")
+        meta = store.catalog.meta()
+        if _MERGED_KEY in meta:
+            return MergeSummary(store=where, model=meta.get(_MERGED_MODEL_KEY), shards=0,
+                                prompts=0, tokens=0, already_merged=True)
+        raise ShardError(f"store {where!r} has no shard ingests to merge (and none was ever "
+                         "merged into it)")
     shards = [_read_shard(store, n) for n in names]
     # A merge killed after its transaction committed, while it removed the shard catalogs,
     # left some of them: their plan is the one the main catalog records as merged (a later
@@ -227,8 +236,9 @@ def merge_shards(store: Store) -> MergeSummary:
             con.execute("UPDATE models SET logit_max_rel_error = greatest(coalesce("
                         "logit_max_rel_error, 0), ?) WHERE model = ?", [max(logit), plan.model])
         con.execute("UPDATE models SET n_rows = ? WHERE model = ?", [n_rows, plan.model])
-        con.execute("DELETE FROM meta WHERE key = ?", [_MERGED_KEY])
-        con.execute("INSERT INTO meta VALUES (?, ?)", [_MERGED_KEY, plan.fingerprint])
+        con.execute("DELETE FROM meta WHERE key IN (?, ?)", [_MERGED_KEY, _MERGED_MODEL_KEY])
+        con.execute("INSERT INTO meta VALUES (?, ?), (?, ?)",
+                    [_MERGED_KEY, plan.fingerprint, _MERGED_MODEL_KEY, plan.model])
     store.backend.remove_shards(names)
     return MergeSummary(
         store=where, model=plan.model, shards=len(shards),

@@ -600,3 +600,51 @@ def _registration_lease_waits_while_renewed(location: str) -> None:
     t.join(5)
     assert time.monotonic() - started < 2.5
     assert Objects(parse_url(location)).list(key) == []  # the waiter released it in turn
+
+
+def test_merge_on_a_merged_store_says_so(merged: Path, tmp_path: Path,
+                                         model_dir: Callable[[str], Path]) -> None:
+    """A rerun of a merge that finished says the store is merged (exit 0) and changes
+    nothing; a store that never had shards is still an error (exit 1)."""
+    files = _file_hashes(merged)
+    res = CliRunner().invoke(cli, ["merge", str(merged)])
+    assert res.exit_code == 0, res.output
+    assert res.output == (f"model 'm': the shards of {merged} are merged already (no shard "
+                          "ingest is left to merge); nothing to do\n")
+    assert _file_hashes(merged) == files
+    plain = tmp_path / "plain.actdb"
+    actdb.ingest(plain, model=str(model_dir("gpt2")), prompts=PROMPTS[:1], batch_size=1,
+                 device="cpu", name="m", chunk_tokens=4)
+    res = CliRunner().invoke(cli, ["merge", str(plain)])
+    assert res.exit_code == 1 and "no shard ingests to merge" in res.output, res.output
+    assert "Traceback" not in res.output
+
+
+def _set_plan(store: Path, shard: str, **change: object) -> None:
+    """Rewrite a shard catalog's recorded plan, as another run of the shard would have."""
+    import json
+
+    with duckdb.connect(str(store / "shards" / shard / "catalog.duckdb")) as con:
+        (raw,) = con.execute("SELECT value FROM meta WHERE key = 'shard_plan'").fetchone()
+        plan = {**json.loads(raw), **change}
+        con.execute("UPDATE meta SET value = ? WHERE key = 'shard_plan'", [json.dumps(plan)])
+
+
+@pytest.mark.parametrize("case", ["fingerprint", "copied"])
+def test_merge_refuses_shards_of_disagreeing_plans(unmerged: Path, case: str) -> None:
+    """Shards whose plans disagree (another prompts file, batch size or N: here a shard
+    catalog recording another fingerprint, or shard 0's copied in as shard 1) own rows
+    the others would also claim: merge refuses, names them and changes nothing."""
+    store = unmerged
+    if case == "fingerprint":
+        _set_plan(store, "1-of-2", fingerprint="0" * 64)
+    else:
+        shutil.rmtree(store / "shards" / "1-of-2")
+        shutil.copytree(store / "shards" / "0-of-2", store / "shards" / "1-of-2")
+    files = _file_hashes(store)
+    res = CliRunner().invoke(cli, ["merge", str(store)])
+    assert res.exit_code == 1, res.output
+    assert "disagree on their plan" in res.output and "1-of-2" in res.output, res.output
+    assert _file_hashes(store) == files
+    with actdb.connect(store) as db:
+        assert db.sql("SELECT count(*) FROM prompt_runs").fetchall() == [(0,)]
