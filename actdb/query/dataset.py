@@ -19,6 +19,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import QueryError
 from .export import handle_columns
+from .result import converted
 
 if TYPE_CHECKING:
     from .database import Database
@@ -90,7 +91,7 @@ class VectorDataset(IterableDataset[Batch]):
             h = handles.to_numpy(zero_copy_only=False).astype(np.int64)
             if len(h):
                 x = db.source.gather(h, db.device, "the dataset's vectors")
-                yield x, {c: _column(batch.column(c)) for c in self.columns}
+                yield x, {c: _column(batch.column(c), c) for c in self.columns}
 
     def _batches(self, db: Database, rng: np.random.Generator, info: Any) -> Iterator[Batch]:
         buf_x: torch.Tensor | None = None
@@ -126,13 +127,14 @@ class VectorDataset(IterableDataset[Batch]):
                    **{c: v[i: i + self.batch_size] for c, v in buf_c.items()}}
 
 
-def _column(values: pa.ChunkedArray | pa.Array) -> Any:
+def _column(values: pa.ChunkedArray | pa.Array, name: str) -> Any:
     """A numeric column as a tensor; anything else (text, lists) as a Python list."""
     t = values.type
     if (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)) \
             and not values.null_count:
         return torch.from_numpy(np.array(values.to_numpy(zero_copy_only=False)))
-    return values.to_pylist()
+    return converted(pa.table({name: values}), lambda t: t.column(0).to_pylist(),
+                     "a dataset's batch")
 
 
 def _concat(a: Any, b: Any) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +23,7 @@ from sqlglot import exp
 
 from ..errors import QueryError
 from .handles import VIEWS
-from .result import Result, column_values, handle_values
+from .result import Result, column_values, converted, handle_values
 
 if TYPE_CHECKING:
     from .database import Database
@@ -115,13 +115,18 @@ def export(db: Database, query: str, path: str | os.PathLike[str], *,
     vec, computed = _vec_column(result)
     others = [c for c in result.columns if c != vec]
     batches = _with_vectors(db, result, vec, rows_per_batch, computed=computed)
-    if suffix == ".parquet":
-        rows, d = _write_parquet(batches, out)
-    elif suffix == ".npy":
-        rows, d = _write_npy(batches, out)
-        return Exported(path=str(out), rows=rows, d=d, columns=[], left_out=others)
-    else:
-        rows, d = _write_safetensors(batches, out, others)
+    try:
+        if suffix == ".parquet":
+            rows, d = _write_parquet(batches, out)
+        elif suffix == ".npy":
+            rows, d = _write_npy(batches, out)
+            return Exported(path=str(out), rows=rows, d=d, columns=[], left_out=others)
+        else:
+            rows, d = _write_safetensors(batches, out, others)
+    finally:
+        # a write that stopped early (a column a format cannot hold) ends the stream now: a
+        # result left open refuses the connection's next query
+        batches.close()
     return Exported(path=str(out), rows=rows, d=d, columns=others, left_out=[])
 
 
@@ -154,7 +159,7 @@ _NUMBER_TYPES = frozenset({"tinyint", "smallint", "integer", "bigint", "hugeint"
 
 
 def _with_vectors(db: Database, result: Result, vec: str, rows_per_batch: int, *,
-                  computed: bool = False) -> Iterator[tuple[pa.RecordBatch, np.ndarray]]:
+                  computed: bool = False) -> Generator[tuple[pa.RecordBatch, np.ndarray]]:
     """(the batch without its vector column, its vectors [n, d] float32), batch by batch:
     gathered from the store for handles, or the query's own lists (`computed`)."""
     width: int | None = None
@@ -186,7 +191,8 @@ def _write_parquet(batches: Iterator[tuple[pa.RecordBatch, np.ndarray]], out: Pa
             column = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), d)
             table = pa.Table.from_batches([batch]).append_column("vec", column)
             if writer is None:
-                writer = pq.ParquetWriter(str(out), table.schema)
+                writer = converted(table, lambda t: pq.ParquetWriter(str(out), t.schema),
+                                   "Parquet")
             writer.write_table(table)
             rows += len(x)
     finally:

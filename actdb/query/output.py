@@ -11,7 +11,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import OutputError
 from ..lazy import lazy_module
-from .result import Result
+from .result import Result, converted
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -73,10 +73,12 @@ def _write(result: Result, fmt: str, output: Path | None) -> None:
         try:
             for batch in result.record_batches():
                 if writer is None:
-                    writer = pq.ParquetWriter(str(output), batch.schema)
+                    writer = converted(pa.Table.from_batches([batch]), lambda t: pq.ParquetWriter(
+                        str(output), t.schema), "Parquet")
                 writer.write_batch(batch)
             if writer is None:  # no rows: still write the schema
-                pq.write_table(result.to_arrow_table(), str(output))
+                converted(result.to_arrow_table(), lambda t: pq.write_table(t, str(output)),
+                          "Parquet")
         finally:
             if writer is not None:
                 writer.close()
@@ -89,7 +91,8 @@ def _write(result: Result, fmt: str, output: Path | None) -> None:
             _write_csv(result, stream)
         else:
             for batch in result.record_batches():
-                for row in batch.to_pylist():
+                rows = converted(pa.Table.from_batches([batch]), lambda t: t.to_pylist(), "JSON")
+                for row in rows:
                     stream.write(json.dumps(_clean(row), default=_json_default) + "\n")
     finally:
         if output:
@@ -97,23 +100,32 @@ def _write(result: Result, fmt: str, output: Path | None) -> None:
 
 
 def _write_csv(result: Result, stream: IO[str]) -> None:
-    import pyarrow.csv as pacsv
-
     header = True
     for batch in result.record_batches():
         table = pa.Table.from_batches([batch])
         # Nested columns (lists, structs) go out as JSON text; CSV has no nesting.
         for i, field in enumerate(table.schema):
             if pa.types.is_nested(field.type):
+                values = converted(table.select([i]), lambda t: t.column(0).to_pylist(), "CSV")
                 text = [json.dumps(_clean(v), default=_json_default) if v is not None else None
-                        for v in table.column(i).to_pylist()]
+                        for v in values]
                 table = table.set_column(i, field.name, pa.array(text, pa.string()))
-        sink = pa.BufferOutputStream()
-        pacsv.write_csv(table, sink, pacsv.WriteOptions(include_header=header))
-        stream.write(sink.getvalue().to_pybytes().decode("utf-8"))
+        stream.write(converted(table, _csv_text if header else _csv_rows, "CSV"))
         header = False
     if header:  # no rows at all: the header alone
         stream.write(",".join(f'"{c}"' for c in result.columns) + "\n")
+
+
+def _csv_text(table: pa.Table, header: bool = True) -> str:
+    import pyarrow.csv as pacsv
+
+    sink = pa.BufferOutputStream()
+    pacsv.write_csv(table, sink, pacsv.WriteOptions(include_header=header))
+    return str(sink.getvalue().to_pybytes().decode("utf-8"))
+
+
+def _csv_rows(table: pa.Table) -> str:
+    return _csv_text(table, header=False)
 
 
 def _write_table(result: Result, stream: IO[str]) -> None:

@@ -128,8 +128,7 @@ _ARITHMETIC_FUNCTIONS = frozenset({"add", "subtract", "multiply", "divide", "mod
 
 
 def _too_deep() -> QueryError:
-    return QueryError(f"the query nests too deeply (the parsers stop at about "
-                      f"{sys.getrecursionlimit()} levels); flatten it, e.g. with a CTE")
+    return sandbox.too_deep(sys.getrecursionlimit())
 
 
 def _first_line(e: duckdb.Error) -> str:

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import duckdb
 import numpy as np
 
-from ..errors import MissingDependencyError, QueryError
+from ..errors import ActdbError, MissingDependencyError, QueryError
 from ..lazy import lazy_module
 from .execute import ErrorBox
+from .sandbox import too_deep
 from .timeout import TimeLimit
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class Result:
 
     def df(self) -> Any:
         """A pandas DataFrame."""
-        return self._rows().to_pandas()
+        return converted(self._rows(), lambda t: t.to_pandas(), "df()")
 
     def to_arrow_table(self) -> pa.Table:
         """A pyarrow Table."""
@@ -108,8 +109,8 @@ class Result:
     def fetchall(self) -> list[tuple[Any, ...]]:
         """Every row as a tuple."""
         table = self._rows()
-        return list(zip(*(c.to_pylist() for c in table.columns), strict=True)) if len(
-            table.columns) else []
+        columns = converted(table, _python_columns, "fetchall()")
+        return list(zip(*columns, strict=True)) if columns else []
 
     def text(self, *, max_colwidth: int = 80) -> str:
         """Every row as aligned plain text, tokens' whitespace made visible (the CLI's table
@@ -125,7 +126,7 @@ class Result:
             rows = self._run(self._rel.fetchall)
             columns = [list(c) for c in zip(*rows, strict=True)] if rows else []
         else:
-            columns = [c.to_pylist() for c in self._rows().columns]
+            columns = converted(self._rows(), _python_columns, "the table output")
         return text_table(names, columns, max_colwidth=max_colwidth)
 
     def fetchone(self) -> tuple[Any, ...] | None:
@@ -133,9 +134,9 @@ class Result:
         table = self._rows()
         if self._cursor >= table.num_rows:
             return None
-        row = table.slice(self._cursor, 1).to_pylist()[0]
+        columns = converted(table.slice(self._cursor, 1), _python_columns, "fetchone()")
         self._cursor += 1
-        return tuple(row.values())
+        return tuple(c[0] for c in columns)
 
     def fetchnumpy(self) -> dict[str, np.ndarray]:
         """Each column as a NumPy array."""
@@ -163,7 +164,9 @@ class Result:
                                      "has no store to read their vectors from")
                 out[name] = self.gather(handle_values(col, name), f"column {name!r}")
             else:
-                out[name] = torch.from_numpy(column_values(col, name, "torch()"))
+                values = converted(pa.table({name: col}), lambda t: column_values(
+                    t.column(0), t.column_names[0], "torch()"), "torch()")
+                out[name] = torch.from_numpy(values)
         return out
 
     def limit(self, n: int, offset: int = 0) -> Result:
@@ -179,10 +182,17 @@ class Result:
         return self._rows().num_rows
 
     def _repr_html_(self) -> str:
+        import html
+
         from .display import html_preview
 
-        table = self._rows()
-        return html_preview(table.slice(0, self.PREVIEW_ROWS), table.num_rows, self.columns)
+        try:  # a notebook shows what went wrong in place of the rows, never a traceback
+            table = self._rows()
+            return converted(table.slice(0, self.PREVIEW_ROWS), lambda t: html_preview(
+                t, table.num_rows, self.columns), "the notebook preview")
+        except ActdbError as e:
+            return f"<pre>actdb.Result columns={html.escape(str(self.columns))}: " \
+                   f"{html.escape(str(e))}</pre>"
 
     def record_batches(self, rows_per_batch: int = 65536) -> Iterator[pa.RecordBatch]:
         """Stream the result in Arrow record batches, so memory stays bounded (a time limit
@@ -202,9 +212,39 @@ class Result:
 
         try:
             table = self._rows()
+            return converted(table.slice(0, self.PREVIEW_ROWS), lambda t: text_preview(
+                t, table.num_rows, self.columns), "the preview")
         except Exception as e:  # noqa: BLE001 - a repr must not raise; say what went wrong
             return f"<actdb.Result columns={self.columns}: {e}>"
-        return text_preview(table.slice(0, self.PREVIEW_ROWS), table.num_rows, self.columns)
+
+
+def converted(table: pa.Table, convert: Callable[[pa.Table], T], what: str) -> T:
+    """`convert(table)`, or one sentence naming the first column it cannot convert: Arrow
+    holds values that Python, pandas, CSV or Parquet cannot (a DATE or TIMESTAMP past
+    Python's year 9999 or at DuckDB's infinity, an INTERVAL in CSV or Parquet)."""
+    try:
+        return convert(table)
+    except ActdbError:
+        raise  # a sentence of ours (a QueryError is a ValueError too)
+    except (OverflowError, ValueError, NotImplementedError, pa.ArrowException) as e:
+        error = e
+    for i, name in enumerate(table.column_names):
+        try:
+            convert(table.select([i]))
+        except ActdbError:
+            raise
+        except (OverflowError, ValueError, NotImplementedError, pa.ArrowException) as e:
+            raise _unconvertible(what, name, e) from None
+    raise _unconvertible(what, None, error) from None
+
+
+def _unconvertible(what: str, name: str | None, e: BaseException) -> QueryError:
+    why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if name is None:
+        return QueryError(f"{what} cannot hold this result ({why})")
+    quoted = name if name.isidentifier() else '"' + name.replace('"', '""') + '"'
+    return QueryError(f"{what} cannot hold column {name!r} ({why}); select it as text, "
+                      f"CAST({quoted} AS VARCHAR), or leave out the rows it cannot hold")
 
 
 def handle_values(col: pa.ChunkedArray, name: str) -> np.ndarray:
@@ -221,6 +261,10 @@ def tagged(col: pa.ChunkedArray) -> bool:
 
     values = col.drop_null().to_numpy().astype(np.int64)
     return bool(len(values)) and bool(np.all((values >> TAG_SHIFT) == TAG))
+
+
+def _python_columns(table: pa.Table) -> list[list[Any]]:
+    return [c.to_pylist() for c in table.columns]
 
 
 def _numbers(t: pa.DataType) -> bool:
@@ -297,6 +341,9 @@ def translate(e: duckdb.Error, box: ErrorBox) -> BaseException:
         err, box.error = box.error, None
         return err
     first = text.splitlines()[0] if text else type(e).__name__
+    depth = re.search(r"Max expression depth limit of (\d+) exceeded", first)
+    if depth:
+        return too_deep(int(depth.group(1)))
     if "Mixing named and positional parameters" in first:
         return QueryError("the query mixes named ($name) and positional (? or $1) parameters, "
                           "or names them while params is a list: give params as a dict for "

@@ -45,7 +45,7 @@ _PER_CONNECTION = {"python_enable_replacements"}
 TABLE_FUNCTIONS = frozenset({
     "range", "generate_series", "unnest", "repeat", "repeat_row", "json_each", "json_tree",
     "histogram", "histogram_values", "summary", "icu_calendar_names", "pg_timezone_names",
-    "test_all_types", "duckdb_columns", "duckdb_constraints", "duckdb_databases",
+    "duckdb_columns", "duckdb_constraints", "duckdb_databases",
     "duckdb_dependencies", "duckdb_functions", "duckdb_indexes", "duckdb_keywords",
     "duckdb_schemas", "duckdb_sequences", "duckdb_tables", "duckdb_types", "duckdb_views",
     "pragma_table_info", "pragma_show", "pragma_version", "pragma_platform",
@@ -61,6 +61,15 @@ FILE_HINT = ("queries cannot read files; name the file as a table instead: "
              "actdb query --table NAME=FILE, or db.register(NAME, path)")
 
 _PATH_CHARS = frozenset("./\\:*?~")
+
+
+def too_deep(levels: int) -> QueryError:
+    """The one sentence for a query nested past the parsers' or DuckDB's depth limit: DuckDB's
+    own advice, `SET max_expression_depth`, is a SET, which the sandbox refuses."""
+    return QueryError(f"the query nests deeper than {levels} levels (subqueries, CTEs built on "
+                      "one another, or nested expressions), a limit queries cannot raise; "
+                      "flatten it, or run a part first and join its result as a table "
+                      "(db.register, --table)")
 
 
 def is_locked(con: duckdb.DuckDBPyConnection) -> bool:
@@ -311,4 +320,4 @@ def _skip_blank(query: str, i: int) -> int:
 
 
 __all__ = ["FILE_HINT", "LOCKDOWN", "TABLE_FUNCTIONS", "check_duckdb_tree",
-           "check_sqlglot_tree", "check_statement", "lock"]
+           "check_sqlglot_tree", "check_statement", "lock", "too_deep"]
