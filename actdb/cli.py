@@ -86,9 +86,17 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.argument("store", type=click.Path(path_type=str))
 @click.option("--model", "model", required=True,
               help="Hugging Face hub name, model folder, or .gguf file (or a folder holding one).")
-@click.option("--prompts", "prompts", required=True,
+@click.option("--prompts", "prompts", default=None,
               help="A .txt file (a prompt per line), a .jsonl file (text + extra fields), "
                    "or - for stdin.")
+@click.option("--images", "images", default=None, metavar="DIR",
+              help="A folder of image files (one input each, sorted by name), instead of "
+                   "--prompts.")
+@click.option("--inputs", "inputs", default=None, metavar="FILE.jsonl",
+              help="JSON Lines with any of text, image, video (a file or a folder of frames) "
+                   "and audio per line (paths relative to the file), plus extra fields.")
+@click.option("--processor", default=None, metavar="PATH",
+              help="A processor folder that prepares the images (default: the model's own).")
 @click.option("--prompts-format", type=click.Choice(["txt", "jsonl"]), default=None,
               help="Read --prompts in this format, whatever its suffix (default: from the "
                    "suffix; stdin is JSONL when its first line starts with '{').")
@@ -124,7 +132,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.pass_context
 def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
            **kw: Any) -> None:
-    """Run a model over prompts; store every norm site's input in STORE.
+    """Run a model over prompts or images; store every norm site's input in STORE.
 
     Safe to run again: prompts already stored for the model are skipped, so an
     interrupted ingest (Ctrl-C, exit 130) resumes where it stopped. --model takes a hub name,
@@ -137,10 +145,13 @@ def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
           --prompts examples/prompts.txt --chat-template
       actdb ingest runs.actdb --model gpt2 --prompts examples/prompts.txt --shard 0/2
       actdb ingest runs.actdb --model gpt2 --prompts examples/prompts.txt --cluster local:2
+      actdb ingest vision.actdb --model ./vit-digits --images ./digits
     """
     from .ingest import IngestPlan
     from .ingest import ingest as run_ingest
 
+    if sum(kw[k] is not None for k in ("prompts", "images", "inputs")) != 1:
+        raise click.UsageError("give one of --prompts, --images and --inputs")
     planned: list[IngestPlan] = []
 
     def announce(plan: IngestPlan) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .load import LoadedModel
+from .prompts import Prompt
 from .rows import Work
 
 Batch = list[Work]
@@ -67,6 +68,17 @@ def pad(loaded: LoadedModel, ids: list[list[int]]) -> dict[str, torch.Tensor]:
         input_ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
         mask[b, : len(row)] = 1
     return {"input_ids": input_ids.to(loaded.device), "attention_mask": mask.to(loaded.device)}
+
+
+def cycled(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """n inputs for a probe batch: the first ones, repeated where there are fewer."""
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def to_device(loaded: LoadedModel, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A processor's tensors on the model's device, floating ones in its dtype."""
+    return {k: v.to(loaded.device, dtype=loaded.dtype) if v.is_floating_point()
+            else v.to(loaded.device) for k, v in inputs.items()}
 
 
 def probe_batch(loaded: LoadedModel, ids: list[list[int]], length: int

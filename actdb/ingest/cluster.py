@@ -32,7 +32,7 @@ def ingest_on_cluster(opts: IngestOptions, *, cluster: Any, shards: int | None =
     started = time.perf_counter()
     # Read here, once: workers get the same prompts even when the file is only local.
     rows = [{**p.extra, "text": p.text}
-            for p in read_prompts(opts.prompts, format=opts.prompts_format)]
+            for p in read_prompts(opts.prompts or [], format=opts.prompts_format)]
     location = os.fspath(opts.store)
     if "://" not in location:
         location = os.path.abspath(location)

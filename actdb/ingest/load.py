@@ -21,12 +21,13 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 @dataclass(frozen=True, kw_only=True)
 class LoadedModel:
     model: nn.Module
-    tokenizer: Any
+    tokenizer: Any  # None for a model that reads no text (an image classifier)
     source: str
     default_name: str
     revision: str | None
     device: torch.device
     dtype: torch.dtype
+    processor: Any = None  # what makes its inputs from images, videos or sounds
 
 
 def resolve_dtype(dtype: str, device: torch.device, config: Any = None,
@@ -54,6 +55,24 @@ def _is_causal(config: Any) -> bool:
     return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
 
 
+def _model_class(transformers: Any, config: Any) -> Any:
+    """The class a folder is loaded with: a causal LM's, else the class its config names
+    (keeping its head: BertForMaskedLM's LM head, an image classifier's classifier), else
+    the bare model. The same model a caller's `from_pretrained` of that class gives."""
+    if _is_causal(config):
+        return transformers.AutoModelForCausalLM
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None)
+        if isinstance(cls, type) and hasattr(cls, "from_pretrained"):
+            return cls
+    return transformers.AutoModel
+
+
+# Files that say a folder has a processor for images, videos or sounds.
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json",
+                    "video_preprocessor_config.json")
+
+
 # Model folders and hub repositories may ship Python (`auto_map`) that transformers runs only
 # when told to, after asking on standard input when not told: actdb always says no.
 _REMOTE_CODE = (
@@ -71,21 +90,30 @@ def load(
     dtype: str = "auto",
     revision: str | None = None,
     device_map: str | dict[str, Any] | None = None,
+    processor: Any = None,
 ) -> LoadedModel:
     """Load (or adopt) a model and tokenizer, in eval mode on the chosen device and dtype.
 
     `model` may be a hub name, a model folder, a `.gguf` file or a folder holding one (loaded
     through transformers' GGUF support, dequantized). `device_map` (e.g. "auto") lets
     accelerate spread a model larger than one device over several; hooks capture wherever
-    each module lives.
+    each module lives. `processor` (an object or a folder) makes the inputs of images,
+    videos and sounds; by default the one saved with the model, if any.
     """
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     dev = resolve_device(device)
+    if isinstance(processor, str | os.PathLike):
+        processor = _load_processor(transformers, os.fspath(processor), os.fspath(processor),
+                                    None, required=True)
     if isinstance(model, nn.Module):
         if tokenizer is None:
-            raise ModelLoadError("a model object needs its tokenizer: pass tokenizer=...")
+            tokenizer = getattr(processor, "tokenizer", None)
+        if tokenizer is None and processor is None:
+            raise ModelLoadError("a model object needs its tokenizer (or, for a model that "
+                                 "reads images, its processor): pass tokenizer=... or "
+                                 "processor=...")
         config = getattr(model, "config", None)
         own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
         dt = resolve_dtype(dtype, dev, config, weights=own)
@@ -109,9 +137,12 @@ def load(
                 f"could not load a model config from {source!r}: {local}{_first_line(e)}"
             ) from e
         dt = resolve_dtype(dtype, dev, config)
-        auto = (transformers.AutoModelForCausalLM if _is_causal(config)
-                else transformers.AutoModel)
+        auto = _model_class(transformers, config)
+        if processor is None and gguf is None:
+            processor = _load_processor(transformers, source, where, revision)
         if tokenizer is None:
+            tokenizer = getattr(processor, "tokenizer", None)
+        if tokenizer is None and not (processor is not None and not _has_tokenizer(where)):
             tokenizer = _load_tokenizer(transformers, source, where, gguf, revision)
         placement = {"device_map": device_map} if device_map else {}
         try:
@@ -146,10 +177,11 @@ def load(
         module = module.eval()
     else:
         module = module.to(device=dev, dtype=dt).eval()
-    _prepare_tokenizer(tokenizer)
+    if tokenizer is not None:
+        _prepare_tokenizer(tokenizer)
     return LoadedModel(
         model=module, tokenizer=tokenizer, source=source, default_name=name,
-        revision=revision, device=dev, dtype=dt,
+        revision=revision, device=dev, dtype=dt, processor=processor,
     )
 
 
@@ -193,6 +225,39 @@ def _default_name(source: str, where: str, gguf: str | None) -> str:
         return gguf.removesuffix(".gguf")
     path = Path(where)
     return path.resolve().name if path.exists() else source
+
+
+def _has_tokenizer(where: str) -> bool:
+    return any((Path(where) / f).exists() for f in _TOKENIZER_FILES)
+
+
+def _load_processor(transformers: Any, source: str, where: str, revision: str | None, *,
+                    required: bool = False) -> Any:
+    """The processor saved in a model folder (AutoProcessor: images, videos, sounds, with the
+    tokenizer where it has one), None where there is none."""
+    local = Path(where).is_dir()
+    if local and not any((Path(where) / f).exists() for f in _PROCESSOR_FILES):
+        if required:
+            raise ModelLoadError(f"processor folder {source!r} has none of "
+                                 f"{', '.join(_PROCESSOR_FILES)}")
+        return None
+    if not local and not required:
+        return None  # a hub model's processor is loaded when asked for (--processor)
+    # Without torchvision, transformers says at each load that it falls back to its PIL
+    # image processors, which compute the same inputs.
+    try:
+        was = transformers.utils.logging.get_verbosity()
+        transformers.utils.logging.set_verbosity_error()
+        try:
+            return transformers.AutoProcessor.from_pretrained(
+                where, revision=revision, trust_remote_code=False)
+        finally:
+            transformers.utils.logging.set_verbosity(was)
+    except Exception as e:  # noqa: BLE001 - processors raise many types for a broken file
+        if "trust_remote_code" in str(e):
+            raise ModelLoadError(_REMOTE_CODE.format(source=source)) from None
+        raise ModelLoadError(
+            f"could not load the processor of {source!r}: {_first_line(e)}") from e
 
 
 def _load_tokenizer(transformers: Any, source: str, where: str, gguf: str | None,

@@ -218,8 +218,11 @@ class LogitCheck:
     the model's: the store proves its logits, as it proves each site's output."""
 
     def __init__(self, final: FoundSite, head: nn.Module, transform: LogitTransform,
-                 device: torch.device) -> None:
+                 device: torch.device, *, position: int | None = None) -> None:
+        """`position`: a classifier's, the one position its logits read (else every one
+        may be checked)."""
         self.final = final
+        self.position = position
         self.head = head
         self.transform = transform
         # The head's own device: with a device map it may not be the model's first device.
@@ -230,7 +233,10 @@ class LogitCheck:
     def positions(self, t: int) -> torch.Tensor:
         """Up to 4 positions spread over the batch's length (the first and the last among
         them): logits only for these. Each costs a product with the whole LM head for every
-        row of the batch, twice (the model's, and ours from the store)."""
+        row of the batch, twice (the model's, and ours from the store). A classifier's: the
+        position it reads."""
+        if self.position is not None:
+            return torch.tensor([self.position])
         return torch.unique(torch.linspace(0, t - 1, min(t, 4)).round().long())
 
     @torch.no_grad()

@@ -56,7 +56,10 @@ class IngestOptions:
 
     store: str | os.PathLike[str]
     model: str | os.PathLike[str] | nn.Module
-    prompts: PromptsLike
+    prompts: PromptsLike | None = None
+    inputs: PromptsLike | None = None  # media inputs (inputs.py), instead of prompts
+    images: str | os.PathLike[str] | None = None  # a folder of images, instead of prompts
+    processor: Any = None
     prompts_format: str | None = None
     tokenizer: Any = None
     batch_size: int = 8

@@ -26,9 +26,12 @@ def ingest(
     store: str | os.PathLike[str],
     *,
     model: str | os.PathLike[str] | nn.Module,
-    prompts: PromptsLike,
+    prompts: PromptsLike | None = None,
     prompts_format: str | None = None,
     tokenizer: Any = None,
+    inputs: PromptsLike | None = None,
+    images: str | os.PathLike[str] | None = None,
+    processor: Any = None,
     batch_size: int = 8,
     max_length: int | None = None,
     device: str = "auto",
@@ -62,6 +65,12 @@ def ingest(
     whatever its suffix (standard input is otherwise JSON Lines when its first line starts
     with '{').
 
+    Instead of `prompts`, `images` (a folder: its image files, sorted by name) or `inputs`
+    (a JSON Lines file or a list of dicts with `text`, `image`, `video`, `audio` and extra
+    fields; an image may be a PIL image) give inputs that the model's processor prepares:
+    its own (saved with it), or `processor` (an object or a folder). Each norm's positions
+    (class token, registers, patches) are rows, with their patch row, column and frame.
+
     With `shard=(i, N)` (or `"i/N"`), this is worker i (from 0) of N ingesting its share of
     the prompts into the same store, side by side with the others: its catalog rows go to
     the store's `shards/{i}-of-{N}` catalog until `actdb.merge` moves them all into the main
@@ -69,11 +78,15 @@ def ingest(
     (`"local:N"`, a Dask scheduler address or client), one shard per worker runs on the
     cluster and they are merged at the end (the workers must reach the store and model).
     """
+    if cluster is not None and (inputs is not None or images is not None):
+        raise IngestError("a cluster ingest takes prompts only; ingest images and other "
+                          "inputs without --cluster")
     if cluster is not None and shard is not None:
         raise IngestError("pass either shard or cluster, not both: a cluster ingest runs "
                           "the shards itself")
     opts = IngestOptions(
-        store=store, model=model, prompts=prompts, prompts_format=prompts_format,
+        store=store, model=model, prompts=prompts, inputs=inputs, images=images,
+        processor=processor, prompts_format=prompts_format,
         tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, device=device,
         dtype=dtype, sites=sites, name=name, revision=revision, device_map=device_map,
         chunk_tokens=chunk_tokens, progress=progress, on_plan=on_plan,

@@ -3,6 +3,7 @@ its norm sites and logit transform, register it in the store, plan the batches, 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import time
@@ -15,15 +16,17 @@ from ..errors import IngestError
 from ..store.records import ModelRecord, SiteRecord
 from ..store.sharding import mark_finished, pending_shards, shard_name
 from ..store.store import Store
-from .batches import length_limit, plan_batches, probe_batch, tokenize
+from .batches import cycled, length_limit, plan_batches, probe_batch, to_device, tokenize
+from .heads import ClassifierHead, find_classifier, prove_classifier
+from .inputs import Positions, check_inputs, positions, prepare_inputs, read_inputs
 from .load import LoadedModel, load
 from .logits import LogitCheck, LogitFit, LogitTransform, measure_logits
 from .options import IngestOptions, IngestPlan, IngestSummary
-from .prompts import Prompt, apply_chat_template, read_prompts
+from .prompts import Prompt, apply_chat_template
 from .register import register
 from .run import BatchRunner, forward_kwargs
 from .shards import enter_shard, nothing_to_do
-from .sites import FoundSite, find_sites
+from .sites import FoundSite, find_sites, norm_modules_of
 from .work import fields_not_stored, plan_work
 
 
@@ -42,18 +45,23 @@ class ModelSetup:
     head: nn.Module | None  # the LM head
     transform: LogitTransform | None
     final: FoundSite | None  # the final site the LM head reads
+    classifier: ClassifierHead | None = None  # an image classifier's head, proven
+    labels: Positions | None = None  # what each position of a media input is
+    towers: dict[str, int] = dataclasses.field(default_factory=dict)  # each tower's depth
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
 
 def ingest_here(opts: IngestOptions) -> IngestSummary:
     """Run `opts` in this process (`opts.shard`: as that shard); see `actdb.ingest`."""
-    prompts = read_prompts(opts.prompts, format=opts.prompts_format)
+    prompts = read_inputs(opts.prompts, opts.inputs, opts.images, opts.prompts_format)
     model = opts.model
     # A model object is the caller's: moved to the ingest's device for it, and back after.
     home = _device_of(model) if isinstance(model, nn.Module) and not opts.device_map else None
     frozen = False
     try:
         loaded = load(model, opts.tokenizer, device=opts.device, dtype=opts.dtype,
-                      revision=opts.revision, device_map=opts.device_map)
+                      revision=opts.revision, device_map=opts.device_map,
+                      processor=opts.processor)
         # The cyclic garbage collector skips what exists by now (torch, transformers and the
         # model: hundreds of thousands of objects), which each full collection would walk
         # again; what the ingest allocates is collected as usual. A process that froze
@@ -72,20 +80,46 @@ def ingest_here(opts: IngestOptions) -> IngestSummary:
 def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> ModelSetup:
     """Tokenize the prompts, find the model's norm sites and fit its logit transform."""
     name = opts.name or loaded.default_name
+    norm_modules_of(loaded.model)  # a model without norms is said first, whatever it reads
+    check_inputs(prompts, loaded.model, name)
+    media = any(p.media is not None for p in prompts)
+    if media and (opts.chat_template or any(p.media is None for p in prompts)):
+        raise IngestError("inputs of text alone and inputs with media go to separate "
+                          "ingests (and --chat-template is for text)")
     if opts.chat_template:
         prompts = apply_chat_template(prompts, loaded.tokenizer, name)
-    limit = length_limit(loaded, opts.max_length)
-    ids, truncated = tokenize(loaded.tokenizer, [p.text for p in prompts], limit,
-                             special=not opts.chat_template)
-    sample, sample_alt = probe_batch(loaded, ids, 11), probe_batch(loaded, ids, 7)
+    limit = None if media else length_limit(loaded, opts.max_length)
+    if media:  # an input's positions are known once the sites are found (below)
+        ids: list[list[int]] = []
+        truncated = [False] * len(prompts)
+        sample, sample_alt = (
+            to_device(loaded, prepare_inputs(loaded.processor, cycled(prompts, n), name))
+            for n in (3, 2))
+    else:
+        ids, truncated = tokenize(loaded.tokenizer, [p.text for p in prompts], limit,
+                                  special=not opts.chat_template)
+        sample, sample_alt = probe_batch(loaded, ids, 11), probe_batch(loaded, ids, 7)
     head = _lm_head(loaded.model)
+    classifier_module = find_classifier(loaded.model) if head is None else None
     # The logit fit rides on the site-finding's second pass, hooked on the final norm.
     fit = None if head is None else LogitFit(
         head, sample_alt, forward_kwargs(loaded.model), getattr(loaded.model, "config", None))
+    towers: dict[str, int] = {}
     found, n_layers = find_sites(loaded.model, sample, sample_alt, sites_glob=opts.sites,
-                                 final_probe=fit)
+                                 final_probe=fit, depths=towers)
     # The final site whose output the LM head reads: the last of them (sites._final_path).
     final = next((f for f in reversed(found) if f.record.role == "final"), None)
+    warnings: list[str] = []
+    classifier = None
+    if classifier_module is not None and final is not None:
+        classifier, why = prove_classifier(loaded.model, classifier_module, final, sample)
+        if classifier is None:
+            warnings.append(f"model {name!r}: {why}; stored without the 'classifier' anchors")
+    labels = None
+    if media:
+        per_input = positions_per_input(found, name)
+        labels = positions(loaded.model, sample, per_input)
+        ids = [[-1] * per_input for _ in prompts]
     transform = None
     if fit is not None and final is not None:
         if fit.ready and fit.path == final.record.module:
@@ -104,7 +138,8 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
                     f"site kept: add {fit.path!r} to --sites") from e
     return ModelSetup(loaded=loaded, name=name, prompts=prompts, ids=ids, truncated=truncated,
                       limit=limit, found=found, n_layers=n_layers, head=head,
-                      transform=transform, final=final)
+                      transform=transform, final=final, classifier=classifier, labels=labels,
+                      towers=towers, warnings=warnings)
 
 
 def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
@@ -122,13 +157,13 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
                 "then ingest"
             )
         reg = register(st, m.loaded, found, m.n_layers, m.name, opts.sites, m.limit,
-                       opts.chunk_tokens, m.transform)
+                       opts.chunk_tokens, m.transform, m.classifier, m.towers)
         # The model's very first batch is part of the recorded sample; a resumed run (its
         # first batch committed, the error with it) or a later shard does not add its own.
         first_recorded = reg.record.logit_max_rel_error is None and (
             shard_of is None or shard_of[0] == 0)
-        work, known = plan_work(st, reg.record.model, m.prompts, m.ids, m.truncated)
-        warnings = fields_not_stored(st, m.prompts, known)
+        work, known = plan_work(st, reg.record.model, m.prompts, m.ids, m.truncated, m.labels)
+        warnings = m.warnings + fields_not_stored(st, m.prompts, known)
         records = [f.record for f in found]
         # The plan: which prompts share a forward pass, the same for every shard and run.
         batches = plan_batches(work, opts.batch_size)
@@ -172,10 +207,30 @@ def _logit_check(m: ModelSetup, record: ModelRecord) -> LogitCheck | None:
     A model already in the store keeps the final site its logit transform was fitted on
     (stores written before the last final site was chosen may name an earlier one)."""
     final = next((f for f in m.found if f.record.site == record.final_site), m.final)
+    if m.classifier is not None and final is not None and record.head_kind == "classifier":
+        return LogitCheck(final, m.classifier.module, LogitTransform(
+            scale=None, softcap=None, error=0.0), m.loaded.device,
+            position=record.head_position)
     if m.head is None or final is None or not record.has_lm_head:
         return None
     recorded = LogitTransform(scale=record.logit_scale, softcap=record.logit_softcap, error=0.0)
     return LogitCheck(final, m.head, recorded, m.loaded.device)
+
+
+def positions_per_input(found: list[FoundSite], model: str) -> int:
+    """The positions every site sees for one input (its rows); one sentence where sites see
+    different numbers (a model whose stages pool positions, or a pooled head's norm)."""
+    counts = {f.record.site: f.positions for f in found}
+    distinct = sorted({c for c in counts.values() if c is not None})
+    if len(distinct) == 1 and None not in counts.values():
+        return distinct[0]
+    most = max(distinct, key=lambda c: sum(1 for v in counts.values() if v == c))
+    odd = next(site for site, c in counts.items() if c != most)
+    raise IngestError(
+        f"model {model!r}: its norm sites see different numbers of positions for one input "
+        f"({counts[odd]} at site {odd!r}, {most} at most others; a model whose stages pool "
+        "positions, or a norm of a pooled output): actdb stores one row a position for every "
+        "site; leave such sites out with --sites")
 
 
 def _device_of(model: nn.Module) -> torch.device | None:

@@ -13,11 +13,38 @@ from typing import Any
 
 from ..errors import IngestError, PromptsError
 
+# The input fields that are no text: each is a path (a video may be a folder of frames).
+MEDIA = ("image", "video", "audio")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Media:
+    """What of an input is no text: each field the path as given, or for an image object
+    given in Python, `<image sha256:...>` of its pixels (`objects` holds the object)."""
+
+    image: str | None = None
+    video: str | None = None
+    audio: str | None = None
+    base: str | None = None  # the folder relative paths are read from (a JSONL file's)
+    objects: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def fields(self) -> dict[str, str]:
+        return {k: v for k in MEDIA if (v := getattr(self, k)) is not None}
+
 
 @dataclass(frozen=True, kw_only=True)
 class Prompt:
-    text: str
+    text: str  # "" for an input of media alone (stored as NULL)
     extra: Mapping[str, Any] = field(default_factory=dict)
+    media: Media | None = None
+
+    @property
+    def key(self) -> str:
+        """What makes two inputs one prompt: the text, and the media paths where there are."""
+        if self.media is None:
+            return self.text
+        m = self.media
+        return "\0" + json.dumps([self.text, m.image, m.video, m.audio])
 
 
 PromptsLike = str | os.PathLike[str] | Iterable[str | Mapping[str, Any]]
@@ -42,14 +69,14 @@ def read_prompts(source: PromptsLike, *, format: str | None = None) -> list[Prom
         jsonl = None if format is None else format == "jsonl"
         if name == "-":
             lines = _lines(_decode(sys.stdin.buffer.read(), "<stdin>"))
-            return _parse_lines(lines, "<stdin>", jsonl=jsonl)
+            return _parse_lines(lines, "<stdin>", jsonl=jsonl, base=None)
         path = Path(name)
         if not path.is_file():
             raise PromptsError(f"prompts file {name!r} does not exist")
         lines = _lines(_decode(path.read_bytes(), name))
         if jsonl is None:
             jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
-        return _parse_lines(lines, name, jsonl=jsonl)
+        return _parse_lines(lines, name, jsonl=jsonl, base=str(path.parent))
     prompts = []
     wheres = []
     for i, item in enumerate(source):
@@ -57,7 +84,7 @@ def read_prompts(source: PromptsLike, *, format: str | None = None) -> list[Prom
             _check_encodable(item, f"prompts[{i}]", "its text")
             prompts.append(Prompt(text=item))
         elif isinstance(item, Mapping):
-            prompts.append(_from_record(dict(item), f"prompts[{i}]"))
+            prompts.append(_from_record(dict(item), f"prompts[{i}]", base=None))
         else:
             raise PromptsError(f"prompts[{i}] is a {type(item).__name__}, not a string or dict")
         wheres.append(f"prompts[{i}]")
@@ -90,7 +117,8 @@ def _decode(data: bytes, where: str) -> str:
         ) from None
 
 
-def _parse_lines(lines: list[str], where: str, *, jsonl: bool | None) -> list[Prompt]:
+def _parse_lines(lines: list[str], where: str, *, jsonl: bool | None, base: str | None
+                 ) -> list[Prompt]:
     sniffed = jsonl is None
     if sniffed:  # stdin: sniff
         first = next((ln for ln in lines if ln.strip()), "")
@@ -113,15 +141,20 @@ def _parse_lines(lines: list[str], where: str, *, jsonl: bool | None) -> list[Pr
             raise PromptsError(f"{where}, line {n}: not valid JSON ({e.msg}){hint}") from None
         if not isinstance(record, dict):
             raise PromptsError(f"{where}, line {n}: expected a JSON object with a 'text' field")
-        prompts.append(_from_record(record, f"{where}, line {n}"))
+        prompts.append(_from_record(record, f"{where}, line {n}", base=base))
     _check_fields(prompts, wheres)
     return _nonempty(prompts, where)
 
 
-def _from_record(record: dict[str, Any], where: str) -> Prompt:
+def _from_record(record: dict[str, Any], where: str, *, base: str | None) -> Prompt:
+    media = _media(record, where, base)
     text = record.pop("text", None)
+    if media is not None and text is None:
+        text = ""
     if not isinstance(text, str):
-        raise PromptsError(f"{where}: has no 'text' string field")
+        raise PromptsError(f"{where}: has no 'text' string field"
+                           + ("" if media is not None else
+                              " (nor an 'image', 'video' or 'audio' field)"))
     _check_encodable(text, where, "its text")
     for key, value in record.items():
         if isinstance(key, str):
@@ -129,7 +162,44 @@ def _from_record(record: dict[str, Any], where: str) -> Prompt:
         _check_key(key, where)
         for inner in _strings(value):
             _check_encodable(inner, where, f"field {key!r}")
-    return Prompt(text=text, extra=record)
+    return Prompt(text=text, extra=record, media=media)
+
+
+def _media(record: dict[str, Any], where: str, base: str | None) -> Media | None:
+    """The record's image, video and audio fields (popped), checked: each a path string, or
+    for an image given in Python, a PIL image (named by a digest of its pixels)."""
+    found: dict[str, str] = {}
+    objects: dict[str, Any] = {}
+    for key in MEDIA:
+        if key not in record:
+            continue
+        value = record.pop(key)
+        if value is None:
+            continue
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if isinstance(value, str):
+            if not value.strip():
+                raise PromptsError(f"{where}: field {key!r} is empty; give a file's path")
+            _check_encodable(value, where, f"field {key!r}")
+            found[key] = value
+        elif key == "image" and _is_pil(value):
+            import hashlib
+
+            digest = hashlib.sha256(value.tobytes() + repr((value.mode, value.size)).encode())
+            found[key] = f"<image sha256:{digest.hexdigest()[:16]}>"
+            objects[key] = value
+        else:
+            kinds = "a path or a PIL image" if key == "image" else "a path"
+            raise PromptsError(f"{where}: field {key!r} is a {type(value).__name__}, not "
+                               f"{kinds}")
+    if not found:
+        return None
+    return Media(**found, base=base, objects=objects)
+
+
+def _is_pil(value: Any) -> bool:
+    return type(value).__module__.startswith("PIL.") and hasattr(value, "tobytes")
 
 
 def _strings(value: Any) -> list[str]:
@@ -156,7 +226,7 @@ def _check_encodable(text: str, where: str, what: str) -> None:
 
 
 # Columns of `prompts` that actdb fills itself; SQL names ignore case, so neither may a field.
-RESERVED = ("prompt_id", "text", "n_tokens")
+RESERVED = ("prompt_id", "text", "n_tokens", *MEDIA)
 
 
 def _check_key(key: object, where: str) -> None:
@@ -212,7 +282,8 @@ def _check_fields(prompts: list[Prompt], wheres: list[str]) -> None:
 def _nonempty(prompts: list[Prompt], where: str) -> list[Prompt]:
     if not prompts:
         raise PromptsError(f"{where} holds no prompts")
-    empty = next((i for i, p in enumerate(prompts) if not p.text.strip()), None)
+    empty = next((i for i, p in enumerate(prompts) if not p.text.strip() and p.media is None),
+                 None)
     if empty is not None:
         raise PromptsError(f"{where}: prompt {empty} is empty")
     return prompts

@@ -18,6 +18,7 @@ from ..errors import IngestError
 from ..store.arrays import default_chunk_tokens
 from ..store.records import ModelRecord, SiteRecord
 from ..store.store import Store
+from .heads import ClassifierHead, find_classifier, label_names, vocab_of
 from .load import LoadedModel
 from .logits import LogitTransform
 from .sites import FoundSite
@@ -39,17 +40,18 @@ def vocab_table(tok: Any, size: int) -> pa.Table:
     })
 
 
-def _weights(model: Any) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, bool]:
+def _weights(model: Any
+             ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None, bool]:
     """(embedding, untied LM head, its bias, whether the head is the embedding), float32 on
-    the host, as a new model's registration stores them."""
+    the host, as a new model's registration stores them. An image model has no embedding;
+    an image classifier's head is its classification head."""
     tensors = {name: t for _, name, t in model_weights(model)}
 
     def host(t: torch.Tensor | None) -> np.ndarray | None:
         return None if t is None else t.detach().float().cpu().numpy()
 
-    embed = host(tensors["embed"])
-    assert embed is not None
-    tied = "lm_head" in tensors and tensors["lm_head"] is None
+    embed = host(tensors.get("embed"))
+    tied = "lm_head" in tensors and tensors["lm_head"] is None and embed is not None
     return embed, host(tensors.get("lm_head")), host(tensors.get("lm_head_bias")), tied
 
 
@@ -136,16 +138,29 @@ def params_digest(model: nn.Module) -> str:
 
 def model_weights(model: Any) -> list[tuple[str, str, torch.Tensor | None]]:
     """(what it is, its array's name, the model's tensor) of the weights `_weights` stores:
-    the embedding, and an untied LM head and its bias."""
-    emb: Any = model.get_input_embeddings()
+    the embedding (where the model has a token embedding), and an untied LM head (or a
+    classifier's head) and its bias."""
+    try:
+        emb: Any = model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        emb = None
+    ew = getattr(emb, "weight", None)
+    ew = ew if isinstance(ew, torch.Tensor) and ew.dim() == 2 else None
     head: Any = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     w = getattr(head, "weight", None)
+    what = "LM head"
     if not isinstance(w, torch.Tensor):
-        return [("embedding", "embed", emb.weight)]
+        head = find_classifier(model)
+        w = None if head is None else head.weight
+        what = "classification head"
+    out: list[tuple[str, str, torch.Tensor | None]] = (
+        [] if ew is None else [("embedding", "embed", ew)])
+    if not isinstance(w, torch.Tensor):
+        return out
     b = getattr(head, "bias", None)
-    return [("embedding", "embed", emb.weight),
-            ("LM head", "lm_head", None if w.data_ptr() == emb.weight.data_ptr() else w),
-            ("LM head's bias", "lm_head_bias", b if isinstance(b, torch.Tensor) else None)]
+    return [*out,
+            (what, "lm_head", None if ew is not None and w.data_ptr() == ew.data_ptr() else w),
+            (f"{what}'s bias", "lm_head_bias", b if isinstance(b, torch.Tensor) else None)]
 
 
 def same_values(stored: np.ndarray, value: np.ndarray) -> bool:
@@ -157,7 +172,8 @@ def same_values(stored: np.ndarray, value: np.ndarray) -> bool:
 def register(
     st: Store, loaded: LoadedModel, found: list[FoundSite], n_layers: int, name: str,
     sites_glob: str | None, limit: int | None, chunk_tokens: int | None,
-    transform: LogitTransform | None,
+    transform: LogitTransform | None, classifier: ClassifierHead | None = None,
+    towers: dict[str, int] | None = None,
 ) -> Registration:
     """The model's catalog record, and for a new model the work of registering it: that
     runs first on the commit thread, overlapping the first forward passes."""
@@ -194,8 +210,13 @@ def register(
     model = loaded.model
     embed, lm_head, lm_bias, tied = _weights(model)
     config = getattr(model, "config", None)
-    d_model = int(getattr(config, "hidden_size", 0) or embed.shape[1])
-    vocab_size = (lm_head.shape[0] if lm_head is not None else embed.shape[0])
+    d_model = int(getattr(config, "hidden_size", 0)
+                  or (embed.shape[1] if embed is not None else records[-1].d))
+    vocab_size = (lm_head.shape[0] if lm_head is not None
+                  else embed.shape[0] if embed is not None else 0)
+    if lm_head is not None and embed is None and classifier is None:
+        lm_head = lm_bias = None  # a classification head not proven: no anchors of it
+        vocab_size = 0
     final = next((s.site for s in reversed(records) if s.role == "final"), None)
     widest = max(s.d * (s.n_heads or 1) for s in records)
     record = ModelRecord(
@@ -204,6 +225,11 @@ def register(
         architecture=(getattr(config, "architectures", None) or [type(model).__name__])[0],
         d_model=d_model, n_layers=n_layers, vocab_size=int(vocab_size), n_sites=len(records),
         has_lm_head=lm_head is not None or tied, has_lm_head_bias=lm_bias is not None,
+        has_embed=embed is not None,
+        head_kind=("classifier" if classifier is not None
+                   else "lm" if lm_head is not None or tied else None),
+        head_position=classifier.position if classifier is not None else None,
+        towers=dict(towers or {}),
         tied_embeddings=tied, final_site=final, dtype=str(loaded.dtype).removeprefix("torch."),
         max_length=limit, sites_glob=sites_glob,
         chunk_tokens=chunk_tokens or default_chunk_tokens(widest), n_rows=0,
@@ -221,9 +247,15 @@ def register(
     token_str: list[str | None] = []
 
     def write() -> None:
-        vocab = vocab_table(loaded.tokenizer, max(vocab_size, len(loaded.tokenizer)))
-        token_str[:] = vocab.column("token").to_pylist()
-        st.save_tokenizer(record.model_id, loaded.tokenizer.save_pretrained)
+        if classifier is not None:  # the head's labels are its vocabulary
+            vocab = vocab_of(label_names(model, vocab_size))
+        elif loaded.tokenizer is None:
+            vocab = vocab_of([])
+        else:
+            vocab = vocab_table(loaded.tokenizer, max(vocab_size, len(loaded.tokenizer)))
+        token_str[:] = vocab.column("token").to_pylist() or [None]
+        if loaded.tokenizer is not None:
+            st.save_tokenizer(record.model_id, loaded.tokenizer.save_pretrained)
         digested = dataclasses.replace(record, params_digest=params_digest(model))
         st.register_model(digested, records, embed=embed, lm_head=lm_head,
                           lm_head_bias=lm_bias, site_params=params, vocab=vocab)

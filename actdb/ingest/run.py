@@ -17,9 +17,10 @@ from torch import nn
 from ..errors import IngestError
 from ..store.records import ModelRecord
 from ..store.store import ActBatch, Store
-from .batches import Batch, pad
+from .batches import Batch, pad, to_device
 from .capture import on_norm_io
 from .fields import SiteSink
+from .inputs import prepare_inputs
 from .load import LoadedModel
 from .logits import LOGIT_LIMIT, LogitCheck, model_logits
 from .progress import progress_bar
@@ -160,8 +161,14 @@ class BatchRunner:
     def _forward(self, k: int, batch: Batch, ahead: Ahead | None) -> None:
         """One batch through the model; its rows stay in the sink, pending a flush."""
         loaded, sink, check, record = self.loaded, self.sink, self.check, self.record
-        inputs = pad(loaded, [w.ids for w in batch])
-        mask = inputs["attention_mask"].bool()
+        if batch[0].positions is not None:  # media: every input gives as many positions
+            inputs = to_device(loaded, prepare_inputs(
+                loaded.processor, [w.prompt for w in batch], self.reg.record.model))
+            mask = torch.ones((len(batch), len(batch[0].ids)), dtype=torch.bool,
+                              device=loaded.device)
+        else:
+            inputs = pad(loaded, [w.ids for w in batch])
+            mask = inputs["attention_mask"].bool()
         sink.start(mask)
         sink.on_site = (None if ahead is None else
                         functools.partial(_write_ahead, self.st, record, self.start, ahead))
@@ -178,7 +185,10 @@ class BatchRunner:
                 kw = {"logits_to_keep": positions.to(loaded.device)} if self.keeps else {}
                 out = loaded.model(**inputs, **self.full_extra, **kw)
                 real = model_logits(out)
-                real = real if self.keeps else real[:, positions.to(real.device)]
+                if real.dim() == 2:  # a classifier's logits: one row an input
+                    real = real.unsqueeze(1)
+                else:
+                    real = real if self.keeps else real[:, positions.to(real.device)]
             else:
                 self.backbone(**inputs, **self.extra)
         missing = [s.site for s in self.records if s.site not in sink.out]

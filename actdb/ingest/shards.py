@@ -91,7 +91,7 @@ def fingerprint(model: str, n_shards: int, base: int, align: int, batches: list[
     for b in batches:
         h.update(b"batch\n")
         for w in b:
-            h.update(json.dumps([w.prompt_id, w.prompt.text, w.ids, w.truncated, w.new_prompt,
+            h.update(json.dumps([w.prompt_id, w.prompt.key, w.ids, w.truncated, w.new_prompt,
                                  sorted(w.prompt.extra.items(), key=lambda kv: kv[0])],
                                 default=str).encode())
     return h.hexdigest()

@@ -24,7 +24,9 @@ from torch import nn
 from ..errors import ActdbError, ModelLoadError
 from ..store.records import SiteRecord
 from .capture import Call, record_calls
+from .inputs import takes
 from .probe import measure_norm
+from .towers import Tower, find_towers, main_tower, site_prefix
 
 _ATTN = re.compile(r"(^|_)(self_)?(attn|attention|self_attention)$")
 _MLP = re.compile(r"^(mlp|feed_forward|ffn|intermediate|feedforward|block_sparse_moe)$")
@@ -49,6 +51,9 @@ class FoundSite:
     member_layout: str = "btd"
     gain: torch.Tensor | None  # float64 [d], or [heads, d] for a list of per-head modules
     bias: torch.Tensor | None
+    # positions an input gives it where that is fixed by the input's size (an image's
+    # patches and class token), not by a token count; None for token sequences
+    positions: int | None = None
 
     @property
     def module(self) -> nn.Module:
@@ -101,6 +106,30 @@ def _head_lists(norms_by_path: dict[str, nn.Module], model: nn.Module) -> dict[s
     norm a block (`_layer_lists`)."""
     return {path: [f"{path}.{i}" for i in range(len(_list_at(model, path)))]
             for path in _norm_lists(norms_by_path, model) if not _layer_lists(model, path)}
+
+
+def _dims(sample: Mapping[str, torch.Tensor]) -> tuple[int, int | None]:
+    """(batch size, token count) of a probe batch; the count is None for inputs whose
+    positions are fixed by their size (images), which probe at two batch sizes instead."""
+    ids = sample.get("input_ids")
+    if ids is not None:
+        return int(ids.shape[0]), int(ids.shape[1])
+    first = next(v for v in sample.values() if isinstance(v, torch.Tensor))
+    return int(first.shape[0]), None
+
+
+def _fixed_layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b1: int, b2: int
+                  ) -> tuple[str, int] | None:
+    """(layout, positions an input) from the input shapes at two batch sizes, for inputs
+    whose positions do not follow a token count: [B, T, d] or its [B*T, d] flattening."""
+    if len(shape1) != len(shape2) or shape1[-1] != shape2[-1]:
+        return None
+    if len(shape1) == 3 and (shape1[0], shape2[0]) == (b1, b2) and shape1[1] == shape2[1]:
+        return "btd", int(shape1[1])
+    if (len(shape1) == 2 and shape1[0] % b1 == 0 and shape2[0] % b2 == 0
+            and shape1[0] // b1 == shape2[0] // b2):
+        return "btd", int(shape1[0] // b1)
+    return None
 
 
 def _layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b: int, t1: int, t2: int
@@ -282,37 +311,22 @@ def _final_path(log: dict[str, list[Call]], norm_paths: list[str], blocks: Block
     return None
 
 
-def find_sites(
-    model: nn.Module,
-    sample: dict[str, torch.Tensor],
-    sample_alt: dict[str, torch.Tensor],
-    *,
-    sites_glob: str | None = None,
-    final_probe: FinalProbe | None = None,
-) -> tuple[list[FoundSite], int]:
-    """All norm sites of `model` in call order, and the number of blocks.
+@dataclass
+class _Stack:
+    """A tower's blocks, their attention and MLP modules (path -> ("attn" / "mlp", block)),
+    the bare projections standing for an MLP that is no module of its own (OPT's fc1 and fc2
+    are the block's own layers), and when its first block ran."""
 
-    `sample` and `sample_alt` are unpadded batches of the same batch size and different
-    lengths (the layouts of per-head inputs are read from how their shapes follow the
-    length); `sites_glob` (comma-separated globs matched against canonical names and module
-    paths) keeps a subset. With `final_probe`, the second pass is the probe's own pass of the
-    whole model, hooked on the final norm.
-    """
-    norm_modules = {p: m for p, m in model.named_modules() if p and is_norm_module(m)}
-    # A norm nested inside another norm module is part of it, not a site of its own.
-    norm_modules = {
-        p: m for p, m in norm_modules.items()
-        if not any(p.startswith(q + ".") for q in norm_modules if q != p)
-    }
-    if not norm_modules:
-        raise ModelLoadError(
-            f"model {type(model).__name__!r} has no normalization modules (no nn.LayerNorm, "
-            "and no module whose class name ends in 'RMSNorm' or 'LayerNorm')"
-        )
-    lists = _head_lists(norm_modules, model)
-    blocks = _block_list(model, list(norm_modules))
-    watched: dict[str, nn.Module] = dict(norm_modules)
-    # path of each block's attention / MLP -> ("attn" / "mlp", its block)
+    blocks: Blocks
+    sublayers: dict[str, tuple[str, int]]
+    bare: dict[int, list[str]]
+    first_block: int = 0
+
+
+def _stack(model: nn.Module, norm_paths: list[str], watched: dict[str, nn.Module]) -> _Stack:
+    """The stack of blocks holding `norm_paths`; what `_place` needs of it is added to
+    `watched`."""
+    blocks = _block_list(model, norm_paths)
     sublayers: dict[str, tuple[str, int]] = {}
     for i in range(blocks.n):
         watched.update(blocks.parts(model, i))
@@ -325,9 +339,6 @@ def find_sites(
                 for sub, m in child.named_modules():
                     if sub and _is_projection(m):
                         watched[f"{child_path}.{sub}"] = m
-
-    # A block whose MLP is no module of its own (OPT's fc1 and fc2 are the block's own
-    # layers): its bare projections, which stand for the MLP in `_place`.
     bare: dict[int, list[str]] = {}
     for i in range(blocks.n):
         if any(v == ("mlp", i) for v in sublayers.values()):
@@ -336,24 +347,84 @@ def find_sites(
             if _is_projection(child):
                 bare.setdefault(i, []).append(child_path)
                 watched[child_path] = child
+    return _Stack(blocks=blocks, sublayers=sublayers, bare=bare)
+
+
+def _reads(model: nn.Module) -> str:
+    """What a model that is one tower reads, which names the tower."""
+    kinds = takes(model)
+    return next((k for k in ("text", "vision", "audio") if k in kinds or (
+        k == "vision" and ("image" in kinds or "video" in kinds))), "text")
+
+
+def norm_modules_of(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's norm modules by path; one sentence where it has none."""
+    norm_modules = {p: m for p, m in model.named_modules() if p and is_norm_module(m)}
+    # A norm nested inside another norm module is part of it, not a site of its own.
+    norm_modules = {
+        p: m for p, m in norm_modules.items()
+        if not any(p.startswith(q + ".") for q in norm_modules if q != p)
+    }
+    if not norm_modules:
+        raise ModelLoadError(
+            f"model {type(model).__name__!r} has no normalization modules (no nn.LayerNorm, "
+            "and no module whose class name ends in 'RMSNorm' or 'LayerNorm')"
+        )
+    return norm_modules
+
+
+def find_sites(
+    model: nn.Module,
+    sample: dict[str, torch.Tensor],
+    sample_alt: dict[str, torch.Tensor],
+    *,
+    sites_glob: str | None = None,
+    final_probe: FinalProbe | None = None,
+    depths: dict[str, int] | None = None,
+) -> tuple[list[FoundSite], int]:
+    """All norm sites of `model` in call order, and the number of blocks.
+
+    `sample` and `sample_alt` are unpadded batches of the same batch size and different
+    lengths (the layouts of per-head inputs are read from how their shapes follow the
+    length); `sites_glob` (comma-separated globs matched against canonical names and module
+    paths) keeps a subset. With `final_probe`, the second pass is the probe's own pass of the
+    whole model, hooked on the final norm. `depths`, where given, gets each tower's depth
+    (towers.py); the number of blocks returned is the main tower's.
+    """
+    norm_modules = norm_modules_of(model)
+    lists = _head_lists(norm_modules, model)
+    # Roles and layers are assigned within each tower (a multimodal model's vision tower and
+    # text decoder), whatever the depth of the others.
+    towers = find_towers(model, list(norm_modules), single=_reads(model))
+    tower_of = {p: next(t for t in towers if t.holds(p)) for p in norm_modules}
+    watched: dict[str, nn.Module] = dict(norm_modules)
+    stacks = {t: _stack(model, [p for p in norm_modules if tower_of[p] == t], watched)
+              for t in towers}
 
     target = forward_module(model, list(norm_modules))
     with torch.no_grad(), record_calls(watched) as log, _probing(model):
         target(**sample)
-    block_calls = [log.calls.get(path, [None])[0]
-                   for i in range(blocks.n) for path, _ in blocks.parts(model, i)]
-    first_block = min((c.start for c in block_calls if c), default=0)
-    final_path = _final_path(log.calls, list(norm_modules), blocks, first_block)
+    finals: dict[Tower, str | None] = {}
+    for t, st in stacks.items():
+        block_calls = [log.calls.get(path, [None])[0]
+                       for i in range(st.blocks.n) for path, _ in st.blocks.parts(model, i)]
+        st.first_block = min((c.start for c in block_calls if c), default=0)
+        finals[t] = _final_path(log.calls, [p for p in norm_modules if tower_of[p] == t],
+                                st.blocks, st.first_block)
+    main = main_tower(towers)
+    final_path = finals[main]
+    if depths is not None:
+        depths.update({t.name: st.blocks.n for t, st in stacks.items()})
     with torch.no_grad(), record_calls(norm_modules) as log_alt, _probing(model):
         if final_probe is not None and final_path is not None:
             # its inputs' shapes are recorded before the probe replaces its output
             final_probe.run(model, norm_modules[final_path], final_path, sample_alt)
         else:
             target(**sample_alt)
-    b, t1 = sample["input_ids"].shape
-    t2 = sample_alt["input_ids"].shape[1]
+    b, t1 = _dims(sample)
+    b2, t2 = _dims(sample_alt)
 
-    n_layers = blocks.n
+    n_layers = stacks[main].blocks.n
     norm_calls = [c[0] for p, c in log.calls.items() if p in norm_modules and c]
     globs = [g.strip() for g in sites_glob.split(",")] if sites_glob else None
     found: list[tuple[int, SiteRecord, FoundSite]] = []
@@ -375,7 +446,13 @@ def find_sites(
         alt = log_alt.calls.get(path)
         shape2 = tuple(alt[0].input.shape) if alt and alt[0].input is not None else ()
         site_path = in_list.get(path, path)
-        layout = _layout(tuple(call.input.shape), shape2, b, t1, t2)
+        fixed = None
+        layout: tuple[str, int | None] | None
+        if t1 is None or t2 is None:
+            fixed = _fixed_layout(tuple(call.input.shape), shape2, b, b2)
+            layout = None if fixed is None else (fixed[0], None)
+        else:
+            layout = _layout(tuple(call.input.shape), shape2, b, t1, t2)
         if layout is None and alt and alt[0].input is not None and shape2 == shape_in and (
                 torch.equal(call.input, alt[0].input)):
             # the same input for both probe batches, whose tokens differ: no token in it
@@ -388,17 +465,25 @@ def find_sites(
             site_path.rsplit(".", 1)[-1])
         if leaf.isdigit():  # an entry of a list of one norm a block: named by its list
             leaf = site_path.rsplit(".", 2)[-2]
-        layer, role = _place(site_path, call, log.calls, blocks, first_block, leaf,
-                             sublayers, final=site_path == final_path, norm_calls=norm_calls,
-                             bare=bare)
+        tower = tower_of[path]
+        st = stacks[tower]
+        layer, role = _place(site_path, call, log.calls, st.blocks, st.first_block, leaf,
+                             st.sublayers, final=site_path == finals[tower],
+                             norm_calls=norm_calls, bare=st.bare)
         short = _SHORT.get(role, leaf)
-        name = role if role in ("embed", "final") else (
-            f"blocks.{layer}.{short}" if 0 <= layer < n_layers else leaf
-        )
+        name = site_prefix(tower, towers) + (role if role in ("embed", "final") else (
+            f"blocks.{layer}.{short}" if 0 <= layer < st.blocks.n else leaf
+        ))
         if layout is None and globs and not any(
                 fnmatch.fnmatchcase(site_path, g) or fnmatch.fnmatchcase(name, g)
                 for g in globs):
             continue  # left out by the site filter (by its name or its module path)
+        if layout is None and (t1 is None or t2 is None):
+            raise ModelLoadError(
+                f"norm module {path!r} sees inputs of shape {tuple(call.input.shape)} for a "
+                f"batch of {b} inputs (and {shape2} for {b2}); for images actdb knows the "
+                "layouts [B, T, d] and [B*T, d] (not a feature map [B, C, H, W] or "
+                "[B, H, W, C]): leave it out with --sites")
         if layout is None:
             raise ModelLoadError(
                 f"norm module {path!r} sees inputs of shape {tuple(call.input.shape)} for a "
@@ -442,22 +527,29 @@ def find_sites(
             site=name, site_id=0, layer=layer, role=role, kind=fit.kind, d=width,
             n_heads=int(heads) if heads else None, eps=fit.eps, module=site_path,
             has_gain=gain is not None, has_bias=bias is not None, centered=fit.centered,
+            layout=kind_layout, tower=tower.name,
         )
         hooks = tuple((m, norm_modules[m]) for m in members)
         found.append((call.start, rec, FoundSite(record=rec, hooks=hooks, layout=kind_layout,
                                                  member_layout=member_layout, gain=gain,
-                                                 bias=bias)))
+                                                 bias=bias,
+                                                 positions=fixed[1] if fixed else None)))
 
     found.sort(key=lambda t: t[0])
     # The norm the LM head reads, the last final site in call order, is `final`; norms before
     # it outside the blocks (ModernBERT's and RoBERTa-PreLayerNorm's base-model final norm,
     # before the LM head's own) are final_1, final_2, ...: a query of site = 'final' meets
     # the model's logits. Named before the site filter, so that names do not depend on it.
-    finals = [i for i, (_, rec, _) in enumerate(found) if rec.role == "final"]
-    for n, i in enumerate(finals):
-        start, rec, f = found[i]
-        rec = dataclasses.replace(rec, site="final" if i == finals[-1] else f"final_{n + 1}")
-        found[i] = (start, rec, dataclasses.replace(f, record=rec))
+    # So in each tower: its own name first where it is not the main one (`vision.final`).
+    for t in towers:
+        prefix = site_prefix(t, towers)
+        last = [i for i, (_, rec, _) in enumerate(found)
+                if rec.role == "final" and rec.tower == t.name]
+        for n, i in enumerate(last):
+            start, rec, f = found[i]
+            rec = dataclasses.replace(
+                rec, site=prefix + ("final" if i == last[-1] else f"final_{n + 1}"))
+            found[i] = (start, rec, dataclasses.replace(f, record=rec))
     out: list[FoundSite] = []
     for _, rec, f in found:
         if globs and not any(
@@ -466,7 +558,8 @@ def find_sites(
             continue
         rec = SiteRecord(**{**rec.__dict__, "site_id": len(out)})
         out.append(FoundSite(record=rec, hooks=f.hooks, layout=f.layout,
-                             member_layout=f.member_layout, gain=f.gain, bias=f.bias))
+                             member_layout=f.member_layout, gain=f.gain, bias=f.bias,
+                             positions=f.positions))
     if not out:
         raise ModelLoadError(f"no norm site matches --sites {sites_glob!r}")
     runs = {f.record.site: max(len(log.calls.get(p, ())) for p, _ in f.hooks) for f in out}

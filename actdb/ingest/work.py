@@ -6,31 +6,38 @@ from __future__ import annotations
 from typing import Any
 
 from ..store.store import Store
+from .inputs import Positions
 from .prompts import Prompt, column_value, extra_columns
 from .rows import Work
 
 
 def plan_work(
-    st: Store, model: str, prompts: list[Prompt], ids: list[list[int]], truncated: list[bool]
+    st: Store, model: str, prompts: list[Prompt], ids: list[list[int]], truncated: list[bool],
+    labels: Positions | None = None,
 ) -> tuple[list[Work], dict[str, int]]:
-    """The prompts still to run, and the ids of those texts the store already holds."""
+    """The prompts still to run, and the ids of those prompts (by `Prompt.key`: the text, and
+    the media paths where there are) the store already holds; `labels`: what each position
+    of a media input is."""
     with st.catalog.session():  # three reads, one open of the file
-        known = st.catalog.prompt_ids([p.text for p in prompts])
+        known = st.catalog.prompt_ids([p.text for p in prompts if p.media is None])
+        known.update(st.catalog.media_prompt_ids() if labels is not None else {})
         done = st.catalog.ingested_prompt_ids(model)
         next_id = st.catalog.next_prompt_id()
     assigned: dict[str, int] = {}
     work = []
     for p, i, t in zip(prompts, ids, truncated, strict=True):
-        if p.text in assigned:
-            continue  # the same text twice in one input is one prompt
-        pid = known.get(p.text)
+        if p.key in assigned:
+            continue  # the same text (and media) twice in one input is one prompt
+        pid = known.get(p.key)
         if pid is None:
             pid, next_id = next_id, next_id + 1
-        assigned[p.text] = pid
+        assigned[p.key] = pid
         if pid not in done and len(i) > 0:
             work.append(Work(prompt_id=pid, prompt=p, ids=i, truncated=t,
-                              new_prompt=p.text not in known))
+                              new_prompt=p.key not in known, positions=labels))
     columns = extra_columns([w.prompt for w in work if w.new_prompt])
+    columns.update({k: "VARCHAR" for w in work if w.new_prompt and w.prompt.media
+                    for k in w.prompt.media.fields()})
     if columns:
         st.catalog.add_prompt_columns(columns)
     return work, known
@@ -53,7 +60,7 @@ def fields_not_stored(st: Store, prompts: list[Prompt], known: dict[str, int]) -
     first: dict[str, Prompt] = {}
     repeated = []
     for p in prompts:
-        f = first.setdefault(p.text, p)
+        f = first.setdefault(p.key, p)
         if f is not p and (p.extra.keys() != f.extra.keys() or not all(
                 same_field(v, f.extra[k]) for k, v in p.extra.items())):
             repeated.append(p)
@@ -62,16 +69,16 @@ def fields_not_stored(st: Store, prompts: list[Prompt], known: dict[str, int]) -
         out.append(f"{len(repeated)} prompts repeat an earlier prompt's text with other fields "
                    f"(first: {repeated[0].text[:40]!r}): a text is one prompt, stored with the "
                    "fields it first came with")
-    with_fields = [p for p in first.values() if p.extra and p.text in known]
+    with_fields = [p for p in first.values() if p.extra and p.key in known]
     if not with_fields:
         return out
     with st.catalog.session():
         names = sorted({k for p in with_fields for k in p.extra})
         types = {k.lower(): v for k, v in st.catalog.prompt_columns().items()}
-        stored = st.catalog.prompt_fields(sorted({known[p.text] for p in with_fields}), names)
+        stored = st.catalog.prompt_fields(sorted({known[p.key] for p in with_fields}), names)
     differ: dict[str, int] = {}
     for p in with_fields:
-        have = {k.lower(): v for k, v in stored.get(known[p.text], {}).items()}
+        have = {k.lower(): v for k, v in stored.get(known[p.key], {}).items()}
         for k, v in p.extra.items():
             new = column_value(v, types.get(k.lower(), ""))  # as the column holds it
             if new is not None and not same_field(new, have.get(k.lower())):

@@ -306,15 +306,19 @@ class Functions:
                  [src.codec.code(i) for i in range(len(streams))]],
             )
         handle = H.encode_sql('t."row"', "h.stream")
+        # A store from before images has no patch coordinates: NULL, as for a text position.
+        have = {r[0] for r in con.execute("SELECT * FROM tokens LIMIT 0").description or []}
+        patch = ", ".join(f"t.{c}" if c in have else f"NULL::INTEGER AS {c}"
+                          for c in ("patch_row", "patch_col", "frame"))
         con.execute(f"""
             CREATE OR REPLACE TEMP VIEW acts AS
             SELECT model, prompt_id, position, token_id, token, site, layer, role, head,
                    _actdb_stored_norm_{session}(vec) AS norm,
                    _actdb_stored_mean_{session}(vec) AS mean, vec, n_tokens,
-                   n_tokens - 1 - position AS position_from_end
+                   n_tokens - 1 - position AS position_from_end, patch_row, patch_col, frame
             FROM (
                 SELECT t.model, t.prompt_id, t.position, t.token_id, t.token,
-                       s.site, s.layer, s.role, h.head, {handle} AS vec, r.n_tokens
+                       s.site, s.layer, s.role, h.head, {handle} AS vec, r.n_tokens, {patch}
                 FROM tokens t
                 JOIN prompt_runs r ON r.model = t.model AND r.prompt_id = t.prompt_id
                 JOIN sites s ON s.model = t.model

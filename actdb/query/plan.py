@@ -27,7 +27,7 @@ from ..errors import QueryError, QuerySyntaxError
 from . import sandbox
 from .functions import ANCHORS, INT, REGISTRY, TOKEN, VEC
 from .handles import VIEWS
-from .vectors import ANCHOR_SETS
+from .vectors import ANCHOR_NAMES
 
 if TYPE_CHECKING:
     from sqlglot import exp
@@ -165,9 +165,9 @@ def _check_call(node: exp.Anonymous, known_names: Callable[[], set[str]]) -> Non
         if param.kind == VEC:
             raise QueryError(f"{name}(): {param.name} must be a vec handle (a vec column or a "
                              f"view of one), got {arg.sql()}; signature: {fn.signature}")
-        if param.kind == ANCHORS and (not arg.is_string or value not in ANCHOR_SETS):
+        if param.kind == ANCHORS and (not arg.is_string or value not in ANCHOR_NAMES):
             raise QueryError(f"unknown anchor set {value!r} in {name}(); anchor sets are "
-                             f"{list(ANCHOR_SETS)}")
+                             f"{list(ANCHOR_NAMES)}")
         if param.kind == INT and (arg.is_string or not value.lstrip("-").isdigit()):
             raise QueryError(f"{name}(): {param.name} must be an integer, got {arg.sql()}; "
                              f"signature: {fn.signature}")

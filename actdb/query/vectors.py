@@ -39,6 +39,8 @@ except ImportError:  # pragma: no cover - a build without a C compiler
 INT_TYPES = {"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT",
              "UINTEGER", "UBIGINT", "UHUGEINT"}
 ANCHOR_SETS = ("unembed", "embed", "unembed_folded")
+# The names an anchor set may be given by: a classifier's head rows are its 'unembed' set.
+ANCHOR_NAMES = (*ANCHOR_SETS, "classifier")
 # Sites off the residual stream: their vectors never meet the LM head, so anchor and logit
 # functions (and final_norm) are NULL there.
 OFF_STREAM_ROLES = frozenset({"inner", "q_norm", "k_norm"})
@@ -860,8 +862,19 @@ class VectorSource:
         """The anchor set's name (None: the model's default), checked: a known set, and
         an LM head where the set is made of it."""
         name = anchor_set or ("unembed" if model.has_lm_head else "embed")
-        if name not in ANCHOR_SETS:
-            raise QueryError(f"unknown anchor set {name!r}; anchor sets are {list(ANCHOR_SETS)}")
+        if name not in ANCHOR_NAMES:
+            raise QueryError(f"unknown anchor set {name!r}; anchor sets are {list(ANCHOR_NAMES)}")
+        # A classification head is stored where an LM head is, its labels as the vocabulary:
+        # 'classifier' names its rows, and only a classifier's store has them.
+        classifier = model.head_kind == "classifier"
+        if name == "classifier" and not classifier:
+            raise QueryError(f"model {model.model!r} has no classification head: anchor set "
+                             "'classifier' is for image classifiers")
+        if name == "classifier":
+            name = "unembed"
+        if name == "embed" and model.has_embed is False:
+            raise QueryError(f"model {model.model!r} has no token embedding (it reads images): "
+                             "anchor set 'embed' does not exist for it")
         if name != "embed":
             self._head(model)  # the set is made of the LM head: the model must have one
         if name == "unembed_folded":

@@ -252,7 +252,7 @@ class Arrays:
         self,
         model_id: int,
         *,
-        embed: np.ndarray,
+        embed: np.ndarray | None,
         lm_head: np.ndarray | None,
         lm_head_bias: np.ndarray | None,
         site_params: dict[str, tuple[np.ndarray | None, np.ndarray | None]],

@@ -60,19 +60,21 @@ CREATE TABLE models (
     has_lm_head BOOLEAN, has_lm_head_bias BOOLEAN, tied_embeddings BOOLEAN, final_site VARCHAR,
     dtype VARCHAR, max_length INTEGER, sites_glob VARCHAR, chunk_tokens INTEGER,
     n_rows BIGINT, logit_softcap DOUBLE, config JSON, created_at TIMESTAMP DEFAULT now(),
-    logit_scale DOUBLE, logit_max_rel_error DOUBLE, params_digest VARCHAR
+    logit_scale DOUBLE, logit_max_rel_error DOUBLE, params_digest VARCHAR, has_embed BOOLEAN,
+    head_kind VARCHAR, head_position INTEGER, towers JSON
 );
 CREATE TABLE prompts (prompt_id BIGINT, text VARCHAR, n_tokens INTEGER);
 CREATE TABLE prompt_runs (
     model VARCHAR, prompt_id BIGINT, row_start BIGINT, n_tokens INTEGER, truncated BOOLEAN
 );
 CREATE TABLE tokens (
-    model VARCHAR, prompt_id BIGINT, position INTEGER, token_id INTEGER, token VARCHAR, "row" BIGINT
+    model VARCHAR, prompt_id BIGINT, position INTEGER, token_id INTEGER, token VARCHAR,
+    "row" BIGINT, patch_row INTEGER, patch_col INTEGER, frame INTEGER
 );
 CREATE TABLE sites (
     model VARCHAR, site VARCHAR, site_id INTEGER, layer INTEGER, role VARCHAR, kind VARCHAR,
     d INTEGER, n_heads INTEGER, eps DOUBLE, module VARCHAR, has_gain BOOLEAN, has_bias BOOLEAN,
-    max_rel_error DOUBLE, centered BOOLEAN
+    max_rel_error DOUBLE, centered BOOLEAN, tower VARCHAR, layout VARCHAR
 );
 CREATE TABLE vocab (model VARCHAR, token_id INTEGER, token VARCHAR, piece VARCHAR);
 """
@@ -81,8 +83,11 @@ CREATE TABLE vocab (model VARCHAR, token_id INTEGER, token VARCHAR, piece VARCHA
 # written gets them (NULL in its old rows, which then keep reading by kind, as version 1 did,
 # and resume without the digest's check).
 _ADDED_COLUMNS = {"models": {"logit_scale": "DOUBLE", "logit_max_rel_error": "DOUBLE",
-                             "params_digest": "VARCHAR"},
-                  "sites": {"centered": "BOOLEAN"}}
+                             "params_digest": "VARCHAR", "has_embed": "BOOLEAN",
+                             "head_kind": "VARCHAR", "head_position": "INTEGER",
+                             "towers": "JSON"},
+                  "sites": {"centered": "BOOLEAN", "tower": "VARCHAR", "layout": "VARCHAR"},
+                  "tokens": {"patch_row": "INTEGER", "patch_col": "INTEGER", "frame": "INTEGER"}}
 _MODEL_COLUMNS = [f.name for f in fields(ModelRecord)]
 _FIELD_TYPES = ("BIGINT", "DOUBLE", "BOOLEAN", "VARCHAR")
 _TABLES = ("meta", "models", "prompts", "prompt_runs", "tokens", "sites", "vocab")
@@ -549,6 +554,8 @@ class Catalog:
         for row in rows:
             kw = dict(zip(names, row, strict=True))
             kw["config"] = json.loads(kw["config"]) if kw["config"] else {}
+            if "towers" in kw:
+                kw["towers"] = json.loads(kw["towers"]) if kw["towers"] else {}
             out.append(ModelRecord(**kw))
         return out
 
@@ -578,6 +585,19 @@ class Catalog:
             finally:
                 con.unregister("_wanted")
         return {t: int(i) for t, i in rows}
+
+    def media_prompt_ids(self) -> dict[str, int]:
+        """The ids of the prompts with an image, video or audio, by their key (ingest's
+        `Prompt.key`: a NUL, then the JSON list [text, image, video, audio])."""
+        have = {c.lower() for c in self.prompt_columns()}  # prompts gains columns: not cached
+        media = [c for c in ("image", "video", "audio") if c in have]
+        if not media:
+            return {}
+        cols = ", ".join(f"p.{c}" if c in media else "NULL" for c in ("image", "video", "audio"))
+        with self._session() as con:
+            rows = con.execute(f"SELECT p.prompt_id, coalesce(p.text, ''), {cols} FROM prompts p "
+                               f"WHERE coalesce({', '.join(media)}) IS NOT NULL").fetchall()
+        return {"\0" + json.dumps(list(r[1:])): int(r[0]) for r in rows}
 
     def next_prompt_id(self) -> int:
         row = self.one("SELECT coalesce(max(prompt_id) + 1, 0) FROM prompts")
@@ -687,6 +707,7 @@ class Catalog:
         with self.transaction():
             row = asdict(model)
             row["config"] = json.dumps(row["config"], default=str)
+            row["towers"] = json.dumps(row["towers"])
             cols = ", ".join(quote(c) for c in _MODEL_COLUMNS)
             marks = ", ".join("?" for _ in _MODEL_COLUMNS)
             self.con.execute(

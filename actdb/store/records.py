@@ -31,6 +31,11 @@ class SiteRecord:
     has_bias: bool
     max_rel_error: float | None = None  # faithfulness: worst |y_recomputed - y| / |y| so far
     centered: bool | None = None  # None in version-1 stores: read from `kind`
+    # the part of the model it is in: text, vision, audio, encoder, decoder, projector (None in
+    # stores from before towers: one text stack)
+    tower: str | None = None
+    # where positions sit in the norm's input: btd, bthd, bhtd, list (None in older stores: btd)
+    layout: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,3 +67,12 @@ class ModelRecord:
     # params_digest): a resume under this name must bring the same; None in older stores
     params_digest: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    # whether the model has a token embedding (an image model has none); None: older stores, all do
+    has_embed: bool | None = None
+    # what the head anchors are: 'lm' (an LM head over the vocabulary), 'classifier' (a
+    # classification head; the vocabulary is its label names), None: older stores ('lm')
+    head_kind: str | None = None
+    # the position whose final-site vector a classifier reads (0: the class token)
+    head_position: int | None = None
+    # each tower's depth in blocks ({'text': 4, 'vision': 6}); empty in older stores
+    towers: dict[str, int] = field(default_factory=dict)

@@ -185,7 +185,7 @@ class Store:
         model: ModelRecord,
         sites: list[SiteRecord],
         *,
-        embed: np.ndarray,
+        embed: np.ndarray | None,
         lm_head: np.ndarray | None,
         lm_head_bias: np.ndarray | None,
         site_params: dict[str, tuple[np.ndarray | None, np.ndarray | None]],

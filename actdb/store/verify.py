@@ -88,7 +88,7 @@ def _check_weights(store: Store, m: ModelRecord, sites: list[SiteRecord], where:
     """Every weight the catalog says the model has: present, whole, (`full`) checksummed."""
     if not store.arrays.has_model(m.model_id):
         return [f"{where}: no weights in the tensors (models/{m.model_id} is missing)"]
-    wanted = [("embed", True),
+    wanted = [("embed", m.has_embed is not False),  # an image model has no token embedding
               ("lm_head", m.has_lm_head and not m.tied_embeddings),
               ("lm_head_bias", m.has_lm_head_bias)]
     for s in sites:

@@ -1,0 +1,236 @@
+"""Inputs beyond text: image, video and sound files read and handed to the model's processor,
+which makes the model's own inputs (`pixel_values`, ...), and the positions each norm sees
+labelled (the class token, registers, patches by row and column, frames).
+
+`--images DIR` reads a folder's image files sorted by name; `--inputs FILE.jsonl` and Python's
+`inputs=[{...}]` give `text`, `image`, `video` and `audio` per input (prompts.py reads them).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import IngestError, PromptsError
+from .prompts import Media, Prompt, PromptsLike, read_prompts
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+
+# The forward arguments that take each kind of input.
+_TAKES = {"image": ("pixel_values",), "video": ("pixel_values_videos", "pixel_values"),
+          "audio": ("input_features", "input_values"), "text": ("input_ids",)}
+
+
+def read_inputs(prompts: PromptsLike | None, inputs: PromptsLike | None,
+                images: str | os.PathLike[str] | None, format: str | None) -> list[Prompt]:
+    """The ingest's inputs from whichever one of `prompts`, `inputs` and `images` is given."""
+    given = [n for n, v in (("prompts", prompts), ("inputs", inputs), ("images", images))
+             if v is not None]
+    if len(given) != 1:
+        raise PromptsError("give one of prompts, inputs and images (--prompts, --inputs, "
+                           f"--images){'' if not given else ', not ' + ' and '.join(given)}")
+    if images is not None:
+        return read_image_folder(images)
+    if inputs is not None:
+        return read_prompts(inputs, format=format or (
+            "jsonl" if isinstance(inputs, str | os.PathLike) and os.fspath(inputs) != "-"
+            else None))
+    assert prompts is not None
+    return read_prompts(prompts, format=format)
+
+
+def read_image_folder(folder: str | os.PathLike[str]) -> list[Prompt]:
+    """One input a file of `folder` whose suffix is an image format's, sorted by name."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise PromptsError(f"images folder {os.fspath(folder)!r} does not exist"
+                           if not path.exists() else
+                           f"images folder {os.fspath(folder)!r} is a file, not a folder")
+    files = sorted(p.name for p in path.iterdir()
+                   if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise PromptsError(f"images folder {os.fspath(folder)!r} holds no image files "
+                           f"({', '.join(IMAGE_SUFFIXES)})")
+    return [Prompt(text="", media=Media(image=os.path.join(os.fspath(folder), f)))
+            for f in files]
+
+
+def takes(model: nn.Module) -> set[str]:
+    """The kinds of input (text, image, video, audio) the model's forward takes: a video
+    model's `pixel_values` are frames (its config counts them), an image model's one image."""
+    params = set(inspect.signature(model.forward).parameters)
+    kinds = {kind for kind, names in _TAKES.items() if params & set(names)}
+    config = getattr(model, "config", None)
+    frames = getattr(getattr(config, "vision_config", None) or config, "num_frames", None)
+    if "pixel_values_videos" not in params and "video" in kinds:
+        kinds.discard("video" if frames is None else "image")
+    return kinds
+
+
+def check_inputs(prompts: Sequence[Prompt], model: nn.Module, name: str) -> None:
+    """Refuse, in one sentence, inputs of a kind the model does not read, and media files
+    that are not there: before anything is stored."""
+    kinds = takes(model)
+    reads = ", ".join(sorted(kinds)) or "no input actdb knows"
+    for i, p in enumerate(prompts):
+        given = set(p.media.fields()) if p.media else set()
+        if p.text:
+            given.add("text")
+        for what in sorted(given - kinds):
+            if what == "text":
+                raise IngestError(
+                    f"input {i} is text but model {name!r} reads {reads} only: pass --images "
+                    "DIR or --inputs FILE.jsonl with an 'image' field (images=, inputs= in "
+                    "Python)")
+            article = "an" if what in ("image", "audio") else "a"
+            raise IngestError(
+                f"input {i} gives {article} {what} but model {name!r} reads {reads} only "
+                f"({type(model).__name__}'s forward has no {' or '.join(_TAKES[what])} "
+                "argument)")
+        if p.media is None:
+            continue
+        for kind, value in p.media.fields().items():
+            if kind in p.media.objects:
+                continue
+            where = resolve(p.media, value)
+            if not (where.is_file() or (kind == "video" and where.is_dir())):
+                raise PromptsError(
+                    f"input {i}: {kind} {value!r} does not exist"
+                    + (f" (read from {p.media.base!r})"
+                       if p.media.base and not Path(value).is_absolute() else ""))
+
+
+def resolve(media: Media, value: str) -> Path:
+    """A media path as given, read relative to the folder of the file that named it."""
+    path = Path(value).expanduser()
+    if media.base and not path.is_absolute():
+        return Path(media.base) / path
+    return path
+
+
+def load_image(media: Media) -> Any:
+    """The input's image as an RGB PIL image; one sentence naming the file if it cannot be."""
+    if "image" in media.objects:
+        return media.objects["image"].convert("RGB")
+    from PIL import Image, UnidentifiedImageError
+
+    assert media.image is not None
+    path = resolve(media, media.image)
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise IngestError(f"image {media.image!r} cannot be read as an image "
+                          f"({type(e).__name__}: {_first_line(e)})") from None
+
+
+def load_video(media: Media) -> list[Any]:
+    """The input's video as a list of RGB frames (numpy [H, W, 3]): a folder's image files
+    sorted by name, or a video file decoded by PyAV."""
+    import numpy as np
+
+    assert media.video is not None
+    path = resolve(media, media.video)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise IngestError(f"video folder {media.video!r} holds no image files")
+        return [np.asarray(load_image(Media(image=str(f)))) for f in files]
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    except (av.FFmpegError, OSError, ValueError, IndexError) as e:
+        raise IngestError(f"video {media.video!r} cannot be decoded "
+                          f"({type(e).__name__}: {_first_line(e)})") from None
+    if not frames:
+        raise IngestError(f"video {media.video!r} holds no frames")
+    return frames
+
+
+def prepare_inputs(processor: Any, batch: Sequence[Prompt], name: str) -> dict[str, torch.Tensor]:
+    """The model's inputs for a batch of image (or video) inputs, made by its processor."""
+    if processor is None:
+        raise IngestError(f"model {name!r} has no processor saved with it (no "
+                          "preprocessor_config.json): pass --processor PATH (processor=...)")
+    kinds = {k for p in batch if p.media for k in p.media.fields()}
+    kw: dict[str, Any] = {}
+    if "image" in kinds:
+        kw["images"] = [load_image(p.media) for p in batch if p.media]
+    if "video" in kinds:
+        kw["videos"] = [load_video(p.media) for p in batch if p.media]
+    if "audio" in kinds:
+        raise IngestError(f"model {name!r}: audio inputs are not supported yet")
+    if any(p.text for p in batch):
+        raise IngestError(f"model {name!r}: inputs of text and an image together are not "
+                          "supported yet (a multimodal decoder sees image tokens inside its "
+                          "text); ingest the text alone, or the images alone")
+    try:
+        out = processor(**kw, return_tensors="pt")
+    except Exception as e:  # noqa: BLE001 - a processor's own failure, said in one sentence
+        raise IngestError(f"the processor of model {name!r} failed on these inputs "
+                          f"({type(e).__name__}: {_first_line(e)})") from None
+    return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Positions:
+    """What each position a norm sees is: a label (`<cls>`, `<reg>`, `<patch>`), and a
+    patch's row, column and frame (None where a position is no patch)."""
+
+    tokens: list[str]
+    patch_row: list[int | None]
+    patch_col: list[int | None]
+    frame: list[int | None]
+
+
+def positions(model: nn.Module, inputs: dict[str, torch.Tensor], n: int) -> Positions:
+    """The labels of `n` positions a vision model's norms see for one input: a grid of
+    patches from the pixels' size and the config's patch size, after the tokens that come
+    first (class token, registers). Without a grid that accounts for `n`, plain labels."""
+    config = getattr(model, "config", None)
+    vision = getattr(config, "vision_config", None) or config
+    patch = getattr(vision, "patch_size", None)
+    pixels = inputs.get("pixel_values")
+    if isinstance(patch, list | tuple):
+        patch = patch[0]
+    frames, tubelet = 1, 1
+    if pixels is not None and pixels.dim() == 5:  # [B, F, C, H, W] video
+        tubelet = int(getattr(vision, "tubelet_size", 1) or 1)
+        frames = int(pixels.shape[1]) // tubelet
+    if isinstance(patch, int) and patch > 0 and pixels is not None and pixels.dim() >= 4:
+        rows, cols = int(pixels.shape[-2]) // patch, int(pixels.shape[-1]) // patch
+        grid = frames * rows * cols
+        prefix = n - grid
+        if 0 <= prefix <= 8:
+            embeddings = getattr(getattr(model, "base_model", model), "embeddings", None)
+            registers = int(getattr(getattr(embeddings, "register_tokens", None), "shape",
+                                    (0, 0))[1]) if embeddings is not None else 0
+            tokens = ["<cls>" if i == 0 and prefix > registers else "<reg>"
+                      if i >= prefix - registers else "<prefix>" for i in range(prefix)]
+            pr: list[int | None] = [None] * prefix
+            pc: list[int | None] = [None] * prefix
+            fr: list[int | None] = [None] * prefix
+            for k in range(grid):
+                f, rest = divmod(k, rows * cols)
+                r, c = divmod(rest, cols)
+                tokens.append("<patch>")
+                pr.append(r)
+                pc.append(c)
+                fr.append(f if frames > 1 else None)
+            return Positions(tokens=tokens, patch_row=pr, patch_col=pc, frame=fr)
+    return Positions(tokens=["<pos>"] * n, patch_row=[None] * n, patch_col=[None] * n,
+                     frame=[None] * n)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

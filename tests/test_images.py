@@ -1,0 +1,208 @@
+"""Image inputs, checked on a real trained model: a ViT classifier trained on scikit-learn's
+digits (tests/vision_models.py). The references are the model's own outputs and its norms'
+inputs captured with plain forward hooks, never actdb's code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from vision_models import Digits, train_digits
+
+import actdb
+from actdb.cli import cli
+from actdb.errors import ActdbError
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> Digits:
+    trained = train_digits(tmp_path_factory.mktemp("digits"))
+    assert trained.accuracy >= 0.9, trained.accuracy  # the model really reads the images
+    return trained
+
+
+@pytest.fixture(scope="session")
+def digits_store(digits: Digits, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    store = tmp_path_factory.mktemp("stores") / "digits.actdb"
+    result = CliRunner().invoke(cli, ["ingest", str(store), "--model", str(digits.model),
+                                      "--images", str(digits.images), "--batch-size", "16"])
+    assert result.exit_code == 0, result.output
+    return store
+
+
+def _reference(digits: Digits) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[Path]]:
+    """The model's logits [N, 10] and each norm module's input [N, T, d], float64, from plain
+    transformers with hooks of the test's own, on the held-out PNG files."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, ViTForImageClassification
+
+    model = ViTForImageClassification.from_pretrained(digits.model).eval()
+    processor = AutoImageProcessor.from_pretrained(digits.model)
+    files = sorted(digits.images.iterdir())
+    pixels = processor(images=[Image.open(f).convert("RGB") for f in files],
+                       return_tensors="pt")["pixel_values"]
+    inputs: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> object:
+        def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: object) -> None:
+            inputs[name] = args[0].detach().double()
+
+        return hook
+
+    handles = [m.register_forward_hook(keep(name)) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.LayerNorm)]
+    try:
+        with torch.no_grad():
+            logits = model(pixel_values=pixels).logits.double()
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, inputs, files
+
+
+def test_trained_model_reads_the_class_token(digits: Digits, digits_store: Path) -> None:
+    logits, _, files = _reference(digits)
+    db = actdb.connect(digits_store)
+    rows = db.sql("SELECT p.prompt_id, p.image, top_logits(vec, 1)[1].token AS top, "
+                  "top_logits(vec, 1)[1].logit AS logit, a.token, a.patch_row "
+                  "FROM acts a JOIN prompts p USING (prompt_id) "
+                  "WHERE site = 'final' AND position = 0 ORDER BY prompt_id").fetchall()
+    assert [r[1] for r in rows] == [str(f) for f in files]  # sorted by name, path as given
+    predicted = [f"digit {int(i)}" for i in logits.argmax(-1)]
+    assert [r[2] for r in rows] == predicted  # on every image
+    np.testing.assert_allclose([r[3] for r in rows], logits.max(-1).values.numpy(),
+                               rtol=2e-3, atol=2e-3)
+    assert {(r[4], r[5]) for r in rows} == {("<cls>", None)}
+    # the trained model is right on most of them: the class token carries the class
+    right = sum(p == f"digit {t}" for p, t in zip(predicted, digits.labels, strict=True))
+    assert right >= 0.85 * len(files)
+
+
+def test_every_site_stores_the_hooked_inputs(digits: Digits, digits_store: Path) -> None:
+    _, inputs, files = _reference(digits)
+    db = actdb.connect(digits_store)
+    sites = dict(db.sql("SELECT module, site FROM sites WHERE model = 'vit-digits'").fetchall())
+    assert set(sites) == set(inputs)  # every LayerNorm of the model is a site
+    for module, x in inputs.items():
+        n, t, d = x.shape
+        assert t == 17  # the class token and 4 x 4 patches
+        got = db.sql("SELECT prompt_id, position, norm, mean, to_list(vec), patch_row, "
+                     "patch_col FROM acts WHERE site = ? ORDER BY prompt_id, position",
+                     params=[sites[module]]).fetchall()
+        assert len(got) == n * t
+        energy = torch.linalg.vector_norm(x, dim=-1).reshape(-1).numpy()
+        np.testing.assert_allclose([r[2] for r in got], energy, rtol=1e-6)
+        np.testing.assert_allclose([r[3] for r in got], x.mean(-1).reshape(-1).numpy(),
+                                   rtol=1e-5, atol=1e-6)
+        vec = np.array([r[4] for r in got])
+        np.testing.assert_allclose(vec, x.reshape(n * t, d).numpy(), rtol=2e-3,
+                                   atol=2e-3 * energy.max() / np.sqrt(d))
+        # position p >= 1 is patch p - 1 of the 4 x 4 grid, row by row
+        assert [(r[5], r[6]) for r in got[1:17]] == [(i // 4, i % 4) for i in range(16)]
+
+
+def test_classifier_anchors(digits: Digits, digits_store: Path) -> None:
+    from transformers import ViTForImageClassification
+
+    head = ViTForImageClassification.from_pretrained(digits.model).classifier
+    w = head.weight.detach().double().numpy()
+    db = actdb.connect(digits_store)
+    x = np.array(db.sql("SELECT to_list(vec) FROM acts WHERE site = 'blocks.1.ln1' "
+                        "AND prompt_id = 0 AND position = 0").fetchall()[0][0], dtype=np.float64)
+    want = x @ w[3] / np.linalg.norm(x) / np.linalg.norm(w[3])
+    got = db.sql("SELECT cosine_to_anchor(vec, 'digit 3'), "
+                 "cosine_to_anchor(vec, 'digit 3', 'classifier'), token_rank(vec, 'digit 3') "
+                 "FROM acts WHERE site = 'blocks.1.ln1' AND prompt_id = 0 "
+                 "AND position = 0").fetchall()[0]
+    assert got[0] == pytest.approx(want, abs=2e-3)
+    assert got[1] == got[0]
+    assert 1 <= got[2] <= 10
+    model = db.sql("SELECT head_kind, head_position, has_embed, vocab_size, "
+                   "logit_max_rel_error FROM models").fetchall()[0]
+    assert model[:4] == ("classifier", 0, False, 10)
+    assert model[4] < 1e-3
+    with pytest.raises(ActdbError, match="no token embedding"):
+        db.sql("SELECT cosine_to_anchor(vec, 'digit 3', 'embed') FROM acts LIMIT 1").fetchall()
+
+
+def test_python_inputs_with_objects_and_fields(digits: Digits, tmp_path: Path) -> None:
+    from PIL import Image
+
+    files = sorted(digits.images.iterdir())[:3]
+    inputs = [{"image": Image.open(files[0]).convert("RGB"), "label": digits.labels[0]},
+              {"image": str(files[1]), "label": digits.labels[1]}]
+    store = tmp_path / "s.actdb"
+    s = actdb.ingest(store, model=str(digits.model), inputs=inputs)
+    assert (s.prompts_new, s.tokens_written) == (2, 34)
+    again = actdb.ingest(store, model=str(digits.model), inputs=inputs)
+    assert again.prompts_new == 0  # the same images are the same prompts
+    rows = actdb.connect(store).sql(
+        "SELECT text, image, label, n_tokens FROM prompts ORDER BY prompt_id").fetchall()
+    assert rows[0][0] is None and rows[0][1].startswith("<image sha256:")
+    assert rows[1] == (None, str(files[1]), digits.labels[1], 17)
+    assert rows[0][2] == digits.labels[0]
+
+
+def test_jsonl_inputs_read_paths_beside_the_file(digits: Digits, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    shutil.copy(sorted(digits.images.iterdir())[0], tmp_path / "a.png")
+    (tmp_path / "in.jsonl").write_text(json.dumps({"image": "a.png", "split": "test"}) + "\n")
+    store = tmp_path / "s.actdb"
+    result = CliRunner().invoke(cli, ["ingest", str(store), "--model", str(digits.model),
+                                      "--inputs", str(tmp_path / "in.jsonl")])
+    assert result.exit_code == 0, result.output
+    rows = actdb.connect(store).sql("SELECT image, split FROM prompts").fetchall()
+    assert rows == [("a.png", "test")]
+
+
+def _ingest(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, ["ingest", *args])
+    return result.exit_code, result.output
+
+
+def test_bad_inputs_are_one_sentence(digits: Digits, digits_store: Path, tmp_path: Path,
+                                     model_dir: object) -> None:
+    before = actdb.connect(digits_store).sql("SELECT count(*) FROM acts").fetchall()
+    model = str(digits.model)
+    (tmp_path / "missing.jsonl").write_text('{"image": "nowhere.png"}\n')
+    code, out = _ingest(str(digits_store), "--model", model, "--inputs",
+                        str(tmp_path / "missing.jsonl"))
+    assert code == 1 and "image 'nowhere.png' does not exist" in out
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "broken.png").write_bytes(b"not a png at all")
+    code, out = _ingest(str(digits_store), "--model", model, "--images", str(bad))
+    assert code == 1 and "image" in out and "cannot be read as an image" in out
+    (tmp_path / "text.txt").write_text("hello there\n")
+    code, out = _ingest(str(digits_store), "--model", model, "--prompts",
+                        str(tmp_path / "text.txt"))
+    assert code == 1 and "is text but model 'vit-digits' reads image only" in out
+    (tmp_path / "video.jsonl").write_text('{"video": "clip.mp4"}\n')
+    (tmp_path / "clip.mp4").write_bytes(b"\x00" * 64)
+    code, out = _ingest(str(digits_store), "--model", model, "--inputs",
+                        str(tmp_path / "video.jsonl"))
+    assert code == 1 and "gives a video but model 'vit-digits' reads image only" in out
+    text_model = model_dir("gpt2")  # type: ignore[operator]
+    code, out = _ingest(str(tmp_path / "t.actdb"), "--model", str(text_model), "--images",
+                        str(digits.images))
+    assert code == 1 and "gives an image but model" in out and "reads text only" in out
+    assert "Traceback" not in out
+    after = actdb.connect(digits_store).sql("SELECT count(*) FROM acts").fetchall()
+    assert after == before
+    verified = CliRunner().invoke(cli, ["verify", str(digits_store)])
+    assert verified.exit_code == 0, verified.output
+
+
+def test_undecodable_video(tmp_path: Path) -> None:
+    from actdb.errors import IngestError
+    from actdb.ingest.inputs import load_video
+    from actdb.ingest.prompts import Media
+
+    (tmp_path / "clip.mp4").write_bytes(b"\x00" * 64)
+    with pytest.raises(IngestError, match="video 'clip.mp4' cannot be decoded"):
+        load_video(Media(video="clip.mp4", base=str(tmp_path)))

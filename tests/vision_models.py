@@ -1,0 +1,88 @@
+"""A real trained vision model for the tests: a small ViT classifier trained on scikit-learn's
+handwritten digits (8x8 grey images, shipped with the package: no network), saved with its
+image processor, and the held-out images written as PNG files.
+
+No pretrained vision weights are reachable offline; a model trained here reads real images
+the way a checkpoint does (its class token carries the class), which random weights do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+LABELS = {i: f"digit {i}" for i in range(10)}
+
+
+@dataclass(frozen=True)
+class Digits:
+    model: Path  # a folder: the model and its image processor
+    images: Path  # held-out images as PNG files, sorted by name as their labels are
+    labels: list[int]  # the held-out images' true digits
+    accuracy: float  # held-out accuracy of the trained model
+
+
+def _pixels(images: np.ndarray) -> np.ndarray:
+    """Digits (0-16) as the uint8 RGB pixels of a PNG: [N, 8, 8, 3]."""
+    grey = np.rint(images * (255.0 / 16.0)).astype(np.uint8)
+    return np.repeat(grey[..., None], 3, axis=-1)
+
+
+def train_digits(folder: Path, *, held_out: int = 48, epochs: int = 20, seed: int = 0) -> Digits:
+    """Train the classifier (a few seconds on two cores) and save it, its processor and
+    `held_out` held-out images under `folder`."""
+    import torch
+    from PIL import Image
+    from sklearn.datasets import load_digits
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    torch.manual_seed(seed)
+    data = load_digits()
+    order = np.random.default_rng(seed).permutation(len(data.images))
+    n_test = 297
+    train, test = order[:-n_test], order[-n_test:]
+    pixels = _pixels(data.images)
+    # As the processor prepares a PNG: rescale by 1/255, normalize with mean 0.5, std 0.5.
+    x = torch.tensor((pixels / 255.0 - 0.5) / 0.5, dtype=torch.float32).permute(0, 3, 1, 2)
+    y = torch.tensor(data.target)
+    config = ViTConfig(image_size=8, patch_size=2, num_channels=3, hidden_size=48,
+                       num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+                       num_labels=10, id2label=LABELS,
+                       label2id={v: k for k, v in LABELS.items()})
+    model = ViTForImageClassification(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    steps = epochs * -(-len(train) // 64)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small matrices: one thread is fastest, and shares the machine
+    try:
+        rng = np.random.default_rng(seed)
+        for _ in range(epochs):
+            model.train()
+            rng.shuffle(train)
+            for i in range(0, len(train), 64):
+                b = torch.from_numpy(train[i:i + 64])
+                loss = model(pixel_values=x[b], labels=y[b]).loss
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+        model.eval()
+        with torch.no_grad():
+            pred = model(pixel_values=x[torch.from_numpy(test)]).logits.argmax(-1)
+    finally:
+        torch.set_num_threads(threads)
+    accuracy = float((pred == y[torch.from_numpy(test)]).float().mean())
+    out = folder / "vit-digits"
+    model.save_pretrained(out)
+    ViTImageProcessor(size={"height": 8, "width": 8}, image_mean=[0.5] * 3,
+                      image_std=[0.5] * 3).save_pretrained(out)
+    images = folder / "digits"
+    images.mkdir()
+    kept = test[:held_out]
+    for n, i in enumerate(kept):
+        Image.fromarray(pixels[i]).save(images / f"{n:03d}.png")
+    return Digits(model=out, images=images, labels=[int(data.target[i]) for i in kept],
+                  accuracy=accuracy)
