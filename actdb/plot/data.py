@@ -188,9 +188,17 @@ def prompt_length(db: Database, model: str, prompt_id: int) -> int:
 
 
 def prompt_text(db: Database, prompt_id: int) -> str:
-    rows = db.sql("SELECT text FROM prompts WHERE prompt_id = $p",
-                  params={"p": int(prompt_id)}).fetchall()
-    return str(rows[0][0]) if rows else ""
+    """The prompt's text; for an input of media alone (text NULL), its image, video or
+    sound file."""
+    rows = db.sql("SELECT * FROM prompts WHERE prompt_id = $p",
+                  params={"p": int(prompt_id)}).df()
+    if rows.empty:
+        return ""
+    row = rows.iloc[0]
+    if isinstance(row["text"], str):
+        return str(row["text"])
+    return next((f"{k}: {row[k]}" for k in ("image", "video", "audio")
+                 if k in row and isinstance(row[k], str)), "")
 
 
 def resolve_position(db: Database, model: str, prompt_id: int, position: int) -> int:
