@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from vision_models import Digits, train_digits
+from support.vision_models import Digits, train_digits
 
 import actdb
 from actdb.cli import cli

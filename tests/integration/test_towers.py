@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as T
-from tiny_models import build_family_tokenizer
+from support.tiny_models import build_family_tokenizer
 
 import actdb
 

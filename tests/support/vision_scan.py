@@ -1,7 +1,7 @@
 """Every image-classification model type `transformers` knows, built tiny from a config and
 ingested over two images.
 
-    python tests/vision_scan.py [--timeout 60] [model_type ...]
+    python tests/support/vision_scan.py [--timeout 60] [model_type ...]
 
 Not part of the test suite: a survey of which vision families actdb ingests faithfully (every
 site's output and the classifier's logits proven at ingest) and which it refuses, in one
@@ -21,7 +21,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `support`
 
 # Sizes a tiny model of most families accepts; hierarchical ones read their own names.
 SIZES = dict(image_size=32, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
