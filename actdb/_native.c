@@ -2,8 +2,8 @@
 
    split_rows(x, y, h, norm, mean, gain, bias, d, centered, eps, portable, threads): a norm
    input's rows turned into their stored fields (float16 direction, norm, mean) and checked
-   against the module's output, the GIL released, on the calling thread or shared with torch's
-   OpenMP team (below, "The ingest's hook").
+   against the module's output, the GIL released, on the calling thread or shared with a pool
+   of POSIX threads (below, "The hook's rows shared among threads").
 
    read_chunks(paths, buf, nbytes, crc, check): the chunk files of a run read into their places
    in one buffer and their CRC-32C checked, with the GIL released for the whole run (below).
@@ -33,11 +33,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__linux__)
-#include <dlfcn.h>
-#include <link.h>
+#if defined(__unix__) || defined(__APPLE__)
 #include <pthread.h>
-#define ACTDB_OMP_LOOKUP 1
+#include <signal.h>
+#define ACTDB_POOL 1 /* the hook's rows shared among threads (below) */
 #endif
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -506,7 +505,7 @@ done:
    float64) and compared with its real output y: the worst ||y' - y|| / (||y|| + 1e-6) over
    the rows (NaN if any is). gain and bias are float32 [d] or empty (ones, zeros). Three passes
    over memory (x, y, h) where torch's ops made about twenty, the GIL released; with threads > 1
-   the rows are shared among the OpenMP team torch has loaded (split_shared, below). */
+   the rows are shared among threads (split_shared, below). */
 
 /* binary32 -> binary16, to nearest, ties to even: what F16C's vcvtps2ph and NumPy give. */
 static uint16_t float_to_half(float f) {
@@ -769,64 +768,17 @@ typedef double (*split_fn)(const SplitSite *, const float *, const float *, uint
                            float *, Py_ssize_t);
 static split_fn split_chosen = split_portable;
 
-/* -- The hook's rows shared among torch's own OpenMP threads --------------------------------
+/* -- The hook's rows shared among threads of our own ----------------------------------------
 
-   The hook runs on the thread that runs the forward pass, between two of torch's parallel
-   regions, while torch's other OpenMP threads wait for the next one, spinning on their cores:
-   threads of our own would have to take those cores from them. So the rows are handed to that
-   same team: GOMP_parallel of the OpenMP runtime torch has loaded (libgomp in torch's Linux
-   wheels; Intel's and LLVM's runtimes export the same entry point), looked up among the
-   process's loaded libraries, never loaded by us. Each thread takes a contiguous run of rows;
-   a row's fields do not depend on the others, so the bits are the one-thread path's, and the
-   worst error is combined with row_worst's rule (NaN sticks). Where no such runtime is loaded,
-   or one thread is asked for, the rows run on the calling thread as before. */
-#ifdef ACTDB_OMP_LOOKUP
-typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
-typedef int (*omp_int_fn)(void);
-static gomp_parallel_fn gomp_parallel;
-static omp_int_fn omp_thread_num, omp_num_threads;
-static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
-
-/* `want`: the runtime's name ("libgomp", then the others); the first loaded match is used. */
-static int find_omp(struct dl_phdr_info *info, size_t size, void *want) {
-    (void)size;
-    const char *name = info->dlpi_name;
-    if (name == NULL || strstr(name, (const char *)want) == NULL) {
-        return 0;
-    }
-    void *lib = dlopen(name, RTLD_LAZY | RTLD_NOLOAD); /* only one already loaded */
-    if (lib == NULL) {
-        return 0;
-    }
-    void *par = dlsym(lib, "GOMP_parallel"), *num = dlsym(lib, "omp_get_thread_num");
-    void *all = dlsym(lib, "omp_get_num_threads");
-    if (par == NULL || num == NULL || all == NULL) {
-        dlclose(lib);
-        return 0;
-    }
-    /* the handle is kept: the runtime stays loaded as long as torch, which loaded it */
-    memcpy(&gomp_parallel, &par, sizeof par);
-    memcpy(&omp_thread_num, &num, sizeof num);
-    memcpy(&omp_num_threads, &all, sizeof all);
-    return 1;
-}
-
-/* GNU's runtime first: torch's Linux wheels link it, and a process may also hold Intel's
-   (loaded with MKL by another library), whose team would be threads of its own. */
-static void omp_lookup(void) {
-    const char *names[] = {"libgomp", "libiomp", "libomp"};
-    for (int k = 0; k < 3 && gomp_parallel == NULL; k++) {
-        dl_iterate_phdr(find_omp, (void *)names[k]);
-    }
-}
-
-/* Looked up once, on first use (torch loads its runtime when it is imported, before any hook
-   runs; a process that asks before importing torch is told no for good). */
-static int omp_team_found(void) {
-    pthread_once(&omp_once, omp_lookup);
-    return gomp_parallel != NULL;
-}
-
+   The rows of one call are cut into contiguous runs, one a thread: the calling thread takes
+   the first and the pool's workers the others. A row's fields do not depend on the others, so
+   the bits are the one-thread path's, and the worst error is combined with row_worst's rule
+   (NaN sticks). The workers are plain POSIX threads, started on first use and kept for the
+   process, sleeping on a condition variable between calls (starting threads for every call
+   would cost more than a small batch's rows). One call uses the pool at a time: a caller that
+   finds it busy runs its rows on its own thread, as do calls asking for one thread. A forked
+   child starts with no workers (they do not survive fork) and makes its own on first use. */
+#ifdef ACTDB_POOL
 #define SPLIT_MAX_THREADS 64
 
 typedef struct {
@@ -836,38 +788,129 @@ typedef struct {
     uint16_t *h;
     float *norm, *mean;
     Py_ssize_t n;
+    int of; /* the threads sharing the rows, the caller included */
     double worst[SPLIT_MAX_THREADS];
-    int of; /* the team's size, as its members see it */
-} SplitTeam;
+} SplitJob;
 
-/* One member's contiguous run of rows. OpenMP numbers a team's threads 0 .. size - 1, and
-   the size is at most the count asked for (at most SPLIT_MAX_THREADS), so the runs cover
-   every row once. */
-static void split_member(void *arg) {
-    SplitTeam *t = (SplitTeam *)arg;
-    int k = omp_thread_num(), of = omp_num_threads();
-    Py_ssize_t d = t->site->d;
-    Py_ssize_t lo = t->n * k / of, hi = t->n * (k + 1) / of;
-    t->worst[k] = t->fn(t->site, t->x + lo * d, t->y + lo * d, t->h + lo * d, t->norm + lo,
-                        t->mean + lo, hi - lo);
-    if (k == 0) {
-        t->of = of;
+/* The k-th of job->of contiguous runs, so the runs cover every row once. */
+static void split_part(SplitJob *job, int k) {
+    Py_ssize_t d = job->site->d;
+    Py_ssize_t lo = job->n * k / job->of, hi = job->n * (k + 1) / job->of;
+    job->worst[k] = job->fn(job->site, job->x + lo * d, job->y + lo * d, job->h + lo * d,
+                            job->norm + lo, job->mean + lo, hi - lo);
+}
+
+static struct {
+    pthread_mutex_t owner; /* held by the one call using the pool */
+    pthread_mutex_t lock;  /* guards the fields below */
+    pthread_cond_t start, done;
+    int workers;           /* started, numbered 1 .. workers */
+    unsigned long round;   /* bumped for each job, so a worker sees each one once */
+    unsigned long born[SPLIT_MAX_THREADS]; /* the round when each worker was started */
+    SplitJob *job;
+    int pending;           /* workers of this job not finished */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER, 0, 0, {0}, NULL, 0};
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static void *split_worker(void *arg) {
+    int k = (int)(intptr_t)arg;
+    pthread_mutex_lock(&pool.lock);
+    unsigned long seen = pool.born[k]; /* a job posted before it first ran is still its own */
+    for (;;) {
+        while (pool.round == seen) {
+            pthread_cond_wait(&pool.start, &pool.lock);
+        }
+        seen = pool.round;
+        SplitJob *job = pool.job;
+        if (k >= job->of) {
+            continue; /* a job for fewer threads than the pool holds */
+        }
+        pthread_mutex_unlock(&pool.lock);
+        split_part(job, k);
+        pthread_mutex_lock(&pool.lock);
+        if (--pool.pending == 0) {
+            pthread_cond_signal(&pool.done);
+        }
     }
+    return NULL;
+}
+
+/* The child of a fork has only the forking thread: it forgets the parent's workers and any
+   call that held the pool, and starts its own workers when it first needs them. */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.owner, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.start, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.workers = 0;
+    pool.round = 0;
+    pool.job = NULL;
+    pool.pending = 0;
+}
+
+static void pool_register_fork(void) {
+    pthread_atfork(NULL, NULL, pool_after_fork);
+}
+
+/* Workers up to `want` (under pool.owner); returns how many there are. They block every
+   signal, so signals keep going to the threads Python runs. */
+static int pool_grow(int want) {
+    pthread_once(&pool_once, pool_register_fork);
+    if (pool.workers >= want) {
+        return pool.workers;
+    }
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    while (pool.workers < want) {
+        pthread_t tid;
+        pthread_mutex_lock(&pool.lock);
+        int k = pool.workers + 1;
+        pool.born[k] = pool.round;
+        int failed = pthread_create(&tid, &attr, split_worker, (void *)(intptr_t)k);
+        if (!failed) {
+            pool.workers = k;
+        }
+        pthread_mutex_unlock(&pool.lock);
+        if (failed) {
+            break; /* fewer threads than asked: the rows still all run */
+        }
+    }
+    pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return pool.workers;
 }
 #endif
 
-/* The rows on `threads` threads of the loaded OpenMP runtime's team, called with the GIL
-   released (each call its own team state, so concurrent callers do not meet). */
+/* The rows on `threads` threads (the caller and the pool's workers), called with the GIL
+   released; one thread when the pool is busy with another call, or for a few rows. */
 static double split_shared(split_fn fn, const SplitSite *site, const float *x, const float *y,
                            uint16_t *h, float *norm, float *mean, Py_ssize_t n, int threads) {
-#ifdef ACTDB_OMP_LOOKUP
-    if (threads > 1 && omp_team_found() && n >= 2 * (Py_ssize_t)threads) {
-        SplitTeam team = {fn, site, x, y, h, norm, mean, n, {0}, 0};
-        gomp_parallel(split_member, &team,
-                      (unsigned)(threads < SPLIT_MAX_THREADS ? threads : SPLIT_MAX_THREADS), 0);
+#ifdef ACTDB_POOL
+    if (threads > 1 && n >= 2 * (Py_ssize_t)threads && pthread_mutex_trylock(&pool.owner) == 0) {
+        int of = 1 + pool_grow((threads < SPLIT_MAX_THREADS ? threads : SPLIT_MAX_THREADS) - 1);
+        SplitJob job = {fn, site, x, y, h, norm, mean, n, of, {0}};
+        pthread_mutex_lock(&pool.lock);
+        pool.job = &job;
+        pool.pending = of - 1;
+        pool.round++;
+        pthread_cond_broadcast(&pool.start);
+        pthread_mutex_unlock(&pool.lock);
+        split_part(&job, 0);
+        pthread_mutex_lock(&pool.lock);
+        while (pool.pending > 0) {
+            pthread_cond_wait(&pool.done, &pool.lock);
+        }
+        pool.job = NULL;
+        pthread_mutex_unlock(&pool.lock);
+        pthread_mutex_unlock(&pool.owner);
         double worst = 0.0;
-        for (int k = 0; k < team.of; k++) {
-            worst = isnan(team.worst[k]) || team.worst[k] > worst ? team.worst[k] : worst;
+        for (int k = 0; k < of; k++) {
+            worst = isnan(job.worst[k]) || job.worst[k] > worst ? job.worst[k] : worst;
         }
         return worst;
     }
@@ -922,24 +965,24 @@ done:
     return result;
 }
 
-static PyObject *split_team(PyObject *self, PyObject *noargs) {
+static PyObject *split_pool(PyObject *self, PyObject *noargs) {
     (void)self, (void)noargs;
-#ifdef ACTDB_OMP_LOOKUP
-    return PyBool_FromLong(omp_team_found());
+#ifdef ACTDB_POOL
+    Py_RETURN_TRUE;
 #else
     Py_RETURN_FALSE;
 #endif
 }
 
 static PyMethodDef methods[] = {
-    {"split_team", split_team, METH_NOARGS,
-     "split_team() -> bool: whether split_rows(..., threads > 1) finds a loaded OpenMP runtime "
-     "(torch's) to share the rows with; without one it runs them on the calling thread."},
+    {"split_pool", split_pool, METH_NOARGS,
+     "split_pool() -> bool: whether split_rows(..., threads > 1) can share the rows among "
+     "threads (a POSIX build); without it they run on the calling thread."},
     {"split_rows", split_rows, METH_VARARGS,
      "split_rows(x, y, h, norm, mean, gain, bias, d, centered, eps, portable=False, threads=1) "
      "-> worst: a norm input's rows (float32 [n, d]) to their float16 directions, norms and "
      "means, and the worst relative error of the output rebuilt from them against y; the GIL "
-     "released, the rows shared with torch's OpenMP team when threads > 1."},
+     "released, the rows shared among `threads` threads when threads > 1."},
     {"f16_dots", f16_dots, METH_VARARGS,
      "f16_dots(x, v, out, portable=False): out[i] = sum_j x[i, j] * v[j], x float16 [n, d] "
      "C-contiguous, v float32 [d], out float32 [n]; each row reduced on its own in a fixed "

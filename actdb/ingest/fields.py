@@ -37,9 +37,9 @@ _SHARED_SPLIT_VALUES = 1 << 16  # a batch's rows worth a parallel region (a row 
 
 
 def _split_threads(values: int) -> int:
-    """Threads for `split_rows` over `values` floats: torch's own intra-op count, whose team
-    the kernel borrows (the threads are torch's, waiting for its next parallel region), or one
-    for a few rows, where starting the team would cost more than it saves."""
+    """Threads for `split_rows` over `values` floats: torch's own intra-op count (the cores
+    the forward pass uses), or one for a few rows, where waking the kernel's threads would
+    cost more than it saves."""
     return torch.get_num_threads() if values >= _SHARED_SPLIT_VALUES else 1
 
 
@@ -253,9 +253,8 @@ class SiteSink:
                       lo: int, hi: int) -> float:
         """The fields and the check in one compiled pass a row (`_native.split_rows`): the
         same formulas as `_split_torch`, with the sums in float64, in three passes over memory
-        where torch's ops make about twenty, without the GIL, the rows shared with torch's
-        OpenMP threads (which would otherwise spin through the hook waiting for the next
-        parallel region). Per-head rows [n, h, d] are n * h rows of d."""
+        where torch's ops make about twenty, without the GIL, the rows shared among the
+        kernel's threads. Per-head rows [n, h, d] are n * h rows of d."""
         gain, bias = self.native[s.site]
         x, y = x.detach().contiguous(), y.detach().contiguous()
         return _native.split_rows(

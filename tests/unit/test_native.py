@@ -6,7 +6,10 @@ reads), and the chunk cache's waiting thread helping the read-ahead."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import crc32c
@@ -448,36 +451,71 @@ def test_split_rows_paths_agree_and_a_nan_is_the_worst(d: int) -> None:
         assert (h[3] == 0).all()
 
 
-@pytest.mark.parametrize("threads", [2, 3])
-def test_split_rows_on_torchs_openmp_team_stores_the_one_thread_bits(threads: int) -> None:
-    """With `threads`, split_rows shares its rows among the OpenMP team torch has loaded
-    (the ingest's hook, between torch's parallel regions): every row's fields are the same bits
-    as one thread's, over a row count no team size divides, and the figure is the same; a NaN
-    in the first row or the last (the first and the last thread's runs) still makes it NaN."""
-    import torch  # noqa: F401  (loads the OpenMP runtime the kernel borrows)
-
-    if sys.platform.startswith("linux"):
-        assert _native.split_team(), "torch's OpenMP runtime was not found among the libraries"
-    rng = np.random.default_rng(threads)
+def _split_case(seed: int) -> tuple[np.ndarray, np.ndarray, bytes]:
+    rng = np.random.default_rng(seed)
     n, d = 2049, 100
     x = (rng.standard_normal((n, d)) * 10.0 ** rng.uniform(-6, 3, (n, 1))).astype(np.float32)
     y = rng.standard_normal((n, d)).astype(np.float32)
-    gain = rng.uniform(0.5, 1.5, d).astype(np.float32).tobytes()
+    return x, y, rng.uniform(0.5, 1.5, d).astype(np.float32).tobytes()
 
-    def split(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        h = np.full((n, d), 7, np.float16)  # rows left unwritten would show
-        norm, mean = np.full(n, 7, np.float32), np.full(n, 7, np.float32)
-        worst = _native.split_rows(x, y, h, norm, mean, gain, b"", d, True, 1e-5, False, k)
-        return h.view(np.uint16), norm, mean, worst
 
-    one, team = split(x, 1), split(x, threads)
-    for a, b in zip(one[:3], team[:3], strict=True):
-        assert np.array_equal(a, b)
-    assert one[3] == team[3] and one[3] > 0
-    for row in (0, n - 1):
+def _split(x: np.ndarray, y: np.ndarray, gain: bytes, threads: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    n, d = x.shape
+    h = np.full((n, d), 7, np.float16)  # rows left unwritten would show
+    norm, mean = np.full(n, 7, np.float32), np.full(n, 7, np.float32)
+    worst = _native.split_rows(x, y, h, norm, mean, gain, b"", d, True, 1e-5, False, threads)
+    return h.view(np.uint16), norm, mean, worst
+
+
+def _same(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> bool:
+    return all(np.array_equal(u, v) for u, v in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5, 2])
+def test_split_rows_on_threads_stores_the_one_thread_bits(threads: int) -> None:
+    """With `threads`, split_rows shares its rows among threads (the ingest's hook): every
+    row's fields are the same bits as one thread's, over a row count no thread count divides,
+    and the figure is the same; a NaN in the first row or the last (the first and the last
+    thread's runs) still makes it NaN. The last case asks for fewer threads than the pool
+    holds after the one before."""
+    if sys.platform != "win32":
+        assert _native.split_pool(), "a POSIX build shares the rows among threads"
+    x, y, gain = _split_case(threads)
+    one, shared = _split(x, y, gain, 1), _split(x, y, gain, threads)
+    assert _same(one[:3], shared[:3])
+    assert one[3] == shared[3] and one[3] > 0
+    for row in (0, x.shape[0] - 1):
         bad = x.copy()
         bad[row, 3] = np.nan
-        assert np.isnan(split(bad, threads)[3])
+        assert np.isnan(_split(bad, y, gain, threads)[3])
+
+
+def test_split_rows_from_several_threads_at_once_and_after_fork() -> None:
+    """Callers on several Python threads at once (one holds the pool, the others run alone)
+    each get their own rows' one-thread bits; a forked child, which has none of the parent's
+    workers, starts its own and gets the same bits."""
+    cases = [_split_case(10 + k) for k in range(4)]
+    expected = [_split(*case, 1) for case in cases]
+    _split(*cases[0], 3)  # the pool exists before the fork below
+    with ThreadPoolExecutor(4) as workers:
+        for _ in range(5):
+            got = list(workers.map(lambda case: _split(*case, 3), cases))
+            assert all(_same(g, e) for g, e in zip(got, expected, strict=True))
+    if not hasattr(os, "fork"):
+        return
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only when its threads give the same bits
+        ok = all(_same(_split(*case, 3), e) for case, e in zip(cases, expected, strict=True))
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("a forked child's split_rows on threads did not finish in 60 s")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_split_rows_refuses_sizes_that_disagree() -> None:
