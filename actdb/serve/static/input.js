@@ -56,7 +56,7 @@ const PROMPT_SQL = "SELECT text FROM prompts WHERE prompt_id = $prompt_id";
       });
       return el("label", {}, box, m);
     });
-    document.getElementById("controls").replaceChildren(
+    actdb.fill(document.getElementById("controls"),
       el("label", {}, "site role ", roleSelect, " (and the final norm on top)"),
       el("label", {}, "lens ", lensSelect),
       el("span", {}, "models: ", ...modelBoxes),
@@ -112,7 +112,7 @@ const PROMPT_SQL = "SELECT text FROM prompts WHERE prompt_id = $prompt_id";
 
     function showTip(ev, r) {
       if (!r || !r.top) { tip.hidden = true; return; }
-      tip.replaceChildren(el("div", {}, `${r.site} · position ${r.position}`),
+      actdb.fill(tip, el("div", {}, `${r.site} · position ${r.position}`),
         el("table", {}, r.top.map(t => el("tr", {},
           el("td", {class: "tok"}, visible(t.token)), el("td", {class: "num"}, fmt(t.p, 3))))));
       tip.hidden = false;

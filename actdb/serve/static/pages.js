@@ -18,7 +18,7 @@ actdb.inputsPage = async function inputsPage() {
     let model = all.some(m => m.model === q.get("model")) ? q.get("model") : all[0].model;
     const modelSelect = actdb.select("model-select", all.map(m => [m.model, `${m.model} (${m.architecture}, ${m.n_layers} layers, d=${m.d_model})`]), model);
     const search = el("input", {type: "search", id: "search", placeholder: "search the prompts", value: q.get("search") || ""});
-    document.getElementById("controls").replaceChildren(
+    actdb.fill(document.getElementById("controls"),
       el("label", {}, "model ", modelSelect), el("label", {}, search));
     const list = document.getElementById("content");
     let pending = 0;
@@ -31,7 +31,7 @@ actdb.inputsPage = async function inputsPage() {
         if (ticket !== pending) return;  // a newer search is on its way
         showError("");
         const rows = records(answer);
-        list.replaceChildren(
+        actdb.fill(list,
           el("p", {class: "note", id: "prompt-count"}, `${rows.length} prompt${rows.length === 1 ? "" : "s"}` +
              (rows.length === 500 ? " (the first 500)" : "")),
           el("table", {class: "data prompts"},

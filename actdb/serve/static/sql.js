@@ -24,7 +24,7 @@ ORDER BY model, layer, site`;
     const meta = document.getElementById("result-meta");
     const out = document.getElementById("result");
     meta.textContent = "running ...";
-    out.replaceChildren();
+    actdb.fill(out);
     let bound = null;
     if (paramsBox.value.trim()) {
       try { bound = JSON.parse(paramsBox.value); } catch (e) {
@@ -40,12 +40,12 @@ ORDER BY model, layer, site`;
       const answer = await query(sql, bound);
       last = answer;
       const ms = performance.now() - started;
-      meta.replaceChildren(
+      actdb.fill(meta,
         el("span", {id: "row-count"}, `${answer.row_count} row${answer.row_count === 1 ? "" : "s"}`),
         answer.truncated ? el("span", {class: "note", id: "truncated"}, ` (cut at the server's limit of ${answer.max_rows} rows: add a LIMIT or a WHERE)`) : null,
         el("span", {class: "note"}, ` in ${fmt(ms / 1000, 2)} s `),
         el("button", {type: "button", class: "plain", id: "csv", onclick: download}, "Download CSV"));
-      out.replaceChildren(table(answer));
+      actdb.fill(out, table(answer));
     } catch (e) {
       meta.textContent = "";
       showError(e.message);
@@ -87,7 +87,7 @@ ORDER BY model, layer, site`;
   try {
     const r = await fetch("/api/functions");
     const docs = (await r.json()).functions;
-    document.getElementById("functions").replaceChildren(
+    actdb.fill(document.getElementById("functions"),
       el("h2", {}, "Tensor functions"),
       el("p", {class: "note"}, "as `actdb functions` prints them; click a name to insert it"),
       docs.map(f => {

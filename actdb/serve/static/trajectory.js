@@ -41,7 +41,7 @@ const COLOURS = ["#1f5fa8", "#c0392b", "#2e8b57", "#8e44ad", "#d35400", "#16a085
       });
       return el("label", {title: `position ${t.position}`}, box, el("span", {class: "tok"}, visible(t.token)));
     });
-    document.getElementById("controls").replaceChildren(
+    actdb.fill(document.getElementById("controls"),
       el("label", {}, "model ", modelSelect), el("label", {}, "prompt ", promptInput),
       el("label", {}, "site role ", roleSelect), el("span", {}, "positions: ", ...boxes));
 
@@ -53,7 +53,7 @@ const COLOURS = ["#1f5fa8", "#c0392b", "#2e8b57", "#8e44ad", "#d35400", "#16a085
       `(the first rows by hash(prompt_id, position, site)); the axes hold ${fmt(100 * pr.explained[0], 3)}% and ` +
       `${fmt(100 * pr.explained[1], 3)}% of their variance. Anchors (LM-head rows, normalized) are placed by the same map; ` +
       `each point is labelled with its layer, and its nearest anchor shows on hover.`;
-    document.getElementById("content").replaceChildren(picture(data));
+    actdb.fill(document.getElementById("content"), picture(data));
   } catch (e) {
     showError(e.message);
   }
