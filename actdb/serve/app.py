@@ -37,6 +37,8 @@ PAGES = {"/": "inputs.html", "/input": "input.html", "/cell": "cell.html",
          "/trajectory": "trajectory.html", "/sql": "sql.html"}
 # How often a handler checks whether its client is still there while the query runs.
 WATCH_SECONDS = 0.1
+# A query still running this long after its time limit is answered as timed out anyway.
+GRACE_SECONDS = 5.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +141,9 @@ async def _wait(request: Request, job: Job) -> Any:
             break
         if await request.is_disconnected():
             job.cancel("gone")
+        elif job.overdue(GRACE_SECONDS):
+            job.cancel("timeout")
+            return _error(encode.error_text(job.error()))
     try:
         return waiting.result()
     except ActdbError as e:

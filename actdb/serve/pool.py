@@ -61,6 +61,7 @@ class Job:
         self.future: Future[Any] = Future()
         self._lock = threading.Lock()
         self._db: Database | None = None  # the connection it runs on, while it runs
+        self.started: float | None = None  # time.monotonic() when a worker took it
         self.reason: str | None = None  # why it was cancelled: "timeout" or "gone"
 
     def cancel(self, reason: str) -> None:
@@ -78,7 +79,15 @@ class Job:
             if self.reason is not None:
                 return False
             self._db = db
+            self.started = time.monotonic()
             return True
+
+    def overdue(self, grace: float) -> bool:
+        """Whether the job has run `grace` seconds past its time limit: DuckDB checks its
+        interrupt between chunks of rows, and a step that never ends one (a single huge
+        tensor-function call) keeps the worker; its client is answered all the same."""
+        return (self.timeout is not None and self.started is not None
+                and time.monotonic() - self.started > self.timeout + grace)
 
     def _end(self) -> None:
         with self._lock:
