@@ -61,7 +61,8 @@ def serve(store: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int =
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     address = f"http://{shown}:{bound}/" + (f"?token={token}" if token else "")
-    pool = Pool(lambda: connect(store, device=device, cache_bytes=64 << 20),
+    pool = Pool(lambda: connect(store, device=device, cache_bytes=64 << 20,
+                                timeout=query_timeout),
                 size=connections or min(8, max(2, cores())))
     app = build_app(pool, Limits(query_timeout=query_timeout, max_rows=max_rows), token=token)
     config = uvicorn.Config(app, log_level="warning", access_log=False,

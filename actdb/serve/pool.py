@@ -4,9 +4,10 @@ a row limit and cancellation.
 A DuckDB connection runs one query at a time, so the server keeps `size` worker threads and
 each opens its own `actdb.connect(store)` (a snapshot of the committed catalog, the same
 sandbox as every query). A request becomes a `Job` handed to the pool through a queue; the
-job's worker runs it and answers through a future. Cancelling a job (its time limit passed,
-or its client went away) interrupts DuckDB on that worker's connection, which stops the
-query between chunks of rows and leaves the connection ready for the next one.
+job's worker runs it and answers through a future. The time limit is the connection's own
+(`actdb.connect(..., timeout=)`: DuckDB interrupted and the tensor functions stopped). A job
+whose client goes away is cancelled: DuckDB is interrupted on that worker's connection, which
+stops the query between chunks of rows and leaves the connection ready for the next one.
 
 A connection sees the store as it was when it was opened, as every reader does; a worker
 opens a fresh one when its snapshot is older than `refresh_seconds`, so prompts an ingest
@@ -66,7 +67,8 @@ class Job:
 
     def cancel(self, reason: str) -> None:
         """Stop the job: before it starts it never runs; while it runs, DuckDB is
-        interrupted on its connection."""
+        interrupted on its connection (its time limit is the connection's: this is for a
+        client that went away, and for a job answered as overdue)."""
         with self._lock:
             if self.reason is not None or self.future.done():
                 return
@@ -106,8 +108,8 @@ class Pool:
     """`size` threads, each with its own read-only connection to `store`.
 
     Args:
-        connect: opens a connection (`actdb.connect(store, ...)`); called in the worker
-            thread that will use it.
+        connect: opens a connection (`actdb.connect(store, timeout=...)`); called in the
+            worker thread that will use it.
         size: how many queries run at once; more wait in line.
         refresh_seconds: a connection older than this is reopened before its next job.
     """
@@ -160,17 +162,14 @@ class Pool:
         if not job._start(db):
             job.future.set_exception(job.error())
             return db
-        timer = None
-        if job.timeout is not None:
-            timer = threading.Timer(job.timeout, job.cancel, ("timeout",))
-            timer.daemon = True
-            timer.start()
         keep: Database | None = db
         try:
             result = job.work(db)
         except BaseException as e:  # noqa: BLE001 - every outcome goes to the request
             # DuckDB's interrupt comes back as KeyboardInterrupt (query/result.py), and any
             # error raised once the job is cancelled is the cancellation
+            if isinstance(e, QueryTimeoutError) and job.reason is None:
+                job.reason = "timeout"  # answered in the server's words (--query-timeout)
             if job.reason is not None:
                 job.future.set_exception(job.error())
             elif isinstance(e, ActdbError):
@@ -184,8 +183,6 @@ class Pool:
             else:
                 job.future.set_result(result)
         finally:
-            if timer is not None:
-                timer.cancel()
             job._end()
         if keep is None:
             db.close()

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from serving import running
+from support.serving import running
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("starlette")

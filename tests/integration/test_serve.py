@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from query_reference import uniform_angle, unit
-from serving import ROOT, running
+from support.query_reference import uniform_angle, unit
+from support.serving import ROOT, running
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -184,7 +184,8 @@ def test_time_limit_cancels_and_the_server_keeps_answering(store):
             status, body = s.query(sql)
             took = time.monotonic() - started
             assert status == 400 and "time limit of 1.5 s" in body["error"], body
-            assert took < 15, took
+            # by the limit itself, not by the server's answer to an overdue query (6.5 s)
+            assert took < 6, took
         assert s.query("SELECT 42 AS x") == (200, {
             "columns": ["x"], "rows": [[42]], "row_count": 1, "truncated": False,
             "max_rows": 10000, "seconds": pytest.approx(0, abs=5)})
@@ -258,7 +259,7 @@ def test_localhost_guards(server):
 
     req = urllib.request.Request(server.base + "api/query", data=b'{"sql": "SELECT 1"}',
                                  method="POST", headers={"Content-Type": "text/plain"})
-    from serving import _send
+    from support.serving import _send
 
     assert _send(req, 30)[0] == 415
 
