@@ -974,6 +974,121 @@ static PyObject *split_pool(PyObject *self, PyObject *noargs) {
 #endif
 }
 
+/* -- vec handles: SipHash-2-4 over each handle's fields word ---------------------------------
+
+   A query's `vec` handle is a 128-bit value: its fields (row, stream, view) in the high 64 bits
+   and, in the low 64, SipHash-2-4 (Aumasson and Bernstein) of those fields as 8 little-endian
+   bytes under the connection's 128-bit key (actdb/query/handles.py). Handles are made for every
+   row a query reads and checked in every tensor function call, so both loops are here, with
+   the GIL released; handles.py holds the same function in NumPy for a build without this
+   module, and the tests check that the two agree with a byte-wise reference.
+
+   handles_seal(key, fields, out): out[2i] = mac(fields[i]), out[2i + 1] = fields[i] (uint64).
+   handles_open(key, words, fields) -> int: fields[i] = words[2i + 1] for each pair whose mac
+   matches; the index of the first pair whose mac does not match, or -1. */
+
+#define SIP_ROTL(x, b) (uint64_t)(((x) << (b)) | ((x) >> (64 - (b))))
+#define SIP_ROUND                                                                              \
+    do {                                                                                       \
+        v0 += v1; v1 = SIP_ROTL(v1, 13); v1 ^= v0; v0 = SIP_ROTL(v0, 32);                      \
+        v2 += v3; v3 = SIP_ROTL(v3, 16); v3 ^= v2;                                             \
+        v0 += v3; v3 = SIP_ROTL(v3, 21); v3 ^= v0;                                             \
+        v2 += v1; v1 = SIP_ROTL(v1, 17); v1 ^= v2; v2 = SIP_ROTL(v2, 32);                      \
+    } while (0)
+
+static inline uint64_t sip_word(uint64_t k0, uint64_t k1, uint64_t m) {
+    uint64_t v0 = k0 ^ 0x736f6d6570736575ULL, v1 = k1 ^ 0x646f72616e646f6dULL;
+    uint64_t v2 = k0 ^ 0x6c7967656e657261ULL, v3 = k1 ^ 0x7465646279746573ULL;
+    const uint64_t b = (uint64_t)8 << 56; /* the message's length, 8 bytes, in the last block */
+    v3 ^= m;
+    SIP_ROUND; SIP_ROUND;
+    v0 ^= m;
+    v3 ^= b;
+    SIP_ROUND; SIP_ROUND;
+    v0 ^= b;
+    v2 ^= 0xff;
+    SIP_ROUND; SIP_ROUND; SIP_ROUND; SIP_ROUND;
+    return v0 ^ v1 ^ v2 ^ v3;
+}
+
+static int sip_key(Py_buffer *key, uint64_t *k0, uint64_t *k1) {
+    if (key->len != 16) {
+        PyErr_SetString(PyExc_ValueError, "a handle key is 16 bytes");
+        return -1;
+    }
+    memcpy(k0, key->buf, 8); /* little-endian machines only, as the float16 kernels */
+    memcpy(k1, (const char *)key->buf + 8, 8);
+    return 0;
+}
+
+static PyObject *handles_seal(PyObject *self, PyObject *args) {
+    Py_buffer key, fields, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*w*", &key, &fields, &out)) {
+        return NULL;
+    }
+    uint64_t k0, k1;
+    PyObject *ret = NULL;
+    Py_ssize_t n = fields.len / 8;
+    if (sip_key(&key, &k0, &k1) == 0) {
+        if (fields.len % 8 || out.len != 2 * fields.len) {
+            PyErr_SetString(PyExc_ValueError, "handles_seal: out must hold 2 words a field");
+        } else {
+            const uint64_t *f = (const uint64_t *)fields.buf;
+            uint64_t *o = (uint64_t *)out.buf;
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t i = 0; i < n; i++) {
+                uint64_t m;
+                memcpy(&m, f + i, 8);
+                o[2 * i] = sip_word(k0, k1, m);
+                o[2 * i + 1] = m;
+            }
+            Py_END_ALLOW_THREADS
+            ret = Py_NewRef(Py_None);
+        }
+    }
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&fields);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+static PyObject *handles_open(PyObject *self, PyObject *args) {
+    Py_buffer key, words, fields;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*w*", &key, &words, &fields)) {
+        return NULL;
+    }
+    uint64_t k0, k1;
+    PyObject *ret = NULL;
+    Py_ssize_t n = fields.len / 8, bad = -1;
+    if (sip_key(&key, &k0, &k1) == 0) {
+        if (fields.len % 8 || words.len != 2 * fields.len) {
+            PyErr_SetString(PyExc_ValueError, "handles_open: words must hold 2 a field");
+        } else {
+            const unsigned char *w = (const unsigned char *)words.buf;
+            uint64_t *f = (uint64_t *)fields.buf;
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t i = 0; i < n; i++) {
+                uint64_t mac, m;
+                memcpy(&mac, w + 16 * i, 8);
+                memcpy(&m, w + 16 * i + 8, 8);
+                if (sip_word(k0, k1, m) != mac) {
+                    bad = i;
+                    break;
+                }
+                f[i] = m;
+            }
+            Py_END_ALLOW_THREADS
+            ret = PyLong_FromSsize_t(bad);
+        }
+    }
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&words);
+    PyBuffer_Release(&fields);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"split_pool", split_pool, METH_NOARGS,
      "split_pool() -> bool: whether split_rows(..., threads > 1) can share the rows among "
@@ -992,6 +1107,12 @@ static PyMethodDef methods[] = {
     {"read_chunks", py_read_chunks, METH_VARARGS,
      "read_chunks(paths, buf, nbytes, crc, check): a run of chunk files read into `buf`, "
      "their sizes (None: missing; -1: right size, wrong CRC-32C) in a list."},
+    {"handles_seal", handles_seal, METH_VARARGS,
+     "handles_seal(key, fields, out): out[2i] = SipHash-2-4(key, fields[i]), out[2i + 1] = "
+     "fields[i] (uint64 buffers), the GIL released."},
+    {"handles_open", handles_open, METH_VARARGS,
+     "handles_open(key, words, fields) -> int: fields[i] = words[2i + 1] where words[2i] is its "
+     "SipHash-2-4; the first index where it is not, or -1; the GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

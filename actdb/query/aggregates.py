@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import QueryError
 from ..lazy import lazy_module
 from .dots import row_dots
+from .handles import Codec
 from .kernels import Arg, _unit, stored_cosines
 from .threads import threads_for, torch_threads
 from .vectors import VectorSource
@@ -41,16 +42,14 @@ class HandleLists:
     """A batch of handle lists: `handles` flat (NULL entries dropped), `owner[j]` the batch
     row that handle j belongs to."""
 
-    def __init__(self, column: pa.Array | pa.ChunkedArray) -> None:
+    def __init__(self, column: pa.Array | pa.ChunkedArray, codec: Codec) -> None:
         if isinstance(column, pa.ChunkedArray):
             column = column.combine_chunks()
         self.n = len(column)
         owner = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
         flat = pc.list_flatten(column)
         keep = ~flat.is_null().to_numpy(zero_copy_only=False)
-        # NULLs dropped in Arrow: an int64 column with NULLs comes to NumPy as float64, which
-        # holds a handle (about 2^62) only to the nearest 1,024 rows
-        self.handles = pc.drop_null(flat).to_numpy(zero_copy_only=False).astype(np.int64)
+        self.handles = codec.open(pc.drop_null(flat))  # fields words, each handle checked
         self.owner = owner[keep].astype(np.int64)
 
     def owned_by(self, lo: int, hi: int) -> HandleLists:
@@ -304,7 +303,7 @@ def _runs_of(inv: np.ndarray) -> Iterator[tuple[int, slice | torch.Tensor]]:
 
 
 def mean_vector(src: VectorSource, lists: pa.Array, out: list[Any]) -> None:
-    hl = HandleLists(lists)
+    hl = HandleLists(lists, src.codec)
     m = _Moments(src, hl, "mean_vector", second=False)
     for r, n in m.count.items():
         out[r] = (m.total[r] / n).float().cpu().numpy()
@@ -313,7 +312,7 @@ def mean_vector(src: VectorSource, lists: pa.Array, out: list[Any]) -> None:
 def spectrum(src: VectorSource, lists: pa.Array, out: list[Any], k: Arg) -> None:
     """Eigenvalues of the sample covariance (divided by n - 1), largest first; NULL below 2
     vectors. k = 0 (the default) keeps all of them."""
-    hl = HandleLists(lists)
+    hl = HandleLists(lists, src.codec)
     d = max((s.d for s in src.sites.values()), default=1)
     per = max(1, _GRAM_BYTES // (8 * d * d))  # lists whose [d, d] sums are held at once
     for lo in range(0, hl.n, per):

@@ -81,9 +81,11 @@ class BulkEvaluator:
         self.rows_bulk = 0  # rows answered from windows
         self.rows_exact = 0  # rows computed as asked
 
-    def evaluate(self, arrays: tuple[pa.Array, ...]) -> Any:
-        """Results for one call's rows (no NULLs among them): float64 [n] or ListResults."""
-        handles = arrays[self.vec_at].to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    def evaluate(self, arrays: tuple[Any, ...]) -> Any:
+        """Results for one call's rows (no NULLs among them): float64 [n] or ListResults.
+        The vec argument comes opened (handles.Codec.open: int64 fields words), the others
+        as Arrow arrays."""
+        handles = arrays[self.vec_at]
         rest = [a for i, a in enumerate(arrays) if i != self.vec_at]
         n = len(handles)
         key = _constant_key(rest) if self.ahead else None
@@ -94,8 +96,8 @@ class BulkEvaluator:
 
     def _evaluate(self, handles: np.ndarray, rest: list[pa.Array], key: tuple[Any, ...]) -> Any:
         n = len(handles)
-        # the stream, view and tag bits (one walk each) of the smallest and largest handle:
-        # equal in most calls, and then the handles' rows run between those two's
+        # the stream and view bits (one walk each) of the smallest and largest handle: equal
+        # in most calls, and then the handles' rows run between those two's
         ends = int(handles.min()), int(handles.max())
         first, last = ends[0] >> H.STREAM_SHIFT, ends[1] >> H.STREAM_SHIFT
         if first == last:
@@ -148,9 +150,6 @@ class BulkEvaluator:
             if walk is not None:
                 walk.end = hi
             return window
-        # Only a valid handle reaches the kernels: the ends of the range are decoded (and so
-        # checked) here, and every value between them differs from them in the row alone.
-        self.src.codec.decode(np.array(ends))
         dense = hi - lo <= 2 * len(h)
         # A walk goes on where the last call of this stream ended (a gap of at most this call's
         # span: a filter that keeps most rows); anything else starts a walk afresh.
@@ -192,7 +191,7 @@ class BulkEvaluator:
             self._cached -= len(gone)
 
     def _exact(self, handles: np.ndarray, rest: list[pa.Array]) -> Any:
-        """The kernel over exactly these rows (their handles are checked as they decode)."""
+        """The kernel over exactly these rows."""
         self.rows_exact += len(handles)
         out: Any = np.full(len(handles), np.nan) if self.scalar else ListResults(len(handles))
         args = self.convert(rest)

@@ -60,8 +60,10 @@ class Database:
         self, path: str | os.PathLike[str], *, read_only: bool = True, device: str = "auto",
         cache_bytes: int = 256 << 20, threads: int = DUCKDB_THREADS,
         storage_options: Mapping[str, Any] | None = None, cluster: Any = None,
-        timeout: float | None = None,
+        timeout: float | None = None, handle_key: bytes | None = None,
     ) -> None:
+        """`handle_key`: the key of this connection's vec handles (handles.py); None draws a
+        new one. A cluster's workers are opened with the coordinator's."""
         self.timeout = check_seconds(timeout)
         # `auto` and `cpu` are resolved when a tensor is first needed (so a query without
         # tensor functions never imports torch); anything else is checked now.
@@ -72,7 +74,8 @@ class Database:
         if not sandbox.is_locked(self.con):  # else set by the first Database of this process
             self.con.execute(f"SET threads = {int(threads)}")
             _quiet_progress_bar(self.con)
-        self.source = VectorSource(self.store, spec, cache_bytes=cache_bytes)
+        self.source = VectorSource(self.store, spec, cache_bytes=cache_bytes, key=handle_key)
+        self._gather = HandleVectors(self.source)
         self._box = ErrorBox()
         self._limit = TimeLimit(self.con, self._box.stop)
         self._functions = prepare(self.con, self.source, self._box)
@@ -170,11 +173,6 @@ class Database:
             raise QueryError("the statement returns no rows")
         return Result(rel, self._box, query, self._gather, limit=self._limit, seconds=seconds)
 
-    def _gather(self, handles: np.ndarray, what: str) -> torch.Tensor:
-        """The vectors of `handles` [n, d] float32 on the device (Result.torch)."""
-        with torch_threads(1):
-            return self.source.gather(handles, self.device, what)
-
     def vectors(self, query: str, *, params: dict[str, Any] | list[Any] | None = None
                 ) -> torch.Tensor:
         """The `vec` column of a query as a tensor [N, d] (views applied), on the device."""
@@ -183,7 +181,7 @@ class Database:
         if table.num_columns != 1 and "vec" not in table.column_names:
             raise QueryError("vectors() needs a query with a 'vec' column or a single column")
         col = table.column(column)
-        if pa.types.is_integer(col.type):
+        if pa.types.is_decimal(col.type):  # handles (HUGEINT)
             return self._gather(handle_values(col, column), "vectors() rows")
         # a vector the query computed (`delta(vec)`, `mean_vector(...)`): its lists
         x = column_values(col, column, "vectors()")
@@ -304,6 +302,22 @@ class Database:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class HandleVectors:
+    """A result's way to the vectors of its handle columns (result.Gather): each handle
+    opened under the connection's key (handles.py), then read."""
+
+    def __init__(self, source: VectorSource) -> None:
+        self._source = source
+
+    def holds(self, col: pa.ChunkedArray) -> bool:
+        return self._source.codec.opens(col)
+
+    def __call__(self, col: pa.ChunkedArray, what: str) -> torch.Tensor:
+        fields = self._source.codec.open(col)
+        with torch_threads(1):
+            return self._source.gather(fields, self._source.device, what)
 
 
 def _bindable(params: dict[str, Any] | list[Any] | None) -> dict[str, Any] | list[Any] | None:

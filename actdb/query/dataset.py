@@ -88,9 +88,9 @@ class VectorDataset(IterableDataset[Batch]):
             handles = batch.column(self.vec)
             if handles.null_count:
                 raise QueryError(f"column {self.vec!r} holds NULL handles; filter them out")
-            h = handles.to_numpy(zero_copy_only=False).astype(np.int64)
-            if len(h):
-                x = db.source.gather(h, db.device, "the dataset's vectors")
+            if len(handles):
+                fields = db.source.codec.open(handles)  # each handle checked (handles.py)
+                x = db.source.gather(fields, db.device, "the dataset's vectors")
                 yield x, {c: _column(batch.column(c), c) for c in self.columns}
 
     def _batches(self, db: Database, rng: np.random.Generator, info: Any) -> Iterator[Batch]:

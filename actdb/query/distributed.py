@@ -45,8 +45,9 @@ class Partition:
     hi: int
 
     def table(self) -> exp.Select:
-        """This partition's rows of acts, as a subquery (the row is the handle's low bits)."""
-        row = f"(vec & {H.ROW_MASK})"
+        """This partition's rows of acts, as a subquery (the row is the low bits of the
+        handle's fields word, its high 64 bits: handles.py)."""
+        row = f"((vec >> 64) & {H.ROW_MASK})"
         return exp.select("*").from_("acts").where(
             exp.and_(exp.EQ(this=exp.column("model"), expression=exp.Literal.string(self.model)),
                      f"{row} >= {self.lo}", f"{row} < {self.hi}"))
@@ -99,11 +100,13 @@ class Cluster:
     def close(self) -> None:
         self._dask.close()
 
-    def map(self, sqls: list[str], params: Any, need: dict[str, int]) -> list[pa.Table]:
-        """Each partial query's rows, in order, from the workers."""
+    def map(self, sqls: list[str], params: Any, need: dict[str, int], key: bytes
+            ) -> list[pa.Table]:
+        """Each partial query's rows, in order, from the workers, which make and open handles
+        under `key` (the coordinator's: the handles they return open here)."""
         futures = self.client.map(run_partial, sqls, path=self.path, device=self.device,
                                   storage_options=self.storage_options, params=params,
-                                  need=need, pure=False)
+                                  need=need, handle_key=key, pure=False)
         return list(self.client.gather(futures))
 
 
@@ -150,7 +153,8 @@ def run(db: Database, cluster: Cluster, query: str, runnable: str, params: Any,
     if explain:
         return _explain_split(plan, parts, cluster, query, types)
     need = {m.model: m.n_rows for m in db.source.models.values()}
-    tables = cluster.map([plan.partial(p.table()) for p in parts], params, need)
+    tables = cluster.map([plan.partial(p.table()) for p in parts], params, need,
+                         db.source.codec.key)
     table = _combine(plan, tables, columns, types)
     result = _result(table, query)
     result.note = (f"split into {len(parts)} partitions of acts rows on "
@@ -227,25 +231,30 @@ _OPENED: dict[tuple[str, str], Database] = {}
 
 
 def run_partial(sql: str, *, path: str, device: str, params: Any, need: dict[str, int],
-                storage_options: dict[str, Any] | None = None) -> pa.Table:
-    """On a worker: one partition's query, through the sandbox like any other.
+                storage_options: dict[str, Any] | None = None,
+                handle_key: bytes | None = None) -> pa.Table:
+    """On a worker: one partition's query, through the sandbox like any other, its handles
+    made and opened under the coordinator's `handle_key` (handles.py).
 
     The worker keeps its database open between tasks while its snapshot holds every row the
-    coordinator counted (`need`: committed rows per model); partitions stop at those counts,
-    and committed rows never change, so a newer snapshot gives the same rows."""
+    coordinator counted (`need`: committed rows per model) and its key is the coordinator's;
+    partitions stop at those counts, and committed rows never change, so a newer snapshot
+    gives the same rows."""
     from .database import Database
 
-    key = (path, device)
-    db = _OPENED.get(key)
+    opened = (path, device)
+    db = _OPENED.get(opened)
     if db is not None:
         have = {m.model: m.n_rows for m in db.source.models.values()}
-        if any(have.get(m, -1) < n for m, n in need.items()):
+        if (any(have.get(m, -1) < n for m, n in need.items())
+                or (handle_key is not None and db.source.codec.key != handle_key)):
             db.close()
             db = None
     if db is None:
         _one_thread_per_task()
-        db = Database(path, device=device, storage_options=storage_options)
-        _OPENED[key] = db
+        db = Database(path, device=device, storage_options=storage_options,
+                      handle_key=handle_key)
+        _OPENED[opened] = db
     return db.sql(sql, params=params).to_arrow_table()
 
 

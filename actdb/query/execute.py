@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
 from collections.abc import Callable, Iterable
@@ -11,7 +12,7 @@ import duckdb
 import numpy as np
 from duckdb.func import FunctionNullHandling, PythonUDFType
 
-from ..errors import ActdbError
+from ..errors import ActdbError, QueryError
 from ..lazy import lazy_module
 from . import handles as H
 from .aggregates import Directions, DirectionTable
@@ -83,11 +84,11 @@ def _args(columns: list[pa.Array], kinds: list[str], directions: DirectionTable,
 
 
 def _with_arity(f: Callable[..., pa.Array], n: int) -> Callable[..., pa.Array]:
-    """DuckDB reads a UDF's parameter count from its signature, so *args will not do."""
-    names = ", ".join(f"a{i}" for i in range(n))
-    scope: dict[str, Any] = {"f": f}
-    exec(f"def udf({names}):\n    return f({names})", scope)  # noqa: S102 - fixed template
-    return scope["udf"]
+    """DuckDB reads a UDF's parameter count from its signature (inspect.signature), so a
+    function of *arrays states its n parameters in `__signature__`."""
+    f.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(f"a{i}", inspect.Parameter.POSITIONAL_ONLY) for i in range(n)])
+    return f
 
 
 def _drop_nulls(arrays: tuple[pa.Array, ...]) -> tuple[tuple[pa.Array, ...], np.ndarray | None]:
@@ -124,12 +125,12 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
         )
         bulk.append(evaluator)
 
-    def exact(arrays: tuple[pa.Array, ...]) -> Any:
+    def exact(arrays: tuple[Any, ...]) -> Any:
         vecs: list[np.ndarray | pa.Array] = []
         columns, column_kinds = [], []
         for a, kind in zip(arrays, kinds, strict=True):
             if kind == VEC:
-                vecs.append(a.to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
+                vecs.append(a)  # opened: fields words
             elif kind == VECS:
                 vecs.append(a)  # lists of handles: aggregates.HandleLists reads them
             else:
@@ -145,9 +146,12 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
         n = len(arrays[0])
         arrays, keep = _drop_nulls(arrays)
         try:
+            # every handle opened (checked) before anything reads it (handles.py)
+            args = tuple(src.codec.open(a) if kind == VEC else a
+                         for a, kind in zip(arrays, kinds, strict=True))
             # threads.py: small ops never fan out; timeout.py: a query past its limit stops
             with torch_threads(1), watching(box.stop):
-                sub = evaluator.evaluate(arrays) if evaluator is not None else exact(arrays)
+                sub = evaluator.evaluate(args) if evaluator is not None else exact(args)
         except ActdbError as e:
             box.error = e
             raise
@@ -171,15 +175,17 @@ def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
 
 def _stored_field_udf(src: VectorSource, name: str, box: ErrorBox
                       ) -> Callable[[pa.Array], pa.Array]:
-    """The view's `norm` or `mean` column: an ActdbError (a damaged chunk) reaches the
-    caller as itself, as from the tensor functions."""
+    """The view's `norm` or `mean` column, of its rows' fields words (no handle is made or
+    opened for them: VectorSource.check_stored); an ActdbError (a damaged chunk) reaches
+    the caller as itself, as from the tensor functions."""
     def udf(h: pa.Array) -> pa.Array:
         null = h.is_null().to_numpy(zero_copy_only=False)
         keep = np.nonzero(~null)[0]
-        values = pc.drop_null(h).to_numpy(zero_copy_only=False).astype(np.int64)
         out = np.full(len(h), np.nan)
-        if len(values):
+        if len(keep):
             try:
+                values = pc.drop_null(h).to_numpy(zero_copy_only=False).astype(np.int64)
+                src.check_stored(values)
                 with torch_threads(1), watching(box.stop):
                     for g in src.groups(values):
                         field = g.norm if name == "norm" else g.mean
@@ -188,6 +194,44 @@ def _stored_field_udf(src: VectorSource, name: str, box: ErrorBox
                 box.error = e
                 raise
         return pa.array(out, type=pa.float64(), mask=null)
+
+    return udf
+
+
+def _view_udf(src: VectorSource, view: str, box: ErrorBox) -> Callable[[pa.Array], pa.Array]:
+    """A view of handles (`normalized(vec)`): each one opened, and sealed again with the view's
+    code; a handle that already is a view is an error."""
+    code = H.VIEWS.index(view)
+
+    def udf(h: pa.Array) -> pa.Array:
+        valid = ~h.is_null().to_numpy(zero_copy_only=False) if h.null_count else None
+        fields = np.zeros(len(h), dtype=np.int64)
+        try:
+            opened = src.codec.open(pc.drop_null(h) if valid is not None else h)
+            if ((opened >> H.VIEW_SHIFT) & H.VIEW_MASK).any():
+                raise QueryError(f"{view}() takes a raw vec, not a view of one")
+        except ActdbError as e:
+            box.error = e
+            raise
+        if valid is None:
+            fields = opened
+        else:
+            fields[valid] = opened
+        return src.codec.seal(fields | np.int64(code << H.VIEW_SHIFT), valid)
+
+    return udf
+
+
+def _issue_udf(src: VectorSource, box: ErrorBox) -> Callable[[pa.Array], pa.Array]:
+    """The view `acts`' `vec`: the handles of its rows' fields words (VectorSource.issue)."""
+    def udf(fields: pa.Array) -> pa.Array:
+        try:
+            if fields.null_count:
+                raise QueryError("a vec handle was asked for a NULL row")
+            return src.issue(fields.to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
+        except ActdbError as e:
+            box.error = e
+            raise
 
     return udf
 
@@ -265,6 +309,14 @@ class Functions:
                         side_effects=False,
                     )
                     self._udfs.add("_direction")
+                if fn.view is not None and name not in self._udfs:
+                    self._con.create_function(
+                        fn.udf_name(self._session), _view_udf(self._src, fn.view, self._box),
+                        [_sqltype(self._con, H.SQL_TYPE)], _sqltype(self._con, H.SQL_TYPE),
+                        type=PythonUDFType.ARROW, null_handling=FunctionNullHandling.SPECIAL,
+                        side_effects=False,
+                    )
+                    self._udfs.add(name)
                 if fn.kernel is not None and name not in self._udfs:
                     self._con.create_function(
                         fn.udf_name(self._session),
@@ -290,6 +342,14 @@ class Functions:
                     side_effects=False,
                 )
                 self._udfs.add(f"_stored_{name}")
+        if "_handle" not in self._udfs:
+            con.create_function(
+                f"_actdb_handle_{session}", _issue_udf(src, self._box),
+                [_sqltype(con, "BIGINT")], _sqltype(con, H.SQL_TYPE),
+                type=PythonUDFType.ARROW, null_handling=FunctionNullHandling.SPECIAL,
+                side_effects=False,
+            )
+            self._udfs.add("_handle")
         # Filled from lists bound as parameters: registering an Arrow table makes DuckDB
         # import pandas, a second of CPU.
         names = {m.model_id: m.model for m in src.models.values()}
@@ -303,9 +363,10 @@ class Functions:
                 [[names[s.model_id] for s in streams],
                  [src.site(s.model_id, s.site_id).site for s in streams],
                  [s.head if s.head >= 0 else None for s in streams],
-                 [src.codec.code(i) for i in range(len(streams))]],
+                 list(range(len(streams)))],
             )
-        handle = H.encode_sql('t."row"', "h.stream")
+        # the fields word of a raw handle (handles.py), which the view's UDFs take
+        fields = f'(t."row" | (h.stream << {H.STREAM_SHIFT}) | {H.TAG})'
         # A store from before images has no patch coordinates: NULL, as for a text position.
         have = {r[0] for r in con.execute("SELECT * FROM tokens LIMIT 0").description or []}
         patch = ", ".join(f"t.{c}" if c in have else f"NULL::INTEGER AS {c}"
@@ -313,12 +374,13 @@ class Functions:
         con.execute(f"""
             CREATE OR REPLACE TEMP VIEW acts AS
             SELECT model, prompt_id, position, token_id, token, site, layer, role, head,
-                   _actdb_stored_norm_{session}(vec) AS norm,
-                   _actdb_stored_mean_{session}(vec) AS mean, vec, n_tokens,
+                   _actdb_stored_norm_{session}(_fields) AS norm,
+                   _actdb_stored_mean_{session}(_fields) AS mean,
+                   _actdb_handle_{session}(_fields) AS vec, n_tokens,
                    n_tokens - 1 - position AS position_from_end, patch_row, patch_col, frame
             FROM (
                 SELECT t.model, t.prompt_id, t.position, t.token_id, t.token,
-                       s.site, s.layer, s.role, h.head, {handle} AS vec, r.n_tokens, {patch}
+                       s.site, s.layer, s.role, h.head, {fields} AS _fields, r.n_tokens, {patch}
                 FROM tokens t
                 JOIN prompt_runs r ON r.model = t.model AND r.prompt_id = t.prompt_id
                 JOIN sites s ON s.model = t.model

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 FORMATS = (".parquet", ".npy", ".safetensors")
 _VIEW_FUNCTIONS = frozenset(VIEWS[1:])
+# DuckDB's type ids of a column of handles: a HUGEINT, or the DECIMAL(38, 0) it becomes where a
+# cluster's partial results pass through Arrow (distributed.py)
+_HANDLE_TYPES = frozenset({"hugeint", "decimal"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +55,7 @@ def handle_columns(result: Result) -> list[str]:
     try:
         tree = sqlglot.parse_one(result.query, read="duckdb")
     except sqlglot.errors.ParseError:
-        return [n for n in names if n in found and types[n].id == "bigint"]
+        return [n for n in names if n in found and types[n].id in _HANDLE_TYPES]
     select = tree if isinstance(tree, exp.Select) else tree.find(exp.Select)
     if select is not None:
         # by each item's output name, not its place: a `*` before it expands to many columns
@@ -65,8 +68,8 @@ def handle_columns(result: Result) -> list[str]:
                 found.add(name)
             elif isinstance(inner, exp.Func) and _function_name(inner) in _VIEW_FUNCTIONS:
                 found.add(name)
-    # a handle is a BIGINT: a list named vec (`delta(vec) AS vec`) is a vector the query made
-    return [n for n in names if n in found and types[n].id == "bigint"]
+    # a handle is a HUGEINT: a list named vec (`delta(vec) AS vec`) is a vector the query made
+    return [n for n in names if n in found and types[n].id in _HANDLE_TYPES]
 
 
 def _function_name(node: exp.Func) -> str:
@@ -170,8 +173,8 @@ def _with_vectors(db: Database, result: Result, vec: str, rows_per_batch: int, *
         if computed:
             x = column_values(pa.chunked_array([col]), vec, "export").astype(np.float32)
         else:
-            x = db.source.gather(handle_values(pa.chunked_array([col]), vec), "cpu",
-                                 "the exported vectors").numpy()
+            fields = db.source.codec.open(handle_values(pa.chunked_array([col]), vec))
+            x = db.source.gather(fields, "cpu", "the exported vectors").numpy()
         if width is not None and x.shape[1] != width:
             raise QueryError(f"the exported vectors have different widths ({width} and "
                              f"{x.shape[1]}); export one site width at a time")

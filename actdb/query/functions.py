@@ -2,7 +2,8 @@
 
 Each public function is a DuckDB macro (overloaded by arity where arguments are optional)
 that calls an internal Arrow UDF `_actdb_<name>`; the macro fills defaults and passes a token
-argument with its SQL type, so `' Paris'` and `42` (a token id) both work. Views are pure SQL.
+argument with its SQL type, so `' Paris'` and `42` (a token id) both work. A view is a UDF too:
+it opens a handle and seals it again under the view's code (handles.py).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class TensorFunction:
     def udf_params(self) -> list[str]:
         """SQL types of the internal UDF's parameters (a token is its SQL type and its text,
         packed into one string: `token_sql`)."""
-        return [{VEC: "BIGINT", VECS: "BIGINT[]", TOKEN: "VARCHAR", INT: "BIGINT",
+        return [{VEC: H.SQL_TYPE, VECS: f"{H.SQL_TYPE}[]", TOKEN: "VARCHAR", INT: "BIGINT",
                  ANCHORS: "VARCHAR", DIRECTION: "BIGINT"}[p.kind] for p in self.params]
 
     def macro_sql(self, session: str) -> str:
@@ -71,8 +72,8 @@ class TensorFunction:
         lo, hi = self.arity
         for n in range(lo, hi + 1):
             names = [p.name for p in self.params[:n]]
-            if self.view:
-                body = H.view_sql(names[0], self.view)
+            if self.view:  # a UDF that opens the handle and seals it with the view's code
+                body = f"{self.udf_name(session)}({names[0]})"
             else:
                 args = []
                 for i, p in enumerate(self.params):

@@ -19,14 +19,13 @@ from __future__ import annotations
 import difflib
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import duckdb
 
 from ..errors import QueryError, QuerySyntaxError
 from . import sandbox
 from .functions import ANCHORS, INT, REGISTRY, TOKEN, VEC
-from .handles import VIEWS
 from .vectors import ANCHOR_NAMES
 
 if TYPE_CHECKING:
@@ -70,61 +69,7 @@ def check(query: str, con: duckdb.DuckDBPyConnection, known: Callable[[], set[st
     sandbox.check_sqlglot_tree(tree)
     for node in tree.find_all(exp.Anonymous):
         _check_call(node, known)
-    if "acts" in tables:
-        _check_handle_arithmetic(tree)
     return runnable, calls, tables
-
-
-def _check_handle_arithmetic(tree: exp.Expr) -> None:
-    """`vec + 1` is another row's handle, and a function of it answers for that row: refused,
-    where the result would otherwise be a plausible number for the wrong vector (a handle's
-    checks catch only what leaves the store's rows). A reading of the syntax: an operand is
-    a handle when it is `vec`, a view of it, a name a subquery or CTE gave one, or a cast,
-    COALESCE, IF or CASE that passes one through."""
-    from sqlglot import exp
-
-    views = set(VIEWS) - {"raw"}
-    names = {"vec"}
-
-    def handle(e: Any) -> bool:
-        while isinstance(e, exp.Paren | exp.Cast | exp.TryCast | exp.Alias):
-            e = e.this
-        if isinstance(e, exp.Column):
-            return e.name.lower() in names
-        if isinstance(e, exp.Anonymous):
-            return str(e.name).lower() in views
-        if isinstance(e, exp.Coalesce | exp.If | exp.Case | exp.Nullif | exp.Greatest
-                      | exp.Least):
-            return any(handle(a) for a in e.iter_expressions())
-        return False
-
-    grown = True
-    while grown:  # names given to handles, and names given to those
-        found = {a.alias.lower() for a in tree.find_all(exp.Alias) if handle(a.this)}
-        grown = not found <= names
-        names |= found
-    # Not `&`: masking reads a handle's fields (the row: `vec & (2^38 - 1)`, as a cluster's
-    # partitions do), and leaves no handle behind.
-    arithmetic = (exp.Add, exp.Sub, exp.Mul, exp.Div, exp.IntDiv, exp.Mod, exp.Pow, exp.Neg,
-                  exp.BitwiseOr, exp.BitwiseXor, exp.BitwiseNot, exp.BitwiseLeftShift,
-                  exp.BitwiseRightShift)
-    for node in tree.find_all(*arithmetic, exp.Anonymous):
-        if isinstance(node, exp.Anonymous):
-            if str(node.name).lower() not in _ARITHMETIC_FUNCTIONS:
-                continue
-            operands = list(node.expressions)
-        else:
-            operands = [node.args.get("this"), node.args.get("expression")]
-        if any(handle(o) for o in operands):
-            raise QueryError(
-                f"{node.sql(dialect='duckdb')}: arithmetic on a vec handle (it names a "
-                "stored vector, not its numbers) names another row; compute with the tensor "
-                "functions (to_list(vec), delta(vec), cosine_to, project)")
-
-
-# DuckDB's functions for its operators, `add(vec, 1)` being `vec + 1`
-_ARITHMETIC_FUNCTIONS = frozenset({"add", "subtract", "multiply", "divide", "mod", "xor",
-                                   "pow", "power"})
 
 
 def _too_deep() -> QueryError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import duckdb
 import numpy as np
@@ -25,9 +25,17 @@ else:
     pc = lazy_module("pyarrow.compute")
     torch = lazy_module("torch")
 
-# The vectors of handles [n] as float32 [n, d] on the database's device (views applied);
-# `what` names the rows in errors (VectorSource.gather).
-Gather = Callable[[np.ndarray, str], Any]
+
+
+class Gather(Protocol):
+    """What a result asks of its database to turn a column of handles into vectors."""
+
+    def holds(self, col: pa.ChunkedArray) -> bool:
+        """Whether every value of `col` is a handle of the database's connection."""
+
+    def __call__(self, col: pa.ChunkedArray, what: str) -> Any:
+        """The vectors of a column of handles (no NULLs) as float32 [n, d] on the device,
+        views applied; `what` names the rows in errors (VectorSource.gather)."""
 
 T = TypeVar("T")
 
@@ -156,9 +164,10 @@ class Result:
         named = set(handle_columns(self))  # `vec` and its views in the outermost SELECT
         out = {}
         for name, col in zip(table.column_names, table.columns, strict=True):
-            # handles by their values too (a subquery's alias, a CTE, a CASE): only an
-            # integer column can hold them, and their tag bits set them apart from any count
-            if pa.types.is_integer(col.type) and (name in named or tagged(col)):
+            # handles by their values too (a subquery's alias, a CTE, a CASE): a HUGEINT
+            # column whose every value opens under the connection's key (handles.py)
+            if pa.types.is_decimal(col.type) and (
+                    name in named or (self.gather is not None and self.gather.holds(col))):
                 if self.gather is None:
                     raise QueryError(f"column {name!r} holds vec handles, and this result "
                                      "has no store to read their vectors from")
@@ -247,20 +256,11 @@ def _unconvertible(what: str, name: str | None, e: BaseException) -> QueryError:
                       f"CAST({quoted} AS VARCHAR), or leave out the rows it cannot hold")
 
 
-def handle_values(col: pa.ChunkedArray, name: str) -> np.ndarray:
-    """A column of vec handles as int64, refusing NULLs."""
+def handle_values(col: pa.ChunkedArray, name: str) -> pa.ChunkedArray:
+    """A column of vec handles, refusing NULLs (each handle is checked where it is opened)."""
     if col.null_count:
         raise QueryError(f"column {name!r} holds NULL handles; filter them out first")
-    return col.to_numpy().astype(np.int64)
-
-
-def tagged(col: pa.ChunkedArray) -> bool:
-    """Whether every value of an integer column carries a vec handle's tag (handles.py): no
-    count, id or position does (the tag puts a handle past 5 * 2^60)."""
-    from .handles import TAG, TAG_SHIFT
-
-    values = col.drop_null().to_numpy().astype(np.int64)
-    return bool(len(values)) and bool(np.all((values >> TAG_SHIFT) == TAG))
+    return col
 
 
 def _python_columns(table: pa.Table) -> list[list[Any]]:

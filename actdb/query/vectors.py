@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 from collections import OrderedDict
@@ -340,7 +339,8 @@ class VectorSource:
     """Everything tensor functions read from a store, cached, on one device."""
 
     def __init__(self, store: Store, device: torch.device | str, *,
-                 cache_bytes: int = 256 << 20):
+                 cache_bytes: int = 256 << 20, key: bytes | None = None):
+        """`key`: the handles' key (handles.py); None draws a new one."""
         self.store = store
         self._device = device
         # Object storage reads with several readers, each keeping its share of read-ahead.
@@ -355,7 +355,7 @@ class VectorSource:
             H.Stream(model_id=mid, site_id=sid, head=head, n_rows=self.models[mid].n_rows)
             for (mid, sid), s in self.sites.items()
             for head in (range(s.n_heads) if s.n_heads else (-1,))
-        ), salt=_salt(store))
+        ), key=key)
         self._weights: dict[tuple[object, ...], torch.Tensor | None] = {}
         self._rows_alone: dict[tuple[int, str], dict[int, torch.Tensor]] = {}  # _rows_of
         self._shapes: dict[tuple[int, str], tuple[int, ...]] = {}  # weights' shapes
@@ -702,14 +702,14 @@ class VectorSource:
         return out if out is not None else torch.empty((0, 0), device=device)
 
     def groups(self, handles: np.ndarray) -> Iterator[Group]:
-        """Split a batch of handles by (model, site, view); fields are read when first used.
-        A value that is not a handle of this store is a QueryError (handles.Codec)."""
+        """Split a batch of opened handles (their fields words: handles.Codec.open) by
+        (model, site, view); fields are read when first used."""
         dec = self.codec.decode(handles)
         if dec.one:  # one (model, site, view): most calls, every bulk window
             key = dec.model_id[:1]
             keys = key
         else:
-            key = (dec.model_id << 20) | (dec.site_id << 2) | dec.view
+            key = (dec.model_id << 24) | (dec.site_id << H.VIEW_BITS) | dec.view
             keys = key[:1] if len(key) and key.min() == key.max() else np.unique(key)
         for k in keys:
             index = np.nonzero(key == k)[0] if len(keys) > 1 else np.arange(len(dec.row))
@@ -724,25 +724,46 @@ class VectorSource:
             if np.any(rows[1:] < rows[:-1]):  # chunk-friendly reading order
                 order = np.argsort(rows, kind="stable")
                 index, rows, heads = index[order], rows[order], heads[order]
-            self._check_stored(model.model_id, rows, handles, index)
             yield Group(self, index, model, site, view, rows, heads)
 
-    def _check_stored(self, model_id: int, rows: np.ndarray, handles: np.ndarray,
-                      index: np.ndarray) -> None:
-        """Refuse a handle of an unused row between merged shards (never written: it would
-        read zeros or a missing chunk). Per call, not per row: sorted rows within one
-        unbroken run of committed rows (every call of an unsharded store) are all stored."""
+    def issue(self, fields: np.ndarray) -> pa.Array:
+        """Raw handles of the view `acts`' rows (their fields words, handles.py), each of a
+        stored row (`check_stored`): the one function making raw handles makes none the
+        store would not."""
+        self.check_stored(fields)
+        return self.codec.seal(fields)
+
+    def check_stored(self, fields: np.ndarray) -> None:
+        """Refuse fields words (int64) that do not name a raw vector of a stored row: the
+        view `acts` passes them to `issue` and to its norm and mean columns, which read no
+        handle. Per call, not per row, where one stream's rows lie within one unbroken run of
+        committed rows (every call of an unsharded store)."""
+        if not len(fields):
+            return
+        top = fields >> H.STREAM_SHIFT  # stream, view and tag
+        first = int(top[0])
+        streams = [first] if (top == first).all() else np.unique(top).tolist()
+        for bits in streams:
+            stream = bits & H.STREAM_MASK
+            if bits != (H.TAG >> H.STREAM_SHIFT) | stream or stream >= len(self.codec.streams):
+                raise QueryError(f"{bits << H.STREAM_SHIFT} names no raw vector of a stream "
+                                 "of the store")
+            rows = (fields if len(streams) == 1 else fields[top == bits]) & H.ROW_MASK
+            self._check_stored(self.codec.streams[stream].model_id, rows)
+
+    def _check_stored(self, model_id: int, rows: np.ndarray) -> None:
+        """Refuse a row that holds no stored token. Per call, not per row, where the rows lie
+        within one unbroken run of committed rows (every call of an unsharded store)."""
         starts, ends = self._segments[model_id]
-        if not len(starts):
-            raise H.unused_row(int(np.asarray(handles)[index[0]]), int(rows[0]))
-        i = int(np.searchsorted(starts, rows[0], side="right")) - 1
-        if i >= 0 and rows[-1] < ends[i]:
+        lo, hi = int(rows.min()), int(rows.max())
+        i = int(np.searchsorted(starts, lo, side="right")) - 1
+        if lo >= 0 and i >= 0 and hi < ends[i]:
             return
         seg = np.searchsorted(starts, rows, side="right") - 1
-        stored = (seg >= 0) & (rows < ends[np.maximum(seg, 0)])
+        stored = (rows >= 0) & (seg >= 0) & (rows < ends[np.maximum(seg, 0)]) if len(
+            starts) else np.zeros(len(rows), dtype=bool)
         if not stored.all():
-            j = int(np.argmin(stored))
-            raise H.unused_row(int(np.asarray(handles)[index[j]]), int(rows[j]))
+            raise H.unused_row(int(rows[int(np.argmin(stored))]))
 
     def apply_view(self, model: ModelRecord, site: SiteRecord, view: str, x: torch.Tensor,
                    mean: torch.Tensor | None, heads: np.ndarray | None = None) -> torch.Tensor:
@@ -1052,16 +1073,6 @@ class VectorSource:
     def _encode(self, model: ModelRecord, text: str) -> list[int] | None:
         tok = self._tokenizer(model)
         return None if tok is None else list(tok(text, add_special_tokens=False)["input_ids"])
-
-
-def _salt(store: Store) -> int:
-    """The store's handle salt (handles.py): drawn from its models' names and registration
-    times, so two stores (even of the same models) number their streams differently, while
-    every session and worker on one store agrees."""
-    rows = store.catalog.con.execute(
-        "SELECT model, created_at::VARCHAR FROM models ORDER BY model_id").fetchall()
-    digest = hashlib.sha256(repr(rows).encode()).digest()
-    return int.from_bytes(digest[:4], "little")
 
 
 def _segments(runs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -507,6 +507,9 @@ def test_verify_allows_missing_chunks_only_between_shards(
 
 
 def test_a_handle_into_unused_rows_is_refused(merged: Path, single: Path) -> None:
+    """No value names an unused row between merged shards: a handle moved there by changing
+    its row is refused (its code no longer matches), and the function that makes handles,
+    called past the sandbox, makes none for such a row."""
     from actdb.errors import QueryError
     from actdb.query.handles import ROW_MASK
 
@@ -520,15 +523,21 @@ def test_a_handle_into_unused_rows_is_refused(merged: Path, single: Path) -> Non
                          params={"r": start1}).fetchall()[0]
         got = db.sql("SELECT vec_norm($h)", params={"h": h}).fetchall()[0][0]
         assert got == pytest.approx(norm, rel=1e-6)
+        h = int(h)
+        fields, code = h >> 64, h & ((1 << 64) - 1)
+        session = db._functions._session
         for row in (end0, start1 - 1):  # the first and last unused row
-            forged = (h & ~ROW_MASK) | row
+            moved = (fields & ~ROW_MASK) | row
+            forged = (moved << 64) | code
             with pytest.raises(QueryError, match=rf"^{forged} is not a vec handle of this "
-                               rf"store: row {row} holds no stored token"):
+                               r"connection: its code does not match"):
                 db.sql("SELECT vec_norm($h)", params={"h": forged}).fetchall()
             # also among stored rows of one call (rows before and after the gap)
             with pytest.raises(QueryError, match=rf"^{forged} is not a vec handle"):
                 db.sql("SELECT sum(vec_norm(x)) FROM (SELECT unnest([$a, $h, $b]) AS x)",
-                       params={"a": (h & ~ROW_MASK) | 0, "h": forged, "b": h}).fetchall()
+                       params={"a": h, "h": forged, "b": h}).fetchall()
+            with pytest.raises(duckdb.Error, match=rf"row {row} holds no stored token"):
+                db.con.sql(f"SELECT _actdb_handle_{session}({moved}::BIGINT)").fetchall()
         # the same scan as before is untouched: sums equal the one-process store's
         q = "SELECT site, sum(vec_norm(vec)) FROM acts GROUP BY site ORDER BY site"
         np.testing.assert_allclose([r[1] for r in db.sql(q).fetchall()],
