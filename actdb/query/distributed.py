@@ -23,7 +23,6 @@ from sqlglot.errors import ParseError
 
 from ..cluster import DaskClient
 from ..errors import QueryError
-from . import handles as H
 from . import sandbox
 from .execute import ErrorBox
 from .result import Result, translate
@@ -45,12 +44,15 @@ class Partition:
     hi: int
 
     def table(self) -> exp.Select:
-        """This partition's rows of acts, as a subquery (the row is the low bits of the
-        handle's fields word, its high 64 bits: handles.py)."""
-        row = f"((vec >> 64) & {H.ROW_MASK})"
-        return exp.select("*").from_("acts").where(
-            exp.and_(exp.EQ(this=exp.column("model"), expression=exp.Literal.string(self.model)),
-                     f"{row} >= {self.lo}", f"{row} < {self.hi}"))
+        """This partition's rows of acts, as a subquery: the rows of its model's tokens in
+        [lo, hi) (a handle's row is `tokens.row`, so none is made to choose them)."""
+        model = exp.Literal.string(self.model).sql(dialect="duckdb")
+        select = sqlglot.parse_one(
+            f"SELECT * FROM acts WHERE model = {model} AND (prompt_id, position) IN "
+            f'(SELECT prompt_id, position FROM tokens WHERE model = {model} '
+            f'AND "row" >= {int(self.lo)} AND "row" < {int(self.hi)})', read="duckdb")
+        assert isinstance(select, exp.Select)
+        return select
 
 
 def partitions(models: list[tuple[str, int, int]], target: int) -> list[Partition]:

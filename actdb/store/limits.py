@@ -1,7 +1,8 @@
 """How much one store may hold: the bit budget of the query layer's `vec` handles.
 
-A handle is one signed 64-bit integer (docs/FORMAT.md, "Handles"): 38 bits of token row, 20
-bits naming a (model, site, head) stream of the store, 2 bits of view and a 3-bit tag. The
+A handle's fields word (docs/FORMAT.md, "Handles"; its other 64 bits are an authentication
+code) holds 38 bits of token row, 20 bits naming a (model, site, head) stream of the store, 3
+bits of view and a tag bit. The
 limits live here, beside the catalog that enforces them at ingest, so that a store can never
 grow past what a handle addresses; the query layer packs its handles with the same numbers.
 """
