@@ -87,6 +87,9 @@ def prove_classifier(model: nn.Module, head: nn.Linear, final: FoundSite,
         return None, ("its logits are not one row an input read from the final norm "
                       f"{final.record.module!r}")
     y = kept[0][:, 0].double().cpu()  # [B, d], the class token
+    if head.in_features != y.shape[-1]:
+        return None, (f"its head reads vectors of width {head.in_features}, not the final "
+                      f"norm's {y.shape[-1]} (it pools several positions together)")
     w = head.weight.detach().double().cpu()
     b = head.bias.detach().double().cpu() if head.bias is not None else 0.0
     mine = y @ w.T + b  # [B, L]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import IngestError
+from ..errors import IngestError, ModelLoadError
 from ..store.records import ModelRecord, SiteRecord
 from ..store.sharding import mark_finished, pending_shards, shard_name
 from ..store.store import Store
@@ -81,6 +81,14 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
     """Tokenize the prompts, find the model's norm sites and fit its logit transform."""
     name = opts.name or loaded.default_name
     norm_modules_of(loaded.model)  # a model without norms is said first, whatever it reads
+    config = getattr(loaded.model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        # Its decoder reads a target (or its own start token), not the prompt: rows labelled
+        # with the prompt's tokens would name tokens the decoder never read.
+        raise ModelLoadError(
+            f"model {name!r} ({type(loaded.model).__name__}) is an encoder-decoder: actdb "
+            "does not yet store its two stacks with the tokens each one read, and refuses it "
+            "rather than label decoder rows with prompt tokens")
     check_inputs(prompts, loaded.model, name)
     media = any(p.media is not None for p in prompts)
     if media and (opts.chat_template or any(p.media is None for p in prompts)):
