@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 STORE ?= demo.actdb
 PICTURES ?= demo-pictures
 
-.PHONY: setup browser demo test test-fast lint bench clean
+.PHONY: setup browser demo demo-vision test test-fast lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,10 @@ $(VENV)/.installed: pyproject.toml actdb/_native.c
 
 demo: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python examples/demo.py $(STORE) $(PICTURES)
+
+# An image classifier (a ViT trained here on scikit-learn's digits) and its logit lens.
+demo-vision: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python examples/vision_demo.py vision-$(STORE) $(PICTURES)
 
 lint: setup
 	$(BIN)/ruff check actdb tests benchmarks examples
@@ -49,4 +53,4 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/run.py --output BENCHMARKS.md
 
 clean:
-	rm -rf $(STORE) $(STORE).prompts.txt $(PICTURES) bench-data .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(STORE) vision-$(STORE) $(STORE).prompts.txt $(PICTURES) bench-data .pytest_cache .mypy_cache .ruff_cache
