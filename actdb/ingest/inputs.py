@@ -166,7 +166,11 @@ def prepare_inputs(processor: Any, batch: Sequence[Prompt], name: str) -> dict[s
     if "image" in kinds:
         kw["images"] = [load_image(p.media) for p in batch if p.media]
     if "video" in kinds:
-        kw["videos"] = [load_video(p.media) for p in batch if p.media]
+        videos = [load_video(p.media) for p in batch if p.media]
+        # A video model's image processor (VideoMAE's) takes each video's frames as its
+        # `images`; a video processor takes `videos`.
+        takes_videos = "videos" in inspect.signature(processor.__call__).parameters
+        kw["videos" if takes_videos else "images"] = videos
     if "audio" in kinds:
         raise IngestError(f"model {name!r}: audio inputs are not supported yet")
     if any(p.text for p in batch):

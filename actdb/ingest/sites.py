@@ -271,9 +271,9 @@ class FinalProbe(Protocol):
 
 
 @contextmanager
-def _probing(model: nn.Module) -> Iterator[None]:
-    """A probe pass: a model that fails on token ids alone is refused in one sentence (an
-    encoder-decoder such as T5 asks for decoder inputs), not with its own traceback."""
+def _probing(model: nn.Module, sample: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """A probe pass: a model that fails on token ids alone (or on its processor's inputs)
+    is refused in one sentence, not with its own traceback."""
     try:
         yield
     except (ActdbError, torch.OutOfMemoryError, MemoryError):
@@ -282,6 +282,11 @@ def _probing(model: nn.Module) -> Iterator[None]:
         first = (str(e).strip().splitlines() or [""])[0]
         why = ("; encoder-decoder models, which need decoder inputs too, are not supported"
                if getattr(getattr(model, "config", None), "is_encoder_decoder", False) else "")
+        if "input_ids" not in sample:
+            raise ModelLoadError(
+                f"model {type(model).__name__!r} fails on a forward pass over the inputs its "
+                f"processor made ({', '.join(sample)}: {type(e).__name__}: {first}); are "
+                "they what it was built for (image size, number of frames)?") from e
         raise ModelLoadError(
             f"model {type(model).__name__!r} fails on a forward pass over token ids "
             f"({type(e).__name__}: {first}); actdb runs a model on input_ids and an "
@@ -402,7 +407,7 @@ def find_sites(
               for t in towers}
 
     target = forward_module(model, list(norm_modules))
-    with torch.no_grad(), record_calls(watched) as log, _probing(model):
+    with torch.no_grad(), record_calls(watched) as log, _probing(model, sample):
         target(**sample)
     finals: dict[Tower, str | None] = {}
     for t, st in stacks.items():
@@ -415,7 +420,7 @@ def find_sites(
     final_path = finals[main]
     if depths is not None:
         depths.update({t.name: st.blocks.n for t, st in stacks.items()})
-    with torch.no_grad(), record_calls(norm_modules) as log_alt, _probing(model):
+    with torch.no_grad(), record_calls(norm_modules) as log_alt, _probing(model, sample_alt):
         if final_probe is not None and final_path is not None:
             # its inputs' shapes are recorded before the probe replaces its output
             final_probe.run(model, norm_modules[final_path], final_path, sample_alt)

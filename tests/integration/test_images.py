@@ -206,3 +206,112 @@ def test_undecodable_video(tmp_path: Path) -> None:
     (tmp_path / "clip.mp4").write_bytes(b"\x00" * 64)
     with pytest.raises(IngestError, match="video 'clip.mp4' cannot be decoded"):
         load_video(Media(video="clip.mp4", base=str(tmp_path)))
+
+
+@pytest.fixture(scope="module")
+def video_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny VideoMAE (4 frames of 8 x 8, tubelets of 2 frames, 2 x 2 patches) and its
+    processor, saved."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.VideoMAEConfig(
+        image_size=8, patch_size=2, num_channels=3, num_frames=4, tubelet_size=2,
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        num_labels=3, use_mean_pooling=False)
+    folder = tmp_path_factory.mktemp("videomae")
+    transformers.VideoMAEForVideoClassification(config).save_pretrained(folder)
+    transformers.VideoMAEImageProcessor(size={"height": 8, "width": 8},
+                                        do_center_crop=False).save_pretrained(folder)
+    return folder
+
+
+def _frames(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 255, (8, 8, 3), dtype=np.uint8) for _ in range(n)]
+
+
+def test_video_frames_and_patches(video_model: Path, tmp_path: Path) -> None:
+    import json
+
+    import av
+    from PIL import Image
+    from transformers import AutoImageProcessor, VideoMAEForVideoClassification
+
+    folder = tmp_path / "clip"
+    folder.mkdir()
+    frames = _frames(4, 1)
+    for i, f in enumerate(frames):
+        Image.fromarray(f).save(folder / f"{i:02d}.png")
+    with av.open(str(tmp_path / "b.mp4"), "w") as c:  # a video file, decoded by PyAV
+        stream = c.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 16, 16, "yuv420p"
+        for f in _frames(4, 2):
+            big = np.kron(f, np.ones((2, 2, 1), dtype=np.uint8))
+            for packet in stream.encode(av.VideoFrame.from_ndarray(big, format="rgb24")):
+                c.mux(packet)
+        for packet in stream.encode():
+            c.mux(packet)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"video": "clip", "n": 1}) + "\n"
+                                       + json.dumps({"video": "b.mp4", "n": 2}) + "\n")
+    store = tmp_path / "v.actdb"
+    code, out = _ingest(str(store), "--model", str(video_model), "--inputs",
+                        str(tmp_path / "in.jsonl"))
+    assert code == 0, out
+    db = actdb.connect(store)
+    assert db.sql("SELECT video, n FROM prompts ORDER BY prompt_id").fetchall() == [
+        ("clip", 1), ("b.mp4", 2)]
+    rows = db.sql("SELECT position, token, frame, patch_row, patch_col FROM acts "
+                  "WHERE site = 'final' AND prompt_id = 0 ORDER BY position").fetchall()
+    # 2 tubelets x 4 x 4 patches, tubelet by tubelet, row by row
+    assert rows == [(p, "<patch>", p // 16, p % 16 // 4, p % 4) for p in range(32)]
+    # every site's stored energy is the hooked input's, from the frames read independently
+    model = VideoMAEForVideoClassification.from_pretrained(video_model).eval()
+    pixels = AutoImageProcessor.from_pretrained(video_model)(
+        images=[[np.asarray(Image.open(folder / f"{i:02d}.png").convert("RGB"))
+                 for i in range(4)]], return_tensors="pt")["pixel_values"]
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> object:
+        def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: object) -> None:
+            seen[name] = args[0].detach().double()
+
+        return hook
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.LayerNorm)]
+    try:
+        with torch.no_grad():
+            model(pixel_values=pixels)
+    finally:
+        for h in handles:
+            h.remove()
+    sites = dict(db.sql("SELECT module, site FROM sites").fetchall())
+    assert set(sites) == set(seen)
+    for module, x in seen.items():
+        got = db.sql("SELECT norm FROM acts WHERE site = ? AND prompt_id = 0 ORDER BY position",
+                     params=[sites[module]]).fetchall()
+        np.testing.assert_allclose([r[0] for r in got],
+                                   torch.linalg.vector_norm(x[0], dim=-1).numpy(), rtol=1e-6)
+
+
+def test_bad_videos_are_one_sentence(video_model: Path, tmp_path: Path) -> None:
+    import json
+
+    from PIL import Image
+
+    (tmp_path / "broken.mp4").write_bytes(b"\x00" * 64)
+    (tmp_path / "a.jsonl").write_text(json.dumps({"video": "broken.mp4"}) + "\n")
+    code, out = _ingest(str(tmp_path / "v.actdb"), "--model", str(video_model), "--inputs",
+                        str(tmp_path / "a.jsonl"))
+    assert code == 1 and "video 'broken.mp4' cannot be decoded" in out, out
+    assert out.count("\n") == 1
+    short = tmp_path / "short"
+    short.mkdir()
+    for i, f in enumerate(_frames(3, 0)):  # 3 frames for a model of 4
+        Image.fromarray(f).save(short / f"{i}.png")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"video": "short"}) + "\n")
+    code, out = _ingest(str(tmp_path / "v.actdb"), "--model", str(video_model), "--inputs",
+                        str(tmp_path / "b.jsonl"))
+    assert code == 1 and "fails on a forward pass over the inputs its processor made" in out
+    assert "Traceback" not in out
