@@ -1,37 +1,31 @@
 """The pictures: each a matplotlib Figure drawn from the query layer's answer to one SQL query.
 
-Figures are made with `matplotlib.figure.Figure` on an Agg canvas, never through pyplot, so
-drawing needs no display and leaves a notebook's own backend alone; a returned Figure shows
-itself in Jupyter. `save` is the one place that writes a figure to a file.
+The per-layer profiles (angles, norms, rotation) and the dims bars are drawn here, the logit
+lens in lensmap.py; all are made on canvas.py's figures, which show themselves in Jupyter, and
+written by its `save`.
 """
 
 from __future__ import annotations
 
-import os
-import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 from matplotlib import colormaps
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from ..query.display import visible_token
+from .canvas import PULL, PUSH, new_figure, save, show_token
 from .data import (
     BAND,
     OUTLIER_FACTOR,
     DbOrPath,
     PlotData,
-    PlotError,
     Spec,
     dims_spec,
-    is_missing,
     opened,
     profile_spec,
 )
@@ -41,76 +35,17 @@ __all__ = ["angles", "angles_data", "dims", "dims_data", "dims_figure", "lens", 
            "lens_figure", "norms", "norms_data", "profile_figure", "rotation", "rotation_data",
            "save"]
 
-FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
-DPI = 150
 CMAP = "viridis"  # lightness rises monotonically: reads in greyscale
-# Diverging bars: a dark and a light colour (viridis ends), told apart in greyscale too.
-PUSH, PULL = "#3b528b", "#b5de2b"
 OUTLIER = "#c0392b"  # outlier tokens of the norms picture
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 DASHES: tuple[Any, ...] = ("-", "--", ":", "-.")
 _BAND_TEXT = f"band: {BAND[0] * 100:.0f}th to {BAND[1] * 100:.0f}th percentile over tokens"
 
 
-# -- helpers ----------------------------------------------------------------------------------
-
-
-class InlineFigure(Figure):
-    """A matplotlib Figure that shows itself in Jupyter with no `%matplotlib` magic: IPython
-    asks an object for `_repr_png_`, and a Figure made without pyplot has no other display."""
-
-    def _repr_png_(self) -> bytes:
-        import io
-
-        buf = io.BytesIO()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Glyph .* missing from font")
-            self.savefig(buf, format="png", dpi=DPI)
-        return buf.getvalue()
-
-
-def _figure(width: float, height: float) -> Figure:
-    fig = InlineFigure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def show_token(token: Any, limit: int = 12) -> str:
-    """A token as text with its whitespace made visible; long ones are cut with an ellipsis."""
-    if is_missing(token):
-        return "—"
-    text = visible_token(str(token))
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _short(text: str, limit: int = 70) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def _shades(n: int) -> list[Any]:
     """n colours of clearly different lightness (dark to light along viridis)."""
     cmap = colormaps[CMAP]
     return [cmap(x) for x in (np.linspace(0.0, 0.8, n) if n > 1 else [0.0])]
-
-
-def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
-    """Write a figure; the format is the file's extension (.png, .svg or .pdf)."""
-    p = Path(path)
-    fmt = FORMATS.get(p.suffix.lower())
-    if fmt is None:
-        raise PlotError(f"cannot write {str(p)!r}: the file name must end in .png, .svg or .pdf")
-    if not p.parent.is_dir():
-        raise PlotError(f"cannot write {str(p)!r}: the folder {str(p.parent)!r} does not exist")
-    try:
-        with warnings.catch_warnings():
-            # A token in a script the font lacks is drawn as a box; one warning per glyph
-            # would bury the command's output.
-            warnings.filterwarnings("ignore", message="Glyph .* missing from font")
-            fig.savefig(p, format=fmt, dpi=DPI)
-    except OSError as e:
-        raise PlotError(f"cannot write {str(p)!r}: {e.strerror or e}") from None
-    return p
 
 
 # -- per-layer profiles: angles, norms, rotation ----------------------------------------------
@@ -135,25 +70,32 @@ def profile_figure(spec: Spec, df: pd.DataFrame) -> Figure:
     roles = [r for r in roles if len(layers[r])] or roles
     spans = [max(len(layers[r]), 1) for r in roles]
     ratios = [max(s, 0.35 * max(spans)) for s in spans]  # a one-layer role still gets room
-    fig = _figure(max(7.5, 2.2 + 1.3 * len(roles) + 0.12 * sum(spans)), 5.0)
+    fig = new_figure(max(7.5, 2.2 + 1.3 * len(roles) + 0.12 * sum(spans)), 5.0)
     axes = fig.subplots(1, len(roles), sharey=True, squeeze=False,
                         gridspec_kw={"width_ratios": ratios})[0]
     title, ylabel = _PROFILE_TEXT[spec.kind]
     relative = bool(m.get("relative_depth"))
     norms = spec.kind == "norms"
+    x_of = "depth" if relative else "layer"
+    # A layer's width on the x axis: one in layers, a tenth of the depth in relative depth.
+    unit = 0.1 if relative else 1.0
     for ax, role in zip(axes, roles, strict=True):
+        xs = df.loc[df["role"] == role, x_of].to_numpy(dtype=float)
+        single = len(layers[role]) <= 1 or all(
+            (df[(df["model"] == x) & (df["role"] == role)]["layer"].nunique() <= 1)
+            for x in models)
         for mi, model in enumerate(models):
             part = df[(df["model"] == model) & (df["role"] == role)].sort_values("layer")
             if part.empty:
                 continue
             c = colour[model]
-            x = part["depth" if relative else "layer"].to_numpy(dtype=float)
+            x = part[x_of].to_numpy(dtype=float)
             lo, hi = part["lo"].to_numpy(dtype=float), part["hi"].to_numpy(dtype=float)
             if len(part) > 1:
                 ax.fill_between(x, lo, hi, color=c, alpha=0.2, linewidth=0)
-            else:  # one layer: the band as a bar, side by side when several models
-                dx = (mi - (len(models) - 1) / 2) * 0.12
-                ax.vlines(x + dx, lo, hi, color=c, alpha=0.35, linewidth=6)
+            else:  # one layer: the band as a bar through its mean, models side by side
+                x = x + (mi - (len(models) - 1) / 2) * 0.12 * unit
+                ax.vlines(x, lo, hi, color=c, alpha=0.35, linewidth=6)
             ax.plot(x, part["center"].to_numpy(dtype=float), color=c,
                     linestyle=DASHES[mi % len(DASHES)], marker=MARKERS[mi % len(MARKERS)],
                     markersize=6, linewidth=1.8, label=f"{model} \u00b7 {role}", gid="mean")
@@ -165,24 +107,16 @@ def profile_figure(spec: Spec, df: pd.DataFrame) -> Figure:
         ax.set_title(role, fontsize=10)
         if norms:
             ax.set_yscale("log")
-        if relative:
-            ax.set_xlim(-0.05, 1.05)
-            ax.set_xlabel("relative depth (layer / n_layers)")
-            ax.grid(True, alpha=0.3)
-            continue
-        if len(layers[role]) <= 8:
-            ax.set_xticks([int(v) for v in layers[role]])
-        else:
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
-        if len(layers[role]) == 1:
-            ax.set_xlim(layers[role][0] - 0.6, layers[role][0] + 0.6)
-        ax.set_xlabel("layer")
         ax.grid(True, alpha=0.3)
+        _x_axis(ax, xs, layers[role], relative=relative, single=single, unit=unit)
+        # Short: a label under each panel, the narrow ones too, must not reach the next.
+        ax.set_xlabel("depth" if relative else "layer")
     axes[0].set_ylabel(ylabel)
     tokens = ", ".join(f"{m['n_tokens'][x]} tokens" for x in models)
     who = ("models " + ", ".join(models)) if several else f"model {models[0]}"
     centre = "median" if norms else "mean"
-    fig.suptitle(f"{title}\n{who}: {centre} per layer over {tokens}, a panel per role",
+    depth = "\ndepth: layer / n_layers, so models of different depths line up" if relative else ""
+    fig.suptitle(f"{title}\n{who}: {centre} per layer over {tokens}, a panel per role{depth}",
                  fontsize=11)
     handles: list[Any] = [Line2D([], [], color=colour[x], linestyle=DASHES[i % len(DASHES)],
                                  marker=MARKERS[i % len(MARKERS)], label=x)
@@ -199,6 +133,29 @@ def profile_figure(spec: Spec, df: pd.DataFrame) -> Figure:
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 3),
                fontsize=9, frameon=False)
     return fig
+
+
+def _x_axis(ax: Any, xs: np.ndarray, layers: list[Any], *, relative: bool, single: bool,
+            unit: float) -> None:
+    """A panel's x range and ticks, from the x values its rows hold (so a role before the
+    first layer, the embedding's at layer -1, is inside its panel in either unit)."""
+    if len(xs) == 0:
+        return
+    lo, hi = float(xs.min()), float(xs.max())
+    if single:  # one layer a model: room for the side-by-side bars around them
+        ax.set_xlim(lo - 0.6 * unit, hi + 0.6 * unit)
+    elif relative:
+        ax.set_xlim(min(lo, 0.0) - 0.05, max(hi, 1.0) + 0.05)
+    if relative:
+        values = sorted(set(np.round(xs, 2).tolist()))
+        if single and len(values) <= 2 and (len(values) == 1 or values[1] - values[0] >= 0.1):
+            ax.set_xticks(values)
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=2 if single else 5))
+    elif len(layers) <= 8:
+        ax.set_xticks([int(v) for v in layers])
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
 
 
 def _positions(value: Any) -> list[int]:
@@ -227,7 +184,7 @@ def dims_figure(spec: Spec, df: pd.DataFrame) -> Figure:
     m = spec.meta
     values = df["contribution"].to_numpy(dtype=float)
     n = len(values)
-    fig = _figure(8.0, max(3.5, 2.2 + 0.28 * n))
+    fig = new_figure(8.0, max(3.5, 2.2 + 0.28 * n))
     ax = fig.add_subplot()
     colours = [PUSH if v >= 0 else PULL for v in values]
     ax.barh(np.arange(n), values, color=colours, edgecolor="#222222", linewidth=0.6)

@@ -14,9 +14,9 @@ import io
 import warnings
 from typing import Any
 
+from .canvas import DPI
 from .data import inline_sql
-from .figures import DPI
-from .report import Section
+from .section import Section
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 980px; margin: 2em auto; color: #222;

@@ -20,6 +20,7 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
 from ..query import Database
+from .canvas import new_figure, shorten, show_token
 from .data import (
     DbOrPath,
     PlotData,
@@ -123,7 +124,6 @@ def _colour_norm(grid: np.ndarray) -> tuple[Normalize, str]:
 
 
 def lens_figure(spec: Spec, df: pd.DataFrame) -> Figure:
-    from .figures import _figure, _short, show_token
 
     m = spec.meta
     by, token = m["by"], m.get("token")
@@ -146,7 +146,7 @@ def lens_figure(spec: Spec, df: pd.DataFrame) -> Figure:
     n_cols, n_rows = len(positions), len(rows)
     dense = n_cols > 60  # too many columns to label each cell readably
     cell_w = 0.22 if dense else 0.62
-    fig = _figure(max(6.5, 3.6 + cell_w * n_cols), max(3.5, 2.6 + 0.45 * n_rows))
+    fig = new_figure(max(6.5, 3.6 + cell_w * n_cols), max(3.5, 2.6 + 0.45 * n_rows))
     ax = fig.add_subplot()
     cmap = colormaps["viridis"].with_extremes(bad="#d9d9d9")  # NULL cells: grey
     norm, extend = _colour_norm(grid)
@@ -194,7 +194,7 @@ def lens_figure(spec: Spec, df: pd.DataFrame) -> Figure:
     width = max(40, int(fig.get_figwidth() * 11))
     ax.set_title(f"{head}: model {m['model']}, prompt {m['prompt_id']}, {roles} sites\n"
                  + textwrap.fill(what + clipped, width)
-                 + f"\n\u201c{_short(m['text'], width)}\u201d", fontsize=11)
+                 + f"\n\u201c{shorten(m['text'], width)}\u201d", fontsize=11)
     return fig
 
 

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
-from matplotlib.figure import Figure
 
 from .data import (
     OUTLIER_FACTOR,
@@ -28,25 +25,11 @@ from .data import (
     profile_spec,
     store_models,
 )
+from .section import Section
 
 # An eigenvalue "vanishes" when it is this many times below the layer's median eigenvalue.
 VANISHING = 1e-3
 TOP_DIMS = 10
-
-
-@dataclass(frozen=True, kw_only=True)
-class Section:
-    """One measurement: the query, its answer, a figure, the claim and this model's numbers."""
-
-    key: str
-    title: str
-    sql: str
-    params: dict[str, Any]
-    df: pd.DataFrame
-    figure: Figure
-    claim: str
-    finding: str  # with {name} fields filled from `numbers`
-    numbers: dict[str, float | int | str] = field(default_factory=dict)
 
 
 def _residual_roles(db: Any, model: str) -> list[str]:

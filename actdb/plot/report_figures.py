@@ -8,12 +8,12 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
-from .figures import PULL, PUSH, _figure
+from .canvas import PULL, PUSH, new_figure
 
 
 def spectrum_figure(df: pd.DataFrame, model: str) -> Figure:
     """A line per site: its eigenvalues, largest first, on a log axis."""
-    fig = _figure(8.0, 4.8)
+    fig = new_figure(8.0, 4.8)
     ax = fig.add_subplot()
     cmap = colormaps["viridis"]
     n = len(df)
@@ -41,7 +41,7 @@ def spectrum_figure(df: pd.DataFrame, model: str) -> Figure:
 def emergence_figure(df: pd.DataFrame, model: str) -> Figure:
     """Per layer: the share of prompts whose final answer is the lens's top token, and the
     answer's median rank (log axis, right)."""
-    fig = _figure(8.0, 4.6)
+    fig = new_figure(8.0, 4.6)
     ax = fig.add_subplot()
     x = np.arange(len(df))
     ax.plot(x, df["top1_share"].to_numpy(dtype=float), color=PUSH, marker="o",
@@ -67,7 +67,7 @@ def emergence_figure(df: pd.DataFrame, model: str) -> Figure:
 
 def dims_summary_figure(df: pd.DataFrame, model: str) -> Figure:
     """Bars: each top dim's mean contribution to the answer's logit over prompts."""
-    fig = _figure(8.0, max(3.5, 2.2 + 0.3 * len(df)))
+    fig = new_figure(8.0, max(3.5, 2.2 + 0.3 * len(df)))
     ax = fig.add_subplot()
     vals = df["mean_contribution"].to_numpy(dtype=float)
     ax.barh(np.arange(len(df)), vals, color=[PUSH if v >= 0 else PULL for v in vals],

@@ -97,10 +97,26 @@ def text_table(names: list[str], columns: list[list[Any]], *, max_colwidth: int 
     return "\n".join(" ".join(row) for row in zip(*out, strict=True))
 
 
+# What EXPLAIN answers: a plan's name and the plan drawn as lines of text, whose spaces and
+# newlines are the drawing (not a token's whitespace, to be made visible).
+EXPLAIN_COLUMNS = ["explain_key", "explain_value"]
+
+
+def _plans(table: pa.Table) -> list[tuple[str, str]] | None:
+    if table.column_names != EXPLAIN_COLUMNS:
+        return None
+    return [(str(k), str(v)) for k, v in zip(*(c.to_pylist() for c in table.columns),
+                                             strict=True)]
+
+
 def text_preview(table: pa.Table, total: int, columns: list[str]) -> str:
-    """The first rows of a result as plain text, then the row count."""
+    """The first rows of a result as plain text, then the row count; an EXPLAIN's plans as
+    drawn."""
     if not columns:
         return f"<actdb.Result: {total} rows, no columns>"
+    plans = _plans(table)
+    if plans is not None:
+        return "\n".join(f"{key}:\n{plan.rstrip()}" for key, plan in plans)
     body = text_table(table.column_names, [c.to_pylist() for c in table.columns],
                       max_colwidth=60)
     shown = table.num_rows
@@ -109,7 +125,13 @@ def text_preview(table: pa.Table, total: int, columns: list[str]) -> str:
 
 
 def html_preview(table: pa.Table, total: int, columns: list[str]) -> str:
-    """The first rows of a result as an HTML table, then the row count (for notebooks)."""
+    """The first rows of a result as an HTML table, then the row count (for notebooks); an
+    EXPLAIN's plans as drawn, each in a <pre> block under its name."""
+    plans = _plans(table)
+    if plans is not None:
+        return "<div class=\"actdb-result\">" + "".join(
+            f"<p><b>{html.escape(key)}</b></p><pre>{html.escape(plan.rstrip())}</pre>"
+            for key, plan in plans) + "</div>"
     df = visible_frame(table.to_pandas())
     body = df.to_html(index=False, max_cols=40, escape=True, border=0)
     more = f", first {len(df)} shown" if total > len(df) else ""

@@ -62,6 +62,48 @@ def test_result_repr_shows_rows_and_count_and_runs_once(db: actdb.Database) -> N
     assert len(df) == n and list(df.columns) == r.columns
 
 
+def test_explain_shows_its_plan_as_drawn_in_a_notebook_and_a_repl(db: actdb.Database) -> None:
+    """EXPLAIN's plan is a drawing whose spaces and newlines are its layout: the notebook's
+    HTML shows each plan in a <pre> block, character for character (no whitespace glyphs),
+    and the REPL's text shows it line by line, as DuckDB drew it."""
+    from html.parser import HTMLParser
+
+    result = db.sql("EXPLAIN SELECT count(*) FROM acts WHERE layer = 1")
+    plans = result.fetchall()  # what DuckDB answered: (name, drawing) rows
+    assert plans and all("\n" in plan and "  " in plan for _, plan in plans)
+
+    class Blocks(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pre: list[str] = []
+            self.bold: list[str] = []
+            self._in: str | None = None
+
+        def handle_starttag(self, tag: str, attrs: object) -> None:
+            self._in = tag if tag in ("pre", "b") else self._in
+            if tag == "pre":
+                self.pre.append("")
+            elif tag == "b":
+                self.bold.append("")
+
+        def handle_endtag(self, tag: str) -> None:
+            self._in = None
+
+        def handle_data(self, data: str) -> None:
+            if self._in == "pre":
+                self.pre[-1] += data
+            elif self._in == "b":
+                self.bold[-1] += data
+
+    blocks = Blocks()
+    page = result._repr_html_()
+    blocks.feed(page)
+    assert blocks.pre == [plan.rstrip() for _, plan in plans]
+    assert blocks.bold == [name for name, _ in plans]
+    assert not any(mark in page for mark in ("\u2423", "\u21b5"))  # the glyphs for " ", "\n"
+    assert repr(result) == "\n".join(f"{name}:\n{plan.rstrip()}" for name, plan in plans)
+
+
 def test_duckdb_fetch_names(db: actdb.Database) -> None:
     q = "SELECT prompt_id, position, token FROM tokens ORDER BY prompt_id, position"
     expected = db.sql(q).fetchall()

@@ -11,12 +11,15 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner, Result
+from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
+from support.prompts import PROMPTS
 
 import actdb
 import actdb.plot
@@ -287,12 +290,77 @@ def test_angles_compares_models_a_line_each(two_models: Path, tmp_path: Path) ->
     for model in ("gpt2", "llama"):
         part = df[df["model"] == model]
         close(lines[f"{model} · pre_attn"][0], part["layer"] / depth[model])
-    assert "relative depth" in fig.axes[0].get_xlabel()
+    assert fig.axes[0].get_xlabel() == "depth" and "layer / n_layers" in fig.get_suptitle()
     out = tmp_path / "a.svg"
     result = run("plot", "angles", two_models, "--model", "gpt2", "--model", "llama",
                  "--role", "pre_attn", "--relative-depth", "-o", out)
     assert result.exit_code == 0, result.stderr
     assert_image(out, "svg")
+
+
+@pytest.fixture(scope="module")
+def embed_and_not(tmp_path_factory: pytest.TempPathFactory,
+                  model_dir: Callable[[str], Path]) -> Path:
+    """bloom (a normed embedding: an `embed` site at layer -1) and llama (none) in one store."""
+    path = tmp_path_factory.mktemp("embed-and-not") / "s.actdb"
+    for family in ("bloom", "llama"):
+        actdb.ingest(path, model=str(model_dir(family)), prompts=PROMPTS[:3], device="cpu",
+                     name=family, chunk_tokens=8)
+    return path
+
+
+def _boxes(fig: Figure, ax: Any) -> list[Any]:
+    """Where an axes' x label and x tick labels are drawn (display units); ticks outside
+    the panel's range are not drawn."""
+    renderer = fig.canvas.get_renderer()
+    lo, hi = ax.get_xlim()
+    texts = [ax.xaxis.label] + [t for x, t in zip(ax.get_xticks(), ax.get_xticklabels(),
+                                                  strict=True)
+                                if t.get_text() and lo <= x <= hi]
+    return [t.get_window_extent(renderer) for t in texts if t.get_visible()]
+
+
+@pytest.mark.parametrize("relative", [False, True])
+def test_angles_panels_hold_their_points_bands_and_labels(embed_and_not: Path,
+                                                          relative: bool) -> None:
+    """Every role's panel shows its points, the embedding's at layer -1 too (in layers and in
+    relative depth); a one-layer role's band is drawn through its own mean, not beside it;
+    no panel's x labels reach into its neighbour's."""
+    with actdb.connect(embed_and_not, device="cpu") as db:
+        _, _, df = actdb.plot.angles_data(db, model=["bloom", "llama"])
+        fig = actdb.plot.angles(db, model=["bloom", "llama"], relative_depth=relative)
+        depth = dict(db.sql("SELECT model, n_layers FROM models").fetchall())
+    assert set(df["role"]) >= {"embed", "final"}
+    fig.canvas.draw()
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert list(panels)[0] == "embed"
+    for role, ax in panels.items():
+        lo, hi = ax.get_xlim()
+        means = [ln for ln in ax.lines if ln.get_gid() == "mean"]
+        want = df[df["role"] == role]
+        assert len(means) == want["model"].nunique(), role
+        for line in means:
+            model = str(line.get_label()).split(" · ")[0]
+            x = np.asarray(line.get_xdata(), float)
+            assert ((lo < x) & (x < hi)).all(), (role, model, x, (lo, hi))
+            part = want[want["model"] == model].sort_values("layer")
+            at = part["layer"].to_numpy(float) / (depth[model] if relative else 1)
+            close(np.asarray(line.get_ydata(), float), part["mean"])
+            if len(part) > 1:
+                close(x, at)
+                continue
+            # one layer: the bar (lo to hi of the band) stands at the mean's x
+            assert abs(x[0] - at[0]) < 0.1 * (hi - lo)
+            bars = [c for c in ax.collections if isinstance(c, LineCollection)
+                    and np.isclose(c.get_segments()[0][0][0], x[0])]
+            assert len(bars) == 1, (role, model)
+            seg = bars[0].get_segments()[0]
+            close([seg[0][1], seg[1][1]], [part["lo"].iloc[0], part["hi"].iloc[0]])
+    axes = list(panels.values())
+    for left, right in zip(axes, axes[1:], strict=False):
+        for a in _boxes(fig, left):
+            for b in _boxes(fig, right):
+                assert a.x1 <= b.x0, (left.get_title(), right.get_title())
 
 
 def test_norms_lines_equal_query_layer(db: actdb.Database) -> None:
