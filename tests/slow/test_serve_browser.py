@@ -199,3 +199,41 @@ def test_inputs_page_searches(server, tab):
     tab.wait_for_function("document.querySelectorAll('a.prompt-link').length === 1")
     assert tab.locator("a.prompt-link").inner_text() == "The capital of France."
     assert tab.errors == []
+
+
+@pytest.fixture(scope="module")
+def image_store(tmp_path_factory) -> Path:
+    """A ViT trained on scikit-learn's digits, ingested over six held-out PNG files."""
+    from click.testing import CliRunner
+    from support.vision_models import train_digits
+
+    from actdb.cli import cli
+
+    digits = train_digits(tmp_path_factory.mktemp("digits"), held_out=6)
+    store = tmp_path_factory.mktemp("image-store") / "digits.actdb"
+    done = CliRunner().invoke(cli, ["ingest", str(store), "--model", str(digits.model),
+                                    "--images", str(digits.images), "--device", "cpu"])
+    assert done.exit_code == 0, done.output
+    return store
+
+
+def test_an_image_store_lists_its_images_and_reads_its_classifier(image_store, tab):
+    import actdb
+
+    with actdb.connect(image_store, device="cpu") as d:
+        images = [r[0] for r in d.sql("SELECT image FROM prompts ORDER BY prompt_id").fetchall()]
+        model = d.sql("SELECT model FROM models").fetchone()[0]
+        want = d.sql("SELECT position, top_logits(vec, 1)[1].token FROM acts WHERE prompt_id = 2 "
+                     "AND role = 'final' ORDER BY position").fetchall()
+    with running(image_store) as s:
+        tab.goto(s.base)
+        tab.wait_for_selector("a.prompt-link")
+        assert tab.locator("a.prompt-link").all_inner_texts() == images
+        tab.goto(s.base + "input?prompt_id=2")
+        tab.wait_for_selector(f"table.lens[data-model='{model}'] td.cell")
+        assert tab.locator("#title").inner_text() == f"Input 2: {images[2]}"
+        top = tab.locator(f"table.lens[data-model='{model}'] tr[data-site]").first
+        assert top.get_attribute("data-site") == "final"
+        tokens = [c.get_attribute("data-token") for c in top.locator("td.cell").all()]
+        assert want and tokens == [t for _, t in want]  # the class names: 'digit 3', ...
+        assert tab.errors == []

@@ -164,3 +164,12 @@ GROUP BY role ORDER BY first_layer, role`;
   return {query, post, records, el, fill, svg, visible, fmt, params, link, showError, showSql,
           copy, nav, models, roles, select, shade};
 })();
+
+// The columns naming an input beside its text (an image store's file names; video, audio).
+actdb.MEDIA = ["image", "video", "audio"];
+
+// What names an input: its text, else its image (video, audio) as given at ingest.
+actdb.inputName = function inputName(row) {
+  for (const k of ["text", ...actdb.MEDIA]) if (row[k] !== null && row[k] !== undefined) return String(row[k]);
+  return "";
+};

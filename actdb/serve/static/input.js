@@ -19,7 +19,7 @@ WHERE model = $model AND prompt_id = $prompt_id AND role IN ($role, 'final')
 ORDER BY layer DESC, site DESC, position`,
 };
 
-const PROMPT_SQL = "SELECT text FROM prompts WHERE prompt_id = $prompt_id";
+const PROMPT_SQL = "SELECT * FROM prompts WHERE prompt_id = $prompt_id";
 
 (async () => {
   const {el, query, records, showSql, showError, params, visible, fmt, shade} = actdb;
@@ -38,7 +38,7 @@ const PROMPT_SQL = "SELECT text FROM prompts WHERE prompt_id = $prompt_id";
     showSql("prompt", "The prompt", PROMPT_SQL, {prompt_id: promptId});
     const prompt = records(await query(PROMPT_SQL, {prompt_id: promptId}));
     document.getElementById("title").textContent =
-      prompt.length ? `Prompt ${promptId}: ${prompt[0].text}` : `Prompt ${promptId} is not in the store`;
+      prompt.length ? `Input ${promptId}: ${actdb.inputName(prompt[0])}` : `Input ${promptId} is not in the store`;
 
     const reload = changes => {
       const next = {model: chosen.join(","), prompt_id: promptId, role, lens, ...changes};

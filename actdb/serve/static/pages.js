@@ -1,12 +1,20 @@
 // The inputs page and the cell page: small enough to share a file.
 "use strict";
 
-const PROMPTS_SQL = `SELECT p.prompt_id, p.text, count(*) AS n_tokens
+// The inputs' own columns beside text: an image store's file names (and video, audio).
+const MEDIA = actdb.MEDIA;
+const COLUMNS_SQL = "SELECT * FROM prompts LIMIT 0";
+
+function promptsSql(media) {
+  const shown = ["p.text", ...media.map(m => `p.${m}`)];
+  return `SELECT p.prompt_id, ${shown.join(", ")}, count(*) AS n_tokens
 FROM prompts AS p JOIN tokens AS t ON t.prompt_id = p.prompt_id
-WHERE t.model = $model AND contains(lower(p.text), lower($search))
-GROUP BY p.prompt_id, p.text
+WHERE t.model = $model
+  AND contains(lower(concat_ws(' ', ${shown.join(", ")})), lower($search))
+GROUP BY ALL
 ORDER BY p.prompt_id
 LIMIT 500`;
+}
 
 actdb.inputsPage = async function inputsPage() {
   const {el, query, records, showSql, showError, params, link} = actdb;
@@ -20,6 +28,10 @@ actdb.inputsPage = async function inputsPage() {
     const search = el("input", {type: "search", id: "search", placeholder: "search the prompts", value: q.get("search") || ""});
     actdb.fill(document.getElementById("controls"),
       el("label", {}, "model ", modelSelect), el("label", {}, search));
+    showSql("columns", "The inputs' columns", COLUMNS_SQL, null);
+    const columns = (await query(COLUMNS_SQL, null)).columns;
+    const media = MEDIA.filter(m => columns.includes(m));
+    const PROMPTS_SQL = promptsSql(media);
     const list = document.getElementById("content");
     let pending = 0;
     const load = async () => {
@@ -35,10 +47,11 @@ actdb.inputsPage = async function inputsPage() {
           el("p", {class: "note", id: "prompt-count"}, `${rows.length} prompt${rows.length === 1 ? "" : "s"}` +
              (rows.length === 500 ? " (the first 500)" : "")),
           el("table", {class: "data prompts"},
-            el("tr", {}, el("th", {}, "id"), el("th", {}, "text"), el("th", {}, "tokens"), el("th", {}, "")),
+            el("tr", {}, el("th", {}, "id"), el("th", {}, media.length ? `text or ${media.join(" or ")}` : "text"),
+               el("th", {}, "positions"), el("th", {}, "")),
             rows.map(r => el("tr", {},
               el("td", {class: "num"}, r.prompt_id),
-              el("td", {}, el("a", {class: "prompt-link", href: link("/input", {model, prompt_id: r.prompt_id})}, r.text)),
+              el("td", {}, el("a", {class: "prompt-link", href: link("/input", {model, prompt_id: r.prompt_id})}, actdb.inputName(r))),
               el("td", {class: "num"}, r.n_tokens),
               el("td", {}, el("a", {href: link("/trajectory", {model, prompt_id: r.prompt_id})}, "trajectory"))))));
       } catch (e) {
