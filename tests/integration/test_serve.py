@@ -322,3 +322,47 @@ def test_projection_docstring_example():
     from actdb.serve import projection
 
     assert doctest.testmod(projection).failed == 0
+
+
+def test_a_store_being_ingested_is_served_as_readers_see_it(tmp_path, family_store, model_dir):
+    """An ingest into the served store runs beside it; every answer meanwhile is a committed
+    state, and the new prompts appear once the connections refresh their snapshots."""
+    import shutil
+
+    from support.prompts import PROMPTS
+
+    import actdb
+
+    store = tmp_path / "s.actdb"
+    shutil.copytree(family_store(FAMILY), store)
+    more = [f"Prompt number {i} arrives while the explorer serves the store." for i in range(24)]
+    count = "SELECT count(*) FROM prompts"
+    seen: list[int] = []
+    with running(store, "--connections", "2") as s:
+        assert s.query(count)[1]["rows"] == [[len(PROMPTS)]]
+        done = threading.Event()
+
+        def ingest() -> None:
+            try:
+                actdb.ingest(store, model=str(model_dir(FAMILY)), prompts=PROMPTS + more,
+                             batch_size=2, device="cpu", name=FAMILY, chunk_tokens=8)
+            finally:
+                done.set()
+
+        worker = threading.Thread(target=ingest)
+        worker.start()
+        while not done.is_set():
+            status, body = s.query(count)
+            assert status == 200, body
+            seen.append(body["rows"][0][0])
+        worker.join()
+        deadline = time.monotonic() + 30
+        while seen[-1] != len(PROMPTS) + len(more) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            seen.append(s.query(count)[1]["rows"][0][0])
+        # the new rows' tensors are there too: a tensor function reads them
+        status, body = s.query("SELECT count(vec_norm(vec)) FROM acts WHERE prompt_id >= $p",
+                               {"p": len(PROMPTS)})
+        assert status == 200 and body["rows"][0][0] > 0, body
+    assert seen[-1] == len(PROMPTS) + len(more), seen
+    assert all(len(PROMPTS) <= n <= len(PROMPTS) + len(more) for n in seen)
