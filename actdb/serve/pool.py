@@ -11,7 +11,9 @@ stops the query between chunks of rows and leaves the connection ready for the n
 
 A connection sees the store as it was when it was opened, as every reader does; a worker
 opens a fresh one when its snapshot is older than `refresh_seconds`, so prompts an ingest
-commits meanwhile appear on the explorer's next queries.
+commits meanwhile appear on the explorer's next queries, and when another worker has opened a
+newer one, so that a page's next query never sees less than its last (each would otherwise
+answer from a snapshot of its own age).
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ class Pool:
         self._connect = connect
         self._refresh = refresh_seconds
         self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._newest = 0.0  # time.monotonic() at which the newest snapshot was opened
+        self._newest_lock = threading.Lock()
         self._threads = [threading.Thread(target=self._serve, name=f"actdb-serve-{i}",
                                           daemon=True) for i in range(size)]
         for t in self._threads:
@@ -143,16 +147,20 @@ class Pool:
             job = self._jobs.get()
             if job is None:
                 break
-            if db is not None and time.monotonic() - opened > self._refresh:
+            if db is not None and (time.monotonic() - opened > self._refresh
+                                   or opened < self._newest):
                 db.close()
                 db = None
             if db is None:
+                started = time.monotonic()
                 try:
                     db = self._connect()
                 except BaseException as e:  # noqa: BLE001 - the request answers with it
                     job.future.set_exception(e)
                     continue
-                opened = time.monotonic()
+                opened = started
+                with self._newest_lock:
+                    self._newest = max(self._newest, opened)
             db = self._run(job, db)
         if db is not None:
             db.close()
