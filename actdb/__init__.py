@@ -67,7 +67,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def report(db: Database | str | os.PathLike[str], output: str | os.PathLike[str] | None = None,

@@ -112,7 +112,8 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--name", default=None, help="Name of the model in the store (default: derived).")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=None,
-              help="Token rows per Zarr chunk (default: about 2 MiB per chunk).")
+              help="Token rows per Zarr chunk (default: a power of two, at least 64, giving "
+                   "about 256 KiB of float16 directions per chunk).")
 @click.option("--device-map", default=None,
               help="Spread a model too large for one device over several (accelerate's "
                    "device_map, e.g. auto); hooks capture wherever each module lives.")
