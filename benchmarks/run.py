@@ -67,9 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", type=Path, default=Path("bench-data"))
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
-    ap.add_argument("--only", choices=["full-scan", "ingest", "start-up", "memory"],
+    ap.add_argument("--only", choices=["full-scan", "ingest", "start-up", "memory", "images"],
                     default=None, help="run only the full scan and its checksum cost, only the "
-                                       "ingest, only the start-up, or only the memory workload")
+                                       "ingest, only the start-up, only the memory workload, "
+                                       "or only the image ingest")
     ap.add_argument("--device", default="cpu",
                     help="where queries, the ingest and the torch baselines run: cpu or cuda")
     ap.add_argument("--keep-going", action="store_true",
@@ -106,7 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if only in (None, "ingest"):
             step("1. Ingest overhead", lambda: workloads.ingest_overhead(scale, work, repeats))
-        if only != "ingest":
+        if only in (None, "images"):
+            import images
+
+            step("15. Image ingest", lambda: images.image_ingest(work, repeats, scale.name))
+        if only not in ("ingest", "images"):
             scan = workloads.ScanData.build(scale, work)
             full_scan: list[Result] = []
 

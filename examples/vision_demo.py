@@ -64,6 +64,8 @@ def main() -> None:
     run("query", str(store), LENS)
     pictures.mkdir(exist_ok=True)
     run("plot", "lens", str(store), "--prompt-id", "0", "-o", str(pictures / "vision-lens.png"))
+    run("plot", "patches", str(store), "--input", "0", "-o",
+        str(pictures / "vision-patches.png"))
 
 
 if __name__ == "__main__":

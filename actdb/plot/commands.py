@@ -64,10 +64,11 @@ def _draw(ctx: click.Context, kind: str, store: str, device: str, output: Path |
     """Resolve the request, then print its SQL or draw and save the figure."""
     from . import figures
     from .data import inline_sql, opened
+    from .patches import patches_figure
 
     draw = {"lens": figures.lens_figure, "angles": figures.profile_figure,
             "norms": figures.profile_figure, "rotation": figures.profile_figure,
-            "dims": figures.dims_figure}[kind]
+            "dims": figures.dims_figure, "patches": patches_figure}[kind]
     with _errors(ctx), opened(store, device) as db:
         spec = make_spec(db)
         if show_sql:
@@ -222,3 +223,39 @@ def dims(ctx: click.Context, store: str, prompt_id: int, position: int, token: s
 
     _draw(ctx, "dims", store, device, output, show_sql,
           lambda db: dims_spec(db, prompt_id, position, token, model=model, site=site, k=k))
+
+
+@plot.command()
+@click.argument("store", type=click.Path(path_type=str))
+@click.option("--prompt-id", "--input", "prompt_id", type=int, required=True,
+              help="The image input (its prompt id).")
+@click.option("--model", default=None, help="Model in the store (default: the only one).")
+@click.option("--layer", type=int, default=None,
+              help="One layer's sites only (default: the pre-attention sites and the final).")
+@click.option("--token", default=None,
+              help="Colour by this label's probability instead of the top label, e.g. "
+                   "'digit 3'.")
+@click.option("--frame", type=int, default=0, show_default=True,
+              help="For a video input: the frame (tubelet) to draw.")
+@_common
+@click.pass_context
+def patches(ctx: click.Context, store: str, prompt_id: int, model: str | None,
+            layer: int | None, token: str | None, frame: int, output: Path | None,
+            show_sql: bool, device: str) -> None:
+    """An image input's patches, each coloured by what it reads as at each layer.
+
+    A panel per layer (the pre-attention sites and the final one): every patch coloured by
+    its top label through the model's head (an image classifier's 'classifier' anchors), or
+    with --token by that label's probability, over the image where its file is still there.
+
+    \b
+    Example:
+      actdb plot patches vision.actdb --input 0 -o patches.png
+      actdb plot patches vision.actdb --input 0 --token 'digit 3' -o three.png
+    """
+    from .patches import patches_spec
+
+    tok: str | int | None = int(token) if token is not None and token.isdigit() else token
+    _draw(ctx, "patches", store, device, output, show_sql,
+          lambda db: patches_spec(db, prompt_id, model=model, layer=layer, token=tok,
+                                  frame=frame))

@@ -21,6 +21,7 @@ def test_tiny_benchmark_writes_every_workload(tmp_path: Path) -> None:
     for title in ("1. Ingest overhead", "2. Full scan", "3. Selective query",
                   "4. Nearest anchors", "5. Storage", "6. Memory", "7. Checksum cost",
                   "12. Other functions over a full scan", "13. Vector aggregates",
+                  "15. Image ingest",
                   "## Machine"):
         assert title in text
     # Every baseline and ratio is reported, and actdb's answer agrees with the baselines'.

@@ -315,3 +315,35 @@ def test_bad_videos_are_one_sentence(video_model: Path, tmp_path: Path) -> None:
                         str(tmp_path / "b.jsonl"))
     assert code == 1 and "fails on a forward pass over the inputs its processor made" in out
     assert "Traceback" not in out
+
+
+def test_plot_patches_reads_each_patch_through_the_head(digits: Digits, digits_store: Path,
+                                                       tmp_path: Path) -> None:
+    from PIL import Image
+    from transformers import AutoImageProcessor, ViTForImageClassification
+
+    from actdb.plot.patches import patches_spec
+
+    db = actdb.connect(digits_store)
+    spec = patches_spec(db, 0)
+    df = spec.run(db).df
+    final = df[df["site"] == "final"].sort_values(["patch_row", "patch_col"])
+    assert len(final) == 16 and set(df["site"]) == {"blocks.0.ln1", "blocks.1.ln1", "final"}
+    # the reference: the model's own final-norm output at each patch, through its classifier
+    model = ViTForImageClassification.from_pretrained(digits.model).eval()
+    processor = AutoImageProcessor.from_pretrained(digits.model)
+    first = sorted(digits.images.iterdir())[0]
+    pixels = processor(images=[Image.open(first).convert("RGB")],
+                       return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        y = model.vit(pixel_values=pixels).last_hidden_state[0, 1:]  # the patches, normed
+        want = model.classifier(y).argmax(-1)
+    assert list(final["top"]) == [f"digit {int(i)}" for i in want]
+    assert spec.meta["image"] == str(first)
+    out = tmp_path / "patches.png"
+    code = CliRunner().invoke(cli, ["plot", "patches", str(digits_store), "--input", "0",
+                                    "--token", "digit 3", "-o", str(out)]).exit_code
+    assert code == 0 and out.stat().st_size > 1000
+    result = CliRunner().invoke(cli, ["plot", "patches", str(digits_store), "--input", "0",
+                                      "--sql"])
+    assert result.exit_code == 0 and "patch_row IS NOT NULL" in result.output
