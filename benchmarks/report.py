@@ -71,26 +71,31 @@ def machine(load_at_start: tuple[float, float, float] | None = None) -> dict[str
 
 def write_report(path: Path, results: list[Result], mach: dict[str, str], *, command: str,
                  seconds: float, scale: str) -> None:
+    """BENCHMARKS.md: today's table first (each ratio against its baseline, the target, the
+    machine and the command), the machine, then each workload's set-up and figures."""
     lines = [
         "# Benchmarks",
         "",
-        f"Written by `{command}` (`make bench`) in {seconds:.0f} s, scale `{scale}`. Every figure "
-        "is measured in the same run as its baseline, on the same data, with fixed seeds; "
-        "times are medians of repeated runs after a warm-up, with a warm page cache.",
+        "Today's figures: every ratio is actdb against a baseline measured in the same run, on "
+        "the same data, with fixed seeds (times are medians of repeated runs after a warm-up, "
+        "page cache warm). Compare ratios, not times across machines. Each workload's set-up "
+        "and its figures follow the table; earlier runs are in git's history.",
         "",
-        "## Machine",
-        "",
-        *[f"- {k}: {v}" for k, v in mach.items()],
-        "",
-        "## Summary",
-        "",
-        "| workload | ratio | value | target | met |",
-        "|---|---|---|---|---|",
+        "| workload | measured against (baseline) | ratio | target | met | machine | command |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for label, value, target, met in r.ratios:
             lines.append(f"| {r.title} | {label} | {value:.3g} | {target} | "
-                         f"{'yes' if met else '**no**'} |")
+                         f"{'yes' if met else '**no**'} | A | `{command}` |")
+    lines += [
+        "",
+        "## Machine",
+        "",
+        f"A: the machine of this run (`{command}`, {seconds:.0f} s, scale `{scale}`):",
+        "",
+        *[f"- {k}: {v}" for k, v in mach.items()],
+    ]
     for r in results:
         lines += ["", f"## {r.title}", "", r.what, ""]
         lines += [f"- {label}: {value}" for label, value in r.figures]
