@@ -21,7 +21,7 @@ from .errors import ActdbError, QuerySyntaxError
 F = TypeVar("F", bound=Callable[..., Any])
 
 # NumPy's OpenBLAS starts a thread per core when numpy is imported, and they spin waiting for
-# work: 0.09 s of CPU on two cores, a sixth of a CLI query's start, for a pool actdb never
+# work, a noticeable share of a CLI query's start, for a pool actdb never
 # uses (its matrix work is torch's, under the thread policy of query/threads.py). Set before
 # anything imports numpy; a value the user set is kept.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -602,8 +602,8 @@ def _exit(code: object) -> None:
     left that the ordinary exit would wait for (every store closed, every pool joined; daemon
     threads such as zarr's event loop it never waits for), run the exit handlers, flush the
     standard streams and end the process there: freeing every module and object of NumPy,
-    DuckDB and Arrow one by one cost 0.05-0.07 s of CPU, an eighth of a query's start, and
-    left nothing on disk or on screen that the handlers and the flush do not. Otherwise the
+    DuckDB and Arrow one by one is a noticeable share of a short query's CPU, and
+    leaves nothing on disk or on screen that the handlers and the flush do not. Otherwise the
     ordinary exit, which waits for those threads."""
     import threading
 

@@ -33,7 +33,7 @@ def split(x: torch.Tensor, *, out: torch.Tensor | None = None
     shape) when given: the ingest passes a buffer it reuses for every site and batch, since
     fresh buffers of that size cost a page fault every 4 KiB. One division and no
     `torch.where` over the whole batch unless some norm is 0: the ingest runs this on every
-    norm input (three times faster than a where over [n, d])."""
+    norm input, and a where over [n, d] is several passes over memory."""
     x = x.float()
     norm = torch.linalg.vector_norm(x, dim=-1)  # [...]
     mean = x.mean(dim=-1)  # [...]

@@ -55,8 +55,7 @@ def _pre(h: torch.Tensor, head: nn.Module, *, bias: bool = True) -> torch.Tensor
     of the vocabulary at a time (no converted copy of the whole head), on the head's device
     (on a GPU, the head is not copied to the host: only the [n, V] products are). The product
     runs in float32 (float64 for a float64 model): its relative error, about 1e-7, is far
-    below the fit's tolerance (1e-4), and a float64 product of a 50k vocabulary cost an
-    ingest 0.5 s."""
+    below the fit's tolerance (1e-4), and a float64 product of a large vocabulary is slow."""
     w = head.weight
     assert isinstance(w, torch.Tensor)
     dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
@@ -166,8 +165,8 @@ class LogitFit:
                               f"{final.record.module!r}")
         if self.sent.dtype in (torch.float32, torch.float64):
             # h is r scaled row by row (rounded to float32 at most, 1e-7 relative): its
-            # product is r's, scaled, within the product's own rounding (a second pass over
-            # the LM head cost the ingest 0.04 s)
+            # product is r's, scaled, within the product's own rounding (so no second pass
+            # over the LM head)
             pre = self.product * (self.target / self.base).unsqueeze(-1)
             b = getattr(head, "bias", None)
             if isinstance(b, torch.Tensor):

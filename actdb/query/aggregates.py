@@ -28,9 +28,9 @@ if TYPE_CHECKING:
     import pyarrow.compute as pc
     import torch
 else:
-    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
+    pa = lazy_module("pyarrow")  # imported when Arrow data is first made or read
     torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
-    pc = lazy_module("pyarrow.compute")  # 0.1 s to import: when a function first runs
+    pc = lazy_module("pyarrow.compute")  # imported when a function first runs
 
 
 # float64 [d, d] sums of outer products that `spectrum` holds at once: a batch of up to 2,048
@@ -67,13 +67,12 @@ class DirectionTable:
     it in this table's UDF, `ids`). DuckDB folds a UDF of constants into one call when it
     plans the query, so a literal or a parameter is registered once, and a scalar subquery
     once per 2,048 rows; the function then gets a column of one integer a row, where the list
-    itself, copied into every row of every call, was most of a full scan's time (262,144 rows
-    of d = 768: 2.3 s, 1.7 s of it DuckDB's). Directions that differ by row are registered row
-    by row, each distinct one once. Past `max_bytes` the table forgets the least recently used
-    of those registered row by row first, and only then the ones registered alone (the
-    constants, which a bulk window may use for many calls without asking for them again); a
-    query that still needs one it forgot gets a QueryError, never another's values. Each
-    direction's bytes are held once (its key, read as float32)."""
+    itself, copied into every row of every call, was most of a full scan's time. Directions that
+    differ by row are registered row by row, each distinct one once. Past `max_bytes` the table
+    forgets the least recently used of those registered row by row first, and only then the ones
+    registered alone (the constants, which a bulk window may use for many calls without asking
+    for them again); a query that still needs one it forgot gets a QueryError, never another's
+    values. Each direction's bytes are held once (its key, read as float32)."""
 
     MAX_BYTES = 256 << 20
 

@@ -12,7 +12,7 @@ from ..lazy import lazy_module
 if TYPE_CHECKING:
     import pyarrow as pa
 else:
-    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
+    pa = lazy_module("pyarrow")  # imported when Arrow data is first made or read
 
 VISIBLE = ((" ", "␣"), ("\n", "↵"), ("\t", "→"), ("\r", "␍"))
 _NAMES = {" ": "a space", "\n": "a newline", "\t": "a tab", "\r": "a carriage return"}
@@ -85,7 +85,7 @@ def _cell(value: Any) -> str:
 
 def text_table(names: list[str], columns: list[list[Any]], *, max_colwidth: int = 80) -> str:
     """Rows as aligned plain text, from each column's Python values (no pandas: the CLI's table
-    output is on the path of every `actdb query`, and importing pandas cost 0.4 s of CPU)."""
+    output is on the path of every `actdb query`, and importing pandas is slow)."""
     if not columns or not len(columns[0]):
         return f"(no rows) {names}"
     out = []

@@ -39,9 +39,9 @@ class TensorFunction:
     doc: str
     kernel: Callable[..., None] | None = None  # None for views (pure SQL)
     view: str | None = None
-    # Each row is a product with a whole vocabulary (about 0.3 ms a row for GPT-2 small on
-    # two cores): its rows are computed as DuckDB asks for them, never ahead of the query
-    # (bulk.py), where rows past the query's last would cost as much as the rows it asked for.
+    # Each row is a product with a whole vocabulary (costly): its rows are computed as DuckDB
+    # asks for them, never ahead of the query (bulk.py), where rows past the query's last
+    # would cost as much as the rows it asked for.
     vocabulary_wide: bool = False
 
     @property
@@ -102,8 +102,8 @@ def direction_udf(session: str) -> str:
 def token_sql(name: str) -> str:
     """The SQL that packs token argument `name` for its UDF: its SQL type (a token id or a
     token's text), kernels.TOKEN_SEP, then its text. DuckDB folds a constant token into one
-    value, but hands an Arrow UDF every row of each string argument: one column where there
-    were two cut a 262,144-row scan by 5 ms (kernels.Arg.tokens unpacks it)."""
+    value, but hands an Arrow UDF every row of each string argument, so one column costs
+    less to hand over than two (kernels.Arg.tokens unpacks it)."""
     return f"(typeof({name}) || chr({ord(kernels.TOKEN_SEP)}) || CAST({name} AS VARCHAR))"
 
 

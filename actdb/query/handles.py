@@ -44,7 +44,7 @@ from ..store.limits import MAX_STREAMS, ROW_BITS, STREAM_BITS
 if TYPE_CHECKING:
     import pyarrow as pa
 else:
-    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
+    pa = lazy_module("pyarrow")  # imported when Arrow data is first made or read
 
 try:  # the compiled loops (actdb/_native.c); a build without a C compiler uses NumPy's
     from .. import _native
@@ -54,7 +54,7 @@ _COMPILED = _native is not None and hasattr(_native, "handles_open")  # an older
 
 # DECIMAL(38, 0) is a 128-bit integer to DuckDB, and it crosses into Python's Arrow UDFs and
 # back as decimal128(38, 0) without a conversion; a HUGEINT made by a UDF is converted from
-# that decimal value by value, which made every scan several times slower.
+# that decimal value by value, which dominated a scan.
 SQL_TYPE = "DECIMAL(38, 0)"
 KEY_BYTES = 16
 STREAM_SHIFT = ROW_BITS

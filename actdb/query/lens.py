@@ -62,8 +62,8 @@ class LensRows:
 
         The product and the caller's reductions over each [block, V] (it runs while this is
         suspended at its yield) get the threads their size earns (`lens_threads`), as the
-        top-k's product does: the UDF around them runs at one thread, and the product alone on
-        one core made `entropy` 1.6-1.9 ms a row for GPT-2 small on two cores. A caller that
+        top-k's product does: the UDF around them runs at one thread, which would leave the
+        product on one core. A caller that
         walks two of these at once sets the threads itself around both (`own_threads=False`):
         two settings held open and closed in the same order would leave the wrong one behind."""
         w, b = self.src.unembed(model)

@@ -1,11 +1,10 @@
 """List results of tensor functions, built as Arrow columns rather than Python objects.
 
 A list function (`top_logits`, `nearest_anchors`, `top_dims`, `to_list`, `delta`, ...) returns
-one list per row. Building a Python dict per entry and letting pyarrow parse them back cost
-more than the function itself on a scan (`top_dims(vec, 3)` over 65,536 rows: 0.47 s of 1.0 s
-in the dict comprehension alone). `ListResults` takes whole blocks of rows as Arrow arrays made
-from the kernel's tensors (`put`), and still takes a Python value per row (`out[i] = value`)
-from kernels whose rows are few (`mean_vector`, `spectrum`); `arrow()` makes the column.
+one list per row. Building a Python dict per entry and letting pyarrow parse them back cost more
+than the function itself on a scan. `ListResults` takes whole blocks of rows as Arrow arrays
+made from the kernel's tensors (`put`), and still takes a Python value per row (`out[i] =
+value`) from kernels whose rows are few (`mean_vector`, `spectrum`); `arrow()` makes the column.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from ..lazy import lazy_module
 if TYPE_CHECKING:
     import pyarrow as pa
 else:
-    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
+    pa = lazy_module("pyarrow")  # imported when Arrow data is first made or read
 
 
 class ListResults:

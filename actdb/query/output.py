@@ -16,7 +16,7 @@ from .result import Result, converted
 if TYPE_CHECKING:
     import pyarrow as pa
 else:
-    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
+    pa = lazy_module("pyarrow")  # imported when Arrow data is first made or read
 
 
 def _json_default(value: Any) -> Any:

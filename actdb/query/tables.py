@@ -17,7 +17,7 @@ from ..lazy import lazy_module
 if TYPE_CHECKING:
     import pyarrow as pa
 else:
-    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
+    pa = lazy_module("pyarrow")  # imported when Arrow data is first made or read
 
 # Catalog tables and the views built on them: a user table may not hide one.
 STORE_TABLES = frozenset({"acts", "models", "prompts", "tokens", "sites", "vocab", "meta",

@@ -1,8 +1,8 @@
 """One thread policy for a query: DuckDB's threads, torch's intra-op pool, and the read-ahead.
 
-Measured on a busy machine (BENCHMARKS.md): the same scan took 10 s with torch's default
-threads and 0.35 s with one, because small tensor ops fanned out to a pool whose threads
-fought DuckDB, the read-ahead and the machine's other processes for the cores. So:
+Left to torch's defaults, small tensor ops fan out to a pool whose threads fight DuckDB,
+the read-ahead and the machine's other processes for the cores, which on a busy machine makes
+a scan many times slower. So:
 - DuckDB runs one thread: every tensor function is a Python UDF holding the GIL, so more
   DuckDB threads only wait on it (and idle DuckDB workers compete with torch).
 - Tensor functions run torch on one thread; an op fans out only when it is big enough to
@@ -29,9 +29,9 @@ else:
 DUCKDB_THREADS = 1
 READAHEAD_CHUNKS = 8
 # Below this many floating-point operations an op is done on one thread faster than a pool
-# can be woken and joined (about 10 ms of one core's matrix work).
+# can be woken and joined.
 FAN_OUT_FLOPS = 5e8
-# /proc/loadavg is read this many times this far apart when deciding (well under 1% of such
+# /proc/loadavg is read this many times this far apart when deciding (a small share of such
 # an op's time).
 _SAMPLES = 3
 _SAMPLE_GAP_S = 0.0002

@@ -60,7 +60,7 @@ class ChunkFormat:
     @property
     def nbytes(self) -> int:
         # math.prod, not np.prod: this runs several times per chunk read (a scan reads
-        # thousands), and np.prod's dispatch cost 20% of a full scan
+        # thousands), and np.prod's dispatch showed up in a full scan's profile
         return math.prod(self.shape) * self.dtype.itemsize
 
     @property
@@ -225,11 +225,11 @@ def write_direct(tmp: str, data: np.ndarray, crc: int | None, point: str) -> boo
     O_DIRECT, and fsync it; False, with nothing left at `tmp`, where the system or its file
     system does not take O_DIRECT (tmpfs before Linux 6.6, some FUSE and network file systems).
 
-    A buffered write of a 25 MB weight chunk into fresh page-cache pages cost 3.4 ms of system
-    time per MB here (0.53-0.63 s for GPT-2's 154 MB embedding, on the commit thread beside the
-    first forward pass); past the page cache, through one reused 4 MiB buffer, it is the copy
-    into that buffer. The file's length is not a multiple of the alignment (the CRC's 4 bytes):
-    the last piece is written padded, and the file cut to its size."""
+    A buffered write of a large weight chunk into fresh page-cache pages costs system time per
+    page (on the commit thread, beside the first forward pass); past the page cache, through one
+    reused 4 MiB buffer, it is the copy into that buffer. The file's length is not a multiple of
+    the alignment (the CRC's 4 bytes): the last piece is written padded, and the file cut to its
+    size."""
     flag = getattr(os, "O_DIRECT", 0)
     folder = os.path.dirname(tmp) or "."
     if not flag:
@@ -301,7 +301,7 @@ def local_info(root: Path, label: str
     group folder `root`, read from its `zarr.json` alone, where it is stored raw as
     `raw_layout` accepts it; None otherwise (no file, metadata that is not JSON or not such
     an array: zarr-python then opens it and reports what is wrong). Reading a store through
-    zarr imports it (0.3 s of CPU) and costs about 0.6 ms an array on its event loop."""
+    zarr imports it (slow to import) and runs each array's open on its event loop."""
     try:
         doc = json.loads((root / label / "zarr.json").read_bytes())
         if (not isinstance(doc, dict) or doc.get("zarr_format") != 3
