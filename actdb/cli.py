@@ -129,6 +129,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--cluster", default=None, metavar="ADDRESS|local:N",
               help="Run one shard ingest per Dask worker (a scheduler address, or local:N "
                    "worker processes here), then merge them.")
+@click.option("--weights", type=click.Choice(["all", "none"]), default="all", show_default=True,
+              help="Store a new model's attention and MLP matrices per layer, and each head's "
+                   "OV and QK circuits, beside its embedding and head.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 @click.pass_context
 def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
@@ -427,6 +430,7 @@ def info(ctx: click.Context, store: str) -> None:
         )
         if m["has_lm_head"]:
             click.echo(f"  logits: {_logit_text(m)}")
+        click.echo(f"  layer weights: {_weights_text(m.get('weights'))}")
         click.echo(f"  {'site':<22} {'layer':>5}  {'role':<10} {'kind':<11} {'d':>5}  "
                    f"{'heads':>5}  {'max rel err':>11}  module")
         for s in (s for s in i.sites if s["model"] == m["model"]):
@@ -436,6 +440,17 @@ def info(ctx: click.Context, store: str) -> None:
                 s["n_heads"])
             click.echo(f"  {s['site']:<22} {s['layer']:>5}  {s['role']:<10} {s['kind']:<11} "
                        f"{s['d']:>5}  {heads!s:>5}  {err_text:>11}  {s['module']}")
+
+
+def _weights_text(w: dict[str, Any] | None) -> str:
+    """What of the blocks' matrices the store holds, and what it adds on disk."""
+    if w is None:
+        return "none stored (ingested with --weights none, or before weights were stored)"
+    text = (f"{_human(w['bytes'])} (attention of {_count(w['attention_layers'], 'layer')}, "
+            f"MLP of {_count(w['mlp_layers'], 'layer')}, with each head's OV and QK circuits)")
+    for r in w["refused"]:
+        text += f"\n    not stored: layer {r['layer']} {r['part']} ({r['module']}): {r['reason']}"
+    return text
 
 
 def _number(v: object) -> float | None:

@@ -76,8 +76,11 @@ class IngestOptions:
     storage_options: Mapping[str, Any] | None = None
     chat_template: bool = False
     shard: tuple[int, int] | None = None
+    weights: str = "all"
 
     def __post_init__(self) -> None:
+        if self.weights not in ("all", "none"):
+            raise IngestError(f"weights must be 'all' or 'none', got {self.weights!r}")
         if self.batch_size < 1:
             raise IngestError(f"batch_size must be at least 1, got {self.batch_size}")
         if self.max_length is not None and self.max_length < 1:

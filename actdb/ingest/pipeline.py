@@ -47,6 +47,7 @@ def ingest(
     chat_template: bool = False,
     shard: str | tuple[int, int] | None = None,
     cluster: Any = None,
+    weights: str = "all",
 ) -> IngestSummary:
     """Run `model` once over `prompts` and store every norm site's input in `store`.
 
@@ -77,6 +78,10 @@ def ingest(
     catalog. Run again with the same arguments, a killed shard resumes. With `cluster`
     (`"local:N"`, a Dask scheduler address or client), one shard per worker runs on the
     cluster and they are merged at the end (the workers must reach the store and model).
+
+    `weights` ('all', the default, or 'none'): whether a new model's blocks' attention and
+    MLP matrices, and each head's OV and QK circuits, are stored beside its embedding and
+    head (docs/FORMAT.md, "Layer weights").
     """
     if cluster is not None and (inputs is not None or images is not None):
         raise IngestError("a cluster ingest takes prompts only; ingest images and other "
@@ -91,7 +96,7 @@ def ingest(
         dtype=dtype, sites=sites, name=name, revision=revision, device_map=device_map,
         chunk_tokens=chunk_tokens, progress=progress, on_plan=on_plan,
         storage_options=storage_options, chat_template=chat_template,
-        shard=parse_shard(shard) if shard is not None else None)
+        shard=parse_shard(shard) if shard is not None else None, weights=weights)
     if cluster is not None:
         from .cluster import ingest_on_cluster  # dask: imported by cluster ingests alone
 

@@ -165,7 +165,9 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
                 "then ingest"
             )
         reg = register(st, m.loaded, found, m.n_layers, m.name, opts.sites, m.limit,
-                       opts.chunk_tokens, m.transform, m.classifier, m.towers)
+                       opts.chunk_tokens, m.transform, m.classifier, m.towers,
+                       weights_from=[t for row in m.ids for t in row if t >= 0]
+                       if opts.weights == "all" else None)
         # The model's very first batch is part of the recorded sample; a resumed run (its
         # first batch committed, the error with it) or a later shard does not add its own.
         first_recorded = reg.record.logit_max_rel_error is None and (

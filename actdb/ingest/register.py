@@ -22,6 +22,9 @@ from .heads import ClassifierHead, find_classifier, label_names, vocab_of
 from .load import LoadedModel
 from .logits import LogitTransform
 from .sites import FoundSite
+from .weight_arrays import weight_arrays
+from .weights import ModelWeights, Refusal
+from .weights import extract as extract_weights
 
 
 def vocab_table(tok: Any, size: int) -> pa.Table:
@@ -173,10 +176,11 @@ def register(
     st: Store, loaded: LoadedModel, found: list[FoundSite], n_layers: int, name: str,
     sites_glob: str | None, limit: int | None, chunk_tokens: int | None,
     transform: LogitTransform | None, classifier: ClassifierHead | None = None,
-    towers: dict[str, int] | None = None,
+    towers: dict[str, int] | None = None, *, weights_from: list[int] | None = None,
 ) -> Registration:
     """The model's catalog record, and for a new model the work of registering it: that
-    runs first on the commit thread, overlapping the first forward passes."""
+    runs first on the commit thread, overlapping the first forward passes. `weights_from`:
+    token ids to find a new model's layer weights with (None: none stored)."""
     records = [f.record for f in found]
     # What the catalog says, read on one connection (each open of the file replays its
     # log); the comparisons below run with the file closed, since readers in other
@@ -245,6 +249,8 @@ def register(
         for f in found
     }
     token_str: list[str | None] = []
+    layer_arrays, manifest = (None, None) if weights_from is None else _layer_weights(
+        loaded, found, weights_from)
 
     def write() -> None:
         if classifier is not None:  # the head's labels are its vocabulary
@@ -258,9 +264,26 @@ def register(
             st.save_tokenizer(record.model_id, loaded.tokenizer.save_pretrained)
         digested = dataclasses.replace(record, params_digest=params_digest(model))
         st.register_model(digested, records, embed=embed, lm_head=lm_head,
-                          lm_head_bias=lm_bias, site_params=params, vocab=vocab)
+                          lm_head_bias=lm_bias, site_params=params, vocab=vocab,
+                          layer_weights=layer_arrays, weights_manifest=manifest)
 
     weight_bytes = sum(a.nbytes for a in (embed, lm_head, lm_bias) if a is not None)
     weight_bytes += sum(a.nbytes for pair in params.values() for a in pair if a is not None)
+    weight_bytes += sum(a.nbytes for a in (layer_arrays or {}).values())
     return Registration(record=record, token_str=token_str,
                          weight_bytes=weight_bytes, write=write)
+
+
+def _layer_weights(loaded: LoadedModel, found: list[FoundSite], tokens: list[int]
+                   ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A new model's blocks' matrices and circuits, and their manifest. Its probe passes hook
+    the model: run here, before the ingest's own passes start on the commit thread."""
+    if tokens:
+        extracted = extract_weights(loaded.model, found, tokens, device=loaded.device)
+    else:  # the probe passes run on token ids
+        extracted = ModelWeights(attention=[], mlps=[], refused=[Refusal(
+            layer=-1, part="model", module="", reason="layer weights are found with passes "
+            "over token ids, and this ingest's inputs are media")])
+    gains = {f.record.site: f.gain.numpy() if f.gain is not None and f.gain.dim() == 1
+             else None for f in found}
+    return weight_arrays(extracted, gains)

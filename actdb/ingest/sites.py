@@ -355,6 +355,19 @@ def _stack(model: nn.Module, norm_paths: list[str], watched: dict[str, nn.Module
     return _Stack(blocks=blocks, sublayers=sublayers, bare=bare)
 
 
+def block_sublayers(model: nn.Module, norm_paths: list[str]
+                    ) -> tuple[Blocks, dict[str, tuple[str, int]]]:
+    """The stack of blocks holding `norm_paths`, and its attention and MLP modules (path ->
+    ("attn" / "mlp", block)), as find_sites places sites in it (weights.py reads them)."""
+    st = _stack(model, norm_paths, {})
+    return st.blocks, st.sublayers
+
+
+def is_projection(module: nn.Module) -> bool:
+    """A leaf with a matrix weight (nn.Linear, GPT-2's Conv1D, ...)."""
+    return _is_projection(module)
+
+
 def _reads(model: nn.Module) -> str:
     """What a model that is one tower reads, which names the tower."""
     kinds = takes(model)

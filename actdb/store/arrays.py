@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +33,8 @@ from ..lazy import lazy_module, load
 from . import durable
 from .catalog import LOCAL_FORMAT_VERSION
 from .chunks import RawLayout, crc32c, local_info, raw_layout
+from .layer_weights import GROUP as layer_weights_group
+from .layer_weights import MANIFEST as LAYER_WEIGHTS_MANIFEST
 from .shards import ObjectChunks, ShardedChunks, object_layout
 
 if TYPE_CHECKING:
@@ -202,6 +204,14 @@ class Arrays:
             raise StoreCorruptError(f"{label!r} in {self.label!r} is not an array")
         return found
 
+    def open_group(self, label: str) -> zarr.Group | None:
+        """The group at `label`, or None where there is none."""
+        try:
+            found = self.group[label]
+        except KeyError:
+            return None
+        return found if isinstance(found, zarr.Group) else None
+
     def info(self, label: str, *, required: bool = True) -> ArrayInfo | None:
         """The shape, chunks, dtype and chunk layout of the array at `label`: on a local disk
         from its metadata file alone where it is a raw array (`chunks.local_info`: no zarr
@@ -256,21 +266,31 @@ class Arrays:
         lm_head: np.ndarray | None,
         lm_head_bias: np.ndarray | None,
         site_params: dict[str, tuple[np.ndarray | None, np.ndarray | None]],
+        layer_weights: Mapping[str, np.ndarray] | None = None,
+        weights_manifest: Mapping[str, Any] | None = None,
         pool: Executor | None = None,
     ) -> None:
         """Write a model's weights, replacing any left by an interrupted earlier ingest,
-        and make them durable before the catalog row that makes them visible."""
+        and make them durable before the catalog row that makes them visible.
+        `layer_weights`: arrays named as layer_weights.array_name says, with the manifest
+        that describes them (layer_weights.py)."""
         self._model_group(model_id)  # its parents exist, on object storage too
         self._forget_arrays(f"models/{model_id}/")
         fs = self._file_system_sync()  # before the writes: its syncfs reports their errors
         if self.path is not None:  # weights an interrupted registration left are replaced
-            for name in ("embed", "lm_head", "lm_head_bias", "sites"):
+            for name in ("embed", "lm_head", "lm_head_bias", "sites", layer_weights_group):
                 shutil.rmtree(self.path / "models" / str(model_id) / name, ignore_errors=True)
         with self._staged(f"models/{model_id}", pool) as g:
             named = {"embed": embed, "lm_head": lm_head, "lm_head_bias": lm_head_bias}
             for name, value in named.items():
                 if value is not None:
                     self._write_whole(g, name, value, pool)
+            if weights_manifest is not None:
+                g.require_group(layer_weights_group).attrs[LAYER_WEIGHTS_MANIFEST] = dict(
+                    weights_manifest)
+            for name, value in (layer_weights or {}).items():
+                folder, _, leaf = name.rpartition("/")
+                self._write_whole(g.require_group(folder), leaf, value, pool)
             if self.path is None:  # object storage: each array staged, then PUT with the rest
                 for site, (gain, bias) in site_params.items():
                     sg = g.require_group(f"sites/{site}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .layer_weights import read_manifest
 from .store import Store
 
 
@@ -29,7 +30,8 @@ def describe(store: Store) -> StoreInfo:
         for c in ("logit_scale", "logit_softcap", "logit_max_rel_error")
     )
     models = con.execute(
-        "SELECT m.model, m.architecture, m.d_model, m.n_layers, m.vocab_size, m.n_sites, "
+        "SELECT m.model, m.model_id, m.architecture, m.d_model, m.n_layers, m.vocab_size, "
+        "m.n_sites, "
         "m.has_lm_head, (SELECT count(*) FROM prompt_runs r WHERE r.model = m.model) AS prompts, "
         # not n_rows: a merged sharded ingest leaves rows between shards unused
         "(SELECT count(*) FROM tokens t WHERE t.model = m.model) AS tokens, "
@@ -39,8 +41,21 @@ def describe(store: Store) -> StoreInfo:
         "SELECT model, site, layer, role, kind, d, n_heads, module, max_rel_error "
         "FROM sites JOIN models USING (model) ORDER BY model_id, site_id"
     ).fetchdf().to_dict("records")
+    for m in models:
+        m["weights"] = _weights_summary(read_manifest(store.arrays, int(m["model_id"])))
     n_prompts = (store.catalog.one("SELECT count(*) FROM prompts") or (0,))[0]
     return StoreInfo(
         path=store.location, format_version=store.catalog.format_version(), models=models,
         sites=sites, n_prompts=int(n_prompts), bytes_on_disk=store.disk_bytes(),
     )
+
+
+def _weights_summary(manifest: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Bytes and layers of a model's stored layer weights (None: none stored)."""
+    if manifest is None:
+        return None
+    layers = manifest.get("layers", [])
+    return {"bytes": int(manifest.get("bytes", 0)),
+            "attention_layers": sum(1 for x in layers if x.get("attn")),
+            "mlp_layers": sum(1 for x in layers if x.get("mlp")),
+            "refused": list(manifest.get("refused", []))}

@@ -190,12 +190,16 @@ class Store:
         lm_head_bias: np.ndarray | None,
         site_params: dict[str, tuple[np.ndarray | None, np.ndarray | None]],
         vocab: pa.Table,
+        layer_weights: Mapping[str, np.ndarray] | None = None,
+        weights_manifest: Mapping[str, Any] | None = None,
     ) -> None:
-        """Weights first, then the catalog rows: an interrupted registration leaves no model."""
+        """Weights first, then the catalog rows: an interrupted registration leaves no model.
+        `layer_weights` and `weights_manifest`: the blocks' matrices (layer_weights.py)."""
         with self.backend.writing(f"the weights of model {model.model!r}"):
             self.arrays.write_weights(
                 model.model_id, embed=embed, lm_head=lm_head, lm_head_bias=lm_head_bias,
-                site_params=site_params, pool=self._writers,
+                site_params=site_params, layer_weights=layer_weights,
+                weights_manifest=weights_manifest, pool=self._writers,
             )
         fault("weights_written")
         with self.backend.writing("the catalog"):

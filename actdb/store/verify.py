@@ -11,6 +11,7 @@ import numpy as np
 
 from ..errors import StoreCorruptError
 from .arrays import ACT_FIELDS, write_alignment
+from .layer_weights import manifest_arrays, read_manifest
 from .records import ModelRecord, SiteRecord
 from .store import Store
 
@@ -93,6 +94,8 @@ def _check_weights(store: Store, m: ModelRecord, sites: list[SiteRecord], where:
               ("lm_head_bias", m.has_lm_head_bias)]
     for s in sites:
         wanted += [(f"sites/{s.site}/gain", s.has_gain), (f"sites/{s.site}/bias", s.has_bias)]
+    manifest = read_manifest(store.arrays, m.model_id)
+    wanted += [(name, True) for name in manifest_arrays(manifest or {})]
     out = []
     for name, required in wanted:
         if not required:
