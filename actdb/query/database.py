@@ -150,7 +150,8 @@ class Database:
             from . import distributed
 
             result = distributed.run(self, self._cluster, query, runnable, params,
-                                     lambda text: self._run(text, params, query, seconds))
+                                     lambda text: self._run(text, params, query, seconds),
+                                     seconds)
             result.gather = self._gather
             return result
         return self._run(runnable, params, query, seconds)

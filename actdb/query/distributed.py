@@ -27,6 +27,7 @@ from . import sandbox
 from .execute import ErrorBox
 from .result import Result, translate
 from .split import PARTS, Split, Unsplittable, split
+from .timeout import exceeded
 
 if TYPE_CHECKING:
     from .database import Database
@@ -102,13 +103,22 @@ class Cluster:
     def close(self) -> None:
         self._dask.close()
 
-    def map(self, sqls: list[str], params: Any, need: dict[str, int], key: bytes
-            ) -> list[pa.Table]:
+    def map(self, sqls: list[str], params: Any, need: dict[str, int], key: bytes,
+            seconds: float | None = None) -> list[pa.Table]:
         """Each partial query's rows, in order, from the workers, which make and open handles
-        under `key` (the coordinator's: the handles they return open here)."""
+        under `key` (the coordinator's: the handles they return open here); within `seconds`
+        (None: no limit), each worker's query under that limit too."""
         futures = self.client.map(run_partial, sqls, path=self.path, device=self.device,
                                   storage_options=self.storage_options, params=params,
-                                  need=need, handle_key=key, pure=False)
+                                  need=need, handle_key=key, seconds=seconds, pure=False)
+        if seconds is not None:
+            from distributed import wait
+
+            try:
+                wait(futures, timeout=seconds)
+            except TimeoutError:
+                self.client.cancel(futures)  # queued ones; running ones stop at their limit
+                raise exceeded(seconds) from None
         return list(self.client.gather(futures))
 
 
@@ -116,7 +126,7 @@ class Cluster:
 
 
 def run(db: Database, cluster: Cluster, query: str, runnable: str, params: Any,
-        local: Callable[[str], Result]) -> Result:
+        local: Callable[[str], Result], seconds: float | None = None) -> Result:
     """A checked query on the cluster, or here in one process with a note saying why.
 
     Args:
@@ -126,6 +136,8 @@ def run(db: Database, cluster: Cluster, query: str, runnable: str, params: Any,
         runnable: what plan.check returned for it (an EXPLAIN rebuilt around its SELECT).
         params: the query's parameters.
         local: runs the query in this process (Database's own path).
+        seconds: the query's time limit (None: none); a split query is computed here, within
+            it, and a query run in one process gets it from `local`.
     """
     select, text = sandbox.check_statement(runnable, db._parser)
     explain = text != select
@@ -156,7 +168,7 @@ def run(db: Database, cluster: Cluster, query: str, runnable: str, params: Any,
         return _explain_split(plan, parts, cluster, query, types)
     need = {m.model: m.n_rows for m in db.source.models.values()}
     tables = cluster.map([plan.partial(p.table()) for p in parts], params, need,
-                         db.source.codec.key)
+                         db.source.codec.key, seconds)
     table = _combine(plan, tables, columns, types)
     result = _result(table, query)
     result.note = (f"split into {len(parts)} partitions of acts rows on "
@@ -234,7 +246,7 @@ _OPENED: dict[tuple[str, str], Database] = {}
 
 def run_partial(sql: str, *, path: str, device: str, params: Any, need: dict[str, int],
                 storage_options: dict[str, Any] | None = None,
-                handle_key: bytes | None = None) -> pa.Table:
+                handle_key: bytes | None = None, seconds: float | None = None) -> pa.Table:
     """On a worker: one partition's query, through the sandbox like any other, its handles
     made and opened under the coordinator's `handle_key` (handles.py).
 
@@ -257,7 +269,7 @@ def run_partial(sql: str, *, path: str, device: str, params: Any, need: dict[str
         db = Database(path, device=device, storage_options=storage_options,
                       handle_key=handle_key)
         _OPENED[opened] = db
-    return db.sql(sql, params=params).to_arrow_table()
+    return db.sql(sql, params=params, timeout=seconds).to_arrow_table()
 
 
 def _one_thread_per_task() -> None:

@@ -73,15 +73,19 @@ class TimeLimit:
             # DuckDB's interrupt (read as Ctrl-C: result.translate), a UDF's stop, or a
             # streamed batch's error: once the limit has passed, each is the limit
             if self.stop.is_set() and not isinstance(e, GeneratorExit):
-                raise QueryTimeoutError(
-                    f"the query ran past its time limit of {seconds:g} s and was stopped; "
-                    "narrow it (WHERE, LIMIT) or give a longer timeout") from None
+                raise exceeded(seconds) from None
             raise
         finally:
             with lock:
                 live[0] = False
             timer.cancel()
             self.stop.clear()
+
+
+def exceeded(seconds: float) -> QueryTimeoutError:
+    """The one sentence for a query stopped at its limit (here, or on a cluster's workers)."""
+    return QueryTimeoutError(f"the query ran past its time limit of {seconds:g} s and was "
+                             "stopped; narrow it (WHERE, LIMIT) or give a longer timeout")
 
 
 @contextmanager
@@ -103,4 +107,4 @@ def check() -> None:
         raise QueryTimeoutError("the query was stopped at its time limit")
 
 
-__all__ = ["TimeLimit", "check", "check_seconds", "watching"]
+__all__ = ["TimeLimit", "check", "check_seconds", "exceeded", "watching"]

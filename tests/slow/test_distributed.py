@@ -303,6 +303,34 @@ def test_split_shapes(query: str, kind: str | None) -> None:
         assert split(tree, aggregates).kind == kind
 
 
+def test_a_cluster_query_stops_at_its_time_limit(dbs: tuple[actdb.Database, actdb.Database]
+                                                 ) -> None:
+    """A split query past its limit stops at it (the coordinator waits no longer; each
+    worker's query has the same limit, which DuckDB checks between its steps, so a step over
+    a batch of rows through a costly expression finishes first), as does one run in one
+    process; the connection and the workers then answer as before."""
+    import time
+
+    local, dist = dbs
+    reference = "SELECT layer, count(*), sum(norm) FROM acts GROUP BY layer ORDER BY layer"
+    want = local.sql(reference).fetchall()
+    slow = {  # about 10 ms of edit distance a row, with little memory: 15 s in all
+        "split": "SELECT count(*) FROM acts WHERE levenshtein(repeat(token || 'abc', 300), "
+                 "repeat('xyz', 600)) > 0",
+        "one process": "SELECT count(*) FROM acts a, acts b, acts c, acts d",
+    }
+    for how, query in slow.items():
+        note = dist.sql(f"EXPLAIN {query}").fetchall()[0][1]
+        assert note.startswith("runs in one process") == (how == "one process"), note
+        start = time.monotonic()
+        with pytest.raises(actdb.QueryTimeoutError, match="time limit of 1 s"):
+            dist.sql(query, timeout=1).fetchall()
+        assert time.monotonic() - start < 6, how
+        got = dist.sql(reference)
+        assert got.note is not None and got.note.startswith("split into")
+        _same(got.fetchall(), want)
+
+
 @pytest.mark.parametrize("order", ["as opened", "reversed"])
 def test_cluster_connections_never_become_dasks_default(order: str, store: Path) -> None:
     """Two cluster connections, closed in either order, leave dask's scheduler as it was: a
