@@ -100,5 +100,9 @@ class QueryTimeoutError(ActdbError, TimeoutError):
     """A query ran past its time limit (`--timeout`, `timeout=`) and was stopped."""
 
 
+class QueryCancelledError(QueryError):
+    """`actdb serve` cancelled a query because the client that sent it went away."""
+
+
 class ServeError(ActdbError, ValueError):
     """`actdb serve` cannot start as asked (an address in use, a weak token, a bad limit)."""

@@ -9,6 +9,7 @@ import secrets
 import socket
 import string
 from collections.abc import Callable
+from typing import Any
 
 from ..errors import MissingDependencyError, ServeError
 
@@ -70,8 +71,15 @@ def serve(store: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int =
     announce(f"actdb explorer for {os.fspath(store)}: open {address}")
     if token and host not in LOCAL:
         announce("every request must carry the token (the address above sets it as a cookie)")
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Ctrl-C: stop the queries first, so that their requests end now and the
+            # server's wait for open requests is short
+            pool.cancel_all()
+            super().handle_exit(sig, frame)
+
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        Server(config).run(sockets=[sock])
     finally:
         pool.close()
         sock.close()

@@ -37,6 +37,8 @@ PAGES = {"/": "inputs.html", "/input": "input.html", "/cell": "cell.html",
          "/trajectory": "trajectory.html", "/sql": "sql.html"}
 # How often a handler checks whether its client is still there while the query runs.
 WATCH_SECONDS = 0.1
+# A request body larger than this is refused (a query and its parameters are far smaller).
+MAX_BODY_BYTES = 4 << 20
 # A query still running this long after its time limit is answered as timed out anyway.
 GRACE_SECONDS = 5.0
 
@@ -123,8 +125,13 @@ def build_app(pool: Pool, limits: Limits, *, token: str | None) -> Guard:
 
 
 async def _body(request: Request) -> dict[str, Any] | Response:
+    raw = b""
+    async for part in request.stream():
+        raw += part
+        if len(raw) > MAX_BODY_BYTES:
+            return _error(f"the request body is over {MAX_BODY_BYTES >> 20} MiB", 413)
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         return _error("the request body is not JSON")
     if not isinstance(body, dict):

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ActdbError, QueryError, QueryTimeoutError
+from ..errors import ActdbError, QueryCancelledError, QueryTimeoutError
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -47,10 +47,6 @@ class Answer:
     seconds: float
 
 
-class QueryCancelledError(QueryError):
-    """The client that sent the query went away before it finished."""
-
-
 # What a job runs on a worker's connection: its rows, or an ActdbError.
 Work = Callable[["Database"], Any]
 
@@ -65,7 +61,7 @@ class Job:
         self._lock = threading.Lock()
         self._db: Database | None = None  # the connection it runs on, while it runs
         self.started: float | None = None  # time.monotonic() when a worker took it
-        self.reason: str | None = None  # why it was cancelled: "timeout" or "gone"
+        self.reason: str | None = None  # why it was cancelled: "timeout", "gone", "closing"
 
     def cancel(self, reason: str) -> None:
         """Stop the job: before it starts it never runs; while it runs, DuckDB is
@@ -103,6 +99,8 @@ class Job:
             return QueryTimeoutError(
                 f"the query ran past the time limit of {self.timeout:g} s and was cancelled; "
                 "narrow it (WHERE, LIMIT), or start the server with a longer --query-timeout")
+        if self.reason == "closing":
+            return QueryCancelledError("the query was cancelled: the server is stopping")
         return QueryCancelledError("the query was cancelled: its client went away")
 
 
@@ -122,7 +120,8 @@ class Pool:
         self._refresh = refresh_seconds
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._newest = 0.0  # time.monotonic() at which the newest snapshot was opened
-        self._newest_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _newest and _running
+        self._running: set[Job] = set()  # the jobs workers are running now (close stops them)
         self._threads = [threading.Thread(target=self._serve, name=f"actdb-serve-{i}",
                                           daemon=True) for i in range(size)]
         for t in self._threads:
@@ -134,11 +133,30 @@ class Pool:
         self._jobs.put(job)
         return job
 
+    def cancel_all(self) -> None:
+        """Answer every job as cancelled: those waiting never run, running ones are
+        interrupted (the server is stopping)."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel("closing")
+                job.future.set_exception(job.error())
+        with self._lock:
+            running = list(self._running)
+        for job in running:
+            job.cancel("closing")
+
     def close(self) -> None:
+        """Stop the workers (cancelling what they run) and close their connections."""
+        self.cancel_all()
         for _ in self._threads:
             self._jobs.put(None)  # a named message: stop
+        deadline = time.monotonic() + 10
         for t in self._threads:
-            t.join(timeout=10)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _serve(self) -> None:
         db: Database | None = None
@@ -159,7 +177,7 @@ class Pool:
                     job.future.set_exception(e)
                     continue
                 opened = started
-                with self._newest_lock:
+                with self._lock:
                     self._newest = max(self._newest, opened)
             db = self._run(job, db)
         if db is not None:
@@ -170,6 +188,8 @@ class Pool:
         if not job._start(db):
             job.future.set_exception(job.error())
             return db
+        with self._lock:
+            self._running.add(job)
         keep: Database | None = db
         try:
             result = job.work(db)
@@ -192,6 +212,8 @@ class Pool:
                 job.future.set_result(result)
         finally:
             job._end()
+            with self._lock:
+                self._running.discard(job)
         if keep is None:
             db.close()
         return keep

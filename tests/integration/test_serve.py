@@ -366,3 +366,19 @@ def test_a_store_being_ingested_is_served_as_readers_see_it(tmp_path, family_sto
         assert status == 200 and body["rows"][0][0] > 0, body
     assert seen[-1] == len(PROMPTS) + len(more), seen
     assert all(len(PROMPTS) <= n <= len(PROMPTS) + len(more) for n in seen)
+
+
+def test_ctrl_c_stops_running_queries_and_the_server(store):
+    import signal
+
+    with running(store, "--query-timeout", "600", "--connections", "1") as s:
+        answers: list = []
+        asking = threading.Thread(target=lambda: answers.append(s.query(ENDLESS, timeout=60)))
+        asking.start()
+        time.sleep(2)  # the query is running
+        started = time.monotonic()
+        s.process.send_signal(signal.SIGINT)
+        assert s.process.wait(timeout=20) == 130  # as a shell reports Ctrl-C
+        asking.join(timeout=20)
+        assert time.monotonic() - started < 10
+    assert answers == [(400, {"error": "the query was cancelled: the server is stopping"})]
