@@ -100,10 +100,21 @@ class Database:
 
             try:
                 self._cluster = Cluster(cluster, path=_worker_path(path), device=device,
-                                        storage_options=storage_options)
+                                        worker=run_partial, storage_options=storage_options)
             except BaseException:
                 self.close()
                 raise
+
+    @property
+    def parser(self) -> duckdb.DuckDBPyConnection:
+        """The cursor statements are parsed on (plan.check): it never binds or runs them."""
+        return self._parser
+
+    def reopened(self, *, device: str) -> Database:
+        """A new connection to the same store, with its own handles, caches and DuckDB (a
+        DataLoader worker's: a connection is not fork-safe)."""
+        return Database(self.store.location, device=device,
+                        storage_options=self.store.storage_options, timeout=self.timeout)
 
     def _known(self) -> set[str]:
         """Every function name DuckDB knows here (its own, the macros and the UDFs), read on
@@ -319,6 +330,50 @@ class HandleVectors:
         fields = self._source.codec.open(col)
         with torch_threads(1):
             return self._source.gather(fields, self._source.device, what)
+
+
+_OPENED: dict[tuple[str, str], Database] = {}
+
+
+def run_partial(sql: str, *, path: str, device: str, params: Any, need: dict[str, int],
+                storage_options: dict[str, Any] | None = None,
+                handle_key: bytes | None = None, seconds: float | None = None) -> pa.Table:
+    """On a worker: one partition's query, through the sandbox like any other, its handles
+    made and opened under the coordinator's `handle_key` (handles.py), within `seconds`
+    (None: no limit).
+
+    The worker keeps its database open between tasks while its snapshot holds every row the
+    coordinator counted (`need`: committed rows per model) and its key is the coordinator's;
+    partitions stop at those counts, and committed rows never change, so a newer snapshot
+    gives the same rows."""
+    opened = (path, device)
+    db = _OPENED.get(opened)
+    if db is not None:
+        have = {m.model: m.n_rows for m in db.source.models.values()}
+        if (any(have.get(m, -1) < n for m, n in need.items())
+                or (handle_key is not None and db.source.codec.key != handle_key)):
+            db.close()
+            db = None
+    if db is None:
+        _one_thread_per_task()
+        db = Database(path, device=device, storage_options=storage_options,
+                      handle_key=handle_key)
+        _OPENED[opened] = db
+    return db.sql(sql, params=params, timeout=seconds).to_arrow_table()
+
+
+def _one_thread_per_task() -> None:
+    """torch gets the worker's own thread count: worker processes share the machine."""
+    import torch
+
+    try:
+        from distributed import get_worker
+
+        threads = int(get_worker().state.nthreads)
+    except (ImportError, ValueError, AttributeError):
+        threads = os.cpu_count() or 1
+    torch.set_num_threads(max(1, threads))
+
 
 
 def _bindable(params: dict[str, Any] | list[Any] | None) -> dict[str, Any] | list[Any] | None:

@@ -18,11 +18,10 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import QueryError
-from .export import handle_columns
 from .result import converted
 
 if TYPE_CHECKING:
-    from .database import Database
+    from .connection import Connection
 
 Batch = dict[str, Any]
 
@@ -34,7 +33,7 @@ class VectorDataset(IterableDataset[Batch]):
     `num_workers > 0`, each worker opens the store itself and takes every n-th block of rows.
     """
 
-    def __init__(self, db: Database, query: str, *, batch_size: int = 4096,
+    def __init__(self, db: Connection, query: str, *, batch_size: int = 4096,
                  shuffle_buffer: int = 0, seed: int | None = None,
                  columns: Sequence[str] | None = None,
                  params: dict[str, Any] | list[Any] | None = None,
@@ -48,7 +47,7 @@ class VectorDataset(IterableDataset[Batch]):
         self.drop_last = drop_last
         self._epoch = 0
         result = db.sql(query, params=params)  # checked now, so a bad query fails here
-        handles = handle_columns(result)
+        handles = result.handle_columns()
         self.vec = "vec" if "vec" in handles else (handles[0] if len(handles) == 1 else None)
         if self.vec is None:
             raise QueryError("dataset() needs a query selecting one vec column (vec or a view "
@@ -65,10 +64,7 @@ class VectorDataset(IterableDataset[Batch]):
         info = get_worker_info()
         db, owned = self.db, None
         if info is not None:  # a DataLoader worker: a connection of its own (not fork-safe)
-            from .database import connect
-
-            db = owned = connect(self.db.store.location, device="cpu",
-                                 storage_options=self.db.store.storage_options)
+            db = owned = self.db.reopened(device="cpu")
         rng = np.random.default_rng(None if self.seed is None else
                                     [self.seed, self._epoch, info.id if info else 0])
         self._epoch += 1
@@ -78,7 +74,7 @@ class VectorDataset(IterableDataset[Batch]):
             if owned is not None:
                 owned.close()
 
-    def _blocks(self, db: Database, info: Any) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
+    def _blocks(self, db: Connection, info: Any) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
         """(vectors [n, d], chosen columns) for each block of the query's rows."""
         result = db.sql(self.query, params=self.params)
         assert self.vec is not None
@@ -93,7 +89,7 @@ class VectorDataset(IterableDataset[Batch]):
                 x = db.source.gather(fields, db.device, "the dataset's vectors")
                 yield x, {c: _column(batch.column(c), c) for c in self.columns}
 
-    def _batches(self, db: Database, rng: np.random.Generator, info: Any) -> Iterator[Batch]:
+    def _batches(self, db: Connection, rng: np.random.Generator, info: Any) -> Iterator[Batch]:
         buf_x: torch.Tensor | None = None
         buf_c: dict[str, Any] = {}
         hold = self.shuffle_buffer

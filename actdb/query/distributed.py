@@ -10,7 +10,6 @@ it cannot split runs here, in one process, with a note saying why.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,7 +29,11 @@ from .split import PARTS, Split, Unsplittable, split
 from .timeout import exceeded
 
 if TYPE_CHECKING:
-    from .database import Database
+    from .connection import Connection
+
+# A worker's task: one partition's query (sql, path=, device=, params=, need=,
+# storage_options=, handle_key=, seconds=) -> its rows (database.run_partial).
+Worker = Callable[..., pa.Table]
 
 # Partitions per worker thread: a few, so that one slow partition does not hold up the rest.
 PARTITIONS_PER_THREAD = 2
@@ -82,10 +85,12 @@ class Cluster:
         path: the store, as the workers will open it (the same file system or URL).
         device: the device the workers compute on.
         storage_options: object-storage settings the workers open the store with.
+        worker: what a worker runs for one partition (database.run_partial).
     """
 
-    def __init__(self, spec: Any, *, path: str, device: str,
+    def __init__(self, spec: Any, *, path: str, device: str, worker: Worker,
                  storage_options: Mapping[str, Any] | None = None) -> None:
+        self.worker = worker
         self.path = path
         self.device = device
         self.storage_options = dict(storage_options) if storage_options else None
@@ -108,7 +113,7 @@ class Cluster:
         """Each partial query's rows, in order, from the workers, which make and open handles
         under `key` (the coordinator's: the handles they return open here); within `seconds`
         (None: no limit), each worker's query under that limit too."""
-        futures = self.client.map(run_partial, sqls, path=self.path, device=self.device,
+        futures = self.client.map(self.worker, sqls, path=self.path, device=self.device,
                                   storage_options=self.storage_options, params=params,
                                   need=need, handle_key=key, seconds=seconds, pure=False)
         if seconds is not None:
@@ -125,7 +130,7 @@ class Cluster:
 # -- the coordinator -----------------------------------------------------------------------
 
 
-def run(db: Database, cluster: Cluster, query: str, runnable: str, params: Any,
+def run(db: Connection, cluster: Cluster, query: str, runnable: str, params: Any,
         local: Callable[[str], Result], seconds: float | None = None) -> Result:
     """A checked query on the cluster, or here in one process with a note saying why.
 
@@ -139,7 +144,7 @@ def run(db: Database, cluster: Cluster, query: str, runnable: str, params: Any,
         seconds: the query's time limit (None: none); a split query is computed here, within
             it, and a query run in one process gets it from `local`.
     """
-    select, text = sandbox.check_statement(runnable, db._parser)
+    select, text = sandbox.check_statement(runnable, db.parser)
     explain = text != select
     parts: list[Partition] = []
     try:
@@ -176,7 +181,7 @@ def run(db: Database, cluster: Cluster, query: str, runnable: str, params: Any,
     return result
 
 
-def _aggregates(db: Database) -> set[str]:
+def _aggregates(db: Connection) -> set[str]:
     rows = db.con.execute("SELECT DISTINCT lower(function_name) FROM duckdb_functions() "
                           "WHERE function_type = 'aggregate'").fetchall()
     return {r[0] for r in rows}
@@ -228,7 +233,7 @@ def _explain_split(plan: Split, parts: list[Partition], cluster: Cluster, query:
                              "explain_value": [v for _, v in steps]}), query)
 
 
-def _explain_local(db: Database, text: str, note: str, params: Any) -> Result:
+def _explain_local(db: Connection, text: str, note: str, params: Any) -> Result:
     rows = [("split", note)]
     try:
         plan = db.con.sql(text, params=params) if params is not None else db.con.sql(text)
@@ -239,50 +244,4 @@ def _explain_local(db: Database, text: str, note: str, params: Any) -> Result:
                              "explain_value": [v for _, v in rows]}), text)
 
 
-# -- the workers ---------------------------------------------------------------------------
-
-_OPENED: dict[tuple[str, str], Database] = {}
-
-
-def run_partial(sql: str, *, path: str, device: str, params: Any, need: dict[str, int],
-                storage_options: dict[str, Any] | None = None,
-                handle_key: bytes | None = None, seconds: float | None = None) -> pa.Table:
-    """On a worker: one partition's query, through the sandbox like any other, its handles
-    made and opened under the coordinator's `handle_key` (handles.py).
-
-    The worker keeps its database open between tasks while its snapshot holds every row the
-    coordinator counted (`need`: committed rows per model) and its key is the coordinator's;
-    partitions stop at those counts, and committed rows never change, so a newer snapshot
-    gives the same rows."""
-    from .database import Database
-
-    opened = (path, device)
-    db = _OPENED.get(opened)
-    if db is not None:
-        have = {m.model: m.n_rows for m in db.source.models.values()}
-        if (any(have.get(m, -1) < n for m, n in need.items())
-                or (handle_key is not None and db.source.codec.key != handle_key)):
-            db.close()
-            db = None
-    if db is None:
-        _one_thread_per_task()
-        db = Database(path, device=device, storage_options=storage_options,
-                      handle_key=handle_key)
-        _OPENED[opened] = db
-    return db.sql(sql, params=params, timeout=seconds).to_arrow_table()
-
-
-def _one_thread_per_task() -> None:
-    """torch gets the worker's own thread count: worker processes share the machine."""
-    import torch
-
-    try:
-        from distributed import get_worker
-
-        threads = int(get_worker().state.nthreads)
-    except (ImportError, ValueError, AttributeError):
-        threads = os.cpu_count() or 1
-    torch.set_num_threads(max(1, threads))
-
-
-__all__ = ["Cluster", "Partition", "partitions", "run", "run_partial"]
+__all__ = ["Cluster", "Partition", "partitions", "run"]

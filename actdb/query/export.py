@@ -18,21 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import sqlglot
-from sqlglot import exp
 
 from ..errors import QueryError
-from .handles import VIEWS
 from .result import Result, column_values, converted, handle_values
 
 if TYPE_CHECKING:
-    from .database import Database
+    from .connection import Connection
 
 FORMATS = (".parquet", ".npy", ".safetensors")
-_VIEW_FUNCTIONS = frozenset(VIEWS[1:])
-# DuckDB's type ids of a column of handles: a HUGEINT, or the DECIMAL(38, 0) it becomes where a
-# cluster's partial results pass through Arrow (distributed.py)
-_HANDLE_TYPES = frozenset({"hugeint", "decimal"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,39 +39,9 @@ class Exported:
     left_out: list[str]  # the query's other columns the format cannot hold (.npy: all)
 
 
-def handle_columns(result: Result) -> list[str]:
-    """The result's columns that hold vec handles: `vec` itself (also through `*`), and views
-    of it (`normalized(vec)`, ...), found on the outermost SELECT's syntax tree."""
-    names = result.columns
-    types = dict(zip(names, result.types, strict=True))
-    found = {n for n in names if n.lower() == "vec"}
-    try:
-        tree = sqlglot.parse_one(result.query, read="duckdb")
-    except sqlglot.errors.ParseError:
-        return [n for n in names if n in found and types[n].id in _HANDLE_TYPES]
-    select = tree if isinstance(tree, exp.Select) else tree.find(exp.Select)
-    if select is not None:
-        # by each item's output name, not its place: a `*` before it expands to many columns
-        for projection in select.expressions:
-            name = projection.alias_or_name
-            if name not in names:
-                continue
-            inner = projection.unalias()
-            if isinstance(inner, exp.Column) and inner.name.lower() == "vec":
-                found.add(name)
-            elif isinstance(inner, exp.Func) and _function_name(inner) in _VIEW_FUNCTIONS:
-                found.add(name)
-    # a handle is a HUGEINT: a list named vec (`delta(vec) AS vec`) is a vector the query made
-    return [n for n in names if n in found and types[n].id in _HANDLE_TYPES]
-
-
-def _function_name(node: exp.Func) -> str:
-    return (node.name if isinstance(node, exp.Anonymous) else node.sql_name()).lower()
-
-
 def refuse_handles(result: Result, fmt: str) -> None:
     """One sentence instead of writing handles into a file (see the module's docstring)."""
-    handles = handle_columns(result)
+    handles = result.handle_columns()
     if handles:
         raise QueryError(
             f"column {handles[0]!r} holds vec handles, which mean nothing outside this store; "
@@ -86,7 +49,7 @@ def refuse_handles(result: Result, fmt: str) -> None:
             "`actdb export STORE SQL -o FILE.parquet` (db.export in Python)")
 
 
-def export(db: Database, query: str, path: str | os.PathLike[str], *,
+def export(db: Connection, query: str, path: str | os.PathLike[str], *,
            params: dict[str, Any] | list[Any] | None = None,
            rows_per_batch: int = 4096) -> Exported:
     """Write the vectors `query` selects, with its other columns, to `path`.
@@ -136,7 +99,7 @@ def export(db: Database, query: str, path: str | os.PathLike[str], *,
 def _vec_column(result: Result) -> tuple[str, bool]:
     """The column of vectors to write, and whether the query computed them (a list of numbers:
     `delta(vec)`, `mean_vector(...)`, `to_list(vec)`) rather than selecting vec handles."""
-    handles = handle_columns(result)
+    handles = result.handle_columns()
     if "vec" in handles:
         return "vec", False
     if len(handles) == 1:
@@ -161,7 +124,7 @@ _NUMBER_TYPES = frozenset({"tinyint", "smallint", "integer", "bigint", "hugeint"
                            "usmallint", "uinteger", "ubigint", "float", "double", "decimal"})
 
 
-def _with_vectors(db: Database, result: Result, vec: str, rows_per_batch: int, *,
+def _with_vectors(db: Connection, result: Result, vec: str, rows_per_batch: int, *,
                   computed: bool = False) -> Generator[tuple[pa.RecordBatch, np.ndarray]]:
     """(the batch without its vector column, its vectors [n, d] float32), batch by batch:
     gathered from the store for handles, or the query's own lists (`computed`)."""

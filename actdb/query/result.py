@@ -158,10 +158,8 @@ class Result:
         them, on the database's device; a list column of numbers (`to_list`, `delta`,
         `mean_vector`) [N, L] when every row holds L of them. Any other column (text,
         structs) is a QueryError naming it, as in DuckDB, where it used to be left out."""
-        from .export import handle_columns
-
         table = self._rows()
-        named = set(handle_columns(self))  # `vec` and its views in the outermost SELECT
+        named = set(self.handle_columns())  # `vec` and its views in the outermost SELECT
         out = {}
         for name, col in zip(table.column_names, table.columns, strict=True):
             # handles by their values too (a subquery's alias, a CTE, a CASE): a HUGEINT
@@ -177,6 +175,12 @@ class Result:
                     t.column(0), t.column_names[0], "torch()"), "torch()")
                 out[name] = torch.from_numpy(values)
         return out
+
+    def handle_columns(self) -> list[str]:
+        """The columns that hold vec handles (handle_columns.py)."""
+        from .handle_columns import handle_columns
+
+        return handle_columns(self.query, self.columns, self.types)
 
     def limit(self, n: int, offset: int = 0) -> Result:
         """The first `n` rows (after `offset`), as a new lazy Result."""
