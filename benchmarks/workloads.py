@@ -466,7 +466,7 @@ def nearest(scan: ScanData, repeats: int) -> Result:
     # error (d * 2^-24 for unit vectors).
     x = db.vectors(f"SELECT vec FROM acts WHERE prompt_id < {n_prompts} AND site = '{site}' "
                    "ORDER BY prompt_id, position").double()
-    anchors = db.source.anchors(db.source.models[0], None).double()
+    anchors = db.source.weights.anchors(db.source.models[0], None).double()
     u = x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     tie = 2 * d * 2.0**-24
     same = ties = 0

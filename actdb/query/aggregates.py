@@ -220,7 +220,8 @@ def _against_stored(src: VectorSource, g: Any, out: np.ndarray, dirs: Directions
     if unit_v:
         out[g.index] = stored_cosines(src, g, du[0])
     else:
-        out[g.index] = src.project(g, du[0]).numpy().astype(np.float64) * g.norm.cpu().numpy()
+        dots = src.reader.project(g, du[0]).numpy().astype(np.float64)
+        out[g.index] = dots * g.norm.cpu().numpy()
 
 
 def cosine_to(src: VectorSource, h: np.ndarray, out: np.ndarray, direction: Directions) -> None:

@@ -300,7 +300,8 @@ class Functions:
                 fn = REGISTRY.get(name)
                 if fn is None:
                     continue
-                self._src.read_vocabularies()  # what the UDFs read, while the connection is free
+                # what the UDFs read, while the connection is free
+                self._src.tokens.read_vocabularies()
                 if DIRECTION in (p.kind for p in fn.params) and "_direction" not in self._udfs:
                     self._con.create_function(  # constants are folded: one call a query
                         direction_udf(self._session), self.directions.ids,

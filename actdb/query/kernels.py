@@ -47,7 +47,7 @@ def _require_width(name: str, g: Group, want: int, what: str) -> None:
 
 
 def _require_anchor_width(name: str, src: VectorSource, g: Group, anchor_set: str) -> None:
-    _require_width(name, g, src.anchor_width(g.model, anchor_set),
+    _require_width(name, g, src.weights.anchor_width(g.model, anchor_set),
                    f"the width of the {anchor_set!r} anchors")
 
 
@@ -185,9 +185,10 @@ def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: A
         combos = _per_value([token, ttype, anchors], g.index)
         unit_anchors = {}
         for (t, ty, a), pos in combos.items():
-            a_set = src.anchor_set(g.model, a or None)  # checked before the token
+            a_set = src.weights.anchor_set(g.model, a or None)  # checked before the token
             _require_anchor_width("cosine_to_anchor", src, g, a_set)
-            anchor = src.anchor(g.model, a_set, src.resolve_token(g.model, t, ty))  # unit
+            tid = src.tokens.resolve_token(g.model, t, ty)
+            anchor = src.weights.anchor(g.model, a_set, tid)  # unit
             if not bool(anchor.any()):
                 out[g.index[pos]] = np.nan  # a token whose anchor is the zero vector
                 continue
@@ -218,7 +219,7 @@ def stored_cosines(src: VectorSource, g: Group, unit: torch.Tensor,
     the stored directions (`VectorSource.project`): clamped to [-1, 1], since a float16
     direction's length is 1 only within 2^-11; NaN for a zero vector, whose direction is all
     zeros (only rows whose product is exactly 0 have their norm read)."""
-    c = src.project(g, unit, at).cpu().numpy()
+    c = src.reader.project(g, unit, at).cpu().numpy()
     np.clip(c, -1.0, 1.0, out=c)
     if not c.all():  # one pass, no mask, in the usual case of no exact 0
         norm = g.norm if at is None else g.norm[at]
@@ -244,9 +245,9 @@ def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: 
         args = {}
         for dv, t, ty, a in combos:
             d = _check_dim(g, int(dv))
-            a_set = src.anchor_set(g.model, a or None)  # checked before the token
+            a_set = src.weights.anchor_set(g.model, a or None)  # checked before the token
             _require_anchor_width("anchor_contribution", src, g, a_set)
-            anchor = src.anchor(g.model, a_set, src.resolve_token(g.model, t, ty))
+            anchor = src.weights.anchor(g.model, a_set, src.tokens.resolve_token(g.model, t, ty))
             # a token whose anchor is the zero vector: NULL, as its cosine_to_anchor is
             args[(dv, t, ty, a)] = (d, anchor[d] if bool(anchor.any()) else torch.nan)
         for lo, hi, x in g.x_blocks():
@@ -259,10 +260,10 @@ def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: 
 
 def logit(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: Arg) -> None:
     for g in _lm_groups(src, h):
-        _require_width("logit", g, src.unembed_width(g.model), "the LM head's width")
+        _require_width("logit", g, src.weights.unembed_width(g.model), "the LM head's width")
         combos = _per_value([token, ttype], g.index)
         # each token's row of W_U and b_U (vectors.py: read alone while few are asked for)
-        heads = {key: src.unembed_row(g.model, src.resolve_token(g.model, *key))
+        heads = {key: src.weights.unembed_row(g.model, src.tokens.resolve_token(g.model, *key))
                  for key in combos}
         for lo, hi, hn in _final_normed_blocks(src, g):
             for key, rows, at in _block_rows(combos, lo, hi):
@@ -274,13 +275,14 @@ def logit(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: 
 def logit_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg,
                        token: Arg, ttype: Arg) -> None:
     for g in _lm_groups(src, h):
-        _require_width("logit_contribution", g, src.unembed_width(g.model),
+        _require_width("logit_contribution", g, src.weights.unembed_width(g.model),
                        "the LM head's width")
         combos = _per_value([dim, token, ttype], g.index)
         args = {}
         for dv, t, ty in combos:
             d = _check_dim(g, int(dv))
-            args[(dv, t, ty)] = (d, src.unembed_row(g.model, src.resolve_token(g.model, t, ty))[0])
+            tid = src.tokens.resolve_token(g.model, t, ty)
+            args[(dv, t, ty)] = (d, src.weights.unembed_row(g.model, tid)[0])
         for lo, hi, hn in _final_normed_blocks(src, g):
             for key, rows, at in _block_rows(combos, lo, hi):
                 d, w = args[key]
@@ -373,21 +375,22 @@ def nearest_anchors(src: VectorSource, h: np.ndarray, out: ListResults, k: Arg,
     for g in _lm_groups(src, h):
         combos = _per_value([k, anchors], g.index)
         for _, a in combos:  # before any vector is read
-            _require_anchor_width("nearest_anchors", src, g, src.anchor_set(g.model, a or None))
+            _require_anchor_width("nearest_anchors", src, g,
+                                  src.weights.anchor_set(g.model, a or None))
         u, ok = _unit(g.x)
-        tokens = src.token_column(g.model)
+        tokens = src.tokens.token_column(g.model)
         for (kv, a), pos in combos.items():
-            a_set = src.anchors(g.model, a or None)
+            a_set = src.weights.anchors(g.model, a or None)
             kk = _check_k("nearest_anchors", kv, a_set.shape[0])
             _topk_rows(u[pos], a_set, None, kk, g.index[pos], ok[pos], out, tokens, "cosine")
 
 
 def top_logits(src: VectorSource, h: np.ndarray, out: ListResults, k: Arg) -> None:
     for g in _lm_groups(src, h):
-        w, b = src.unembed(g.model)
+        w, b = src.weights.unembed(g.model)
         _require_width("top_logits", g, w.shape[1], "the LM head's width")
         hn = _final_normed(src, g)
-        tokens = src.token_column(g.model)
+        tokens = src.tokens.token_column(g.model)
         for (kv,), pos in _per_value([k], g.index).items():
             kk = _check_k("top_logits", kv, w.shape[0])
             ok = torch.ones(len(pos), dtype=torch.bool, device=hn.device)

@@ -42,7 +42,7 @@ class LensRows:
         self.model_id = np.full(len(h), -1, dtype=np.int64)
         self.hn: dict[int, torch.Tensor] = {}  # model_id -> [n, d], rows of other models 0
         for g in _lm_groups(src, h):
-            w, _ = src.unembed(g.model)
+            w, _ = src.weights.unembed(g.model)
             _require_width(name, g, w.shape[1], "the LM head's width")
             mid = g.model.model_id
             if mid not in self.hn:
@@ -66,7 +66,7 @@ class LensRows:
         product on one core. A caller that
         walks two of these at once sets the threads itself around both (`own_threads=False`):
         two settings held open and closed in the same order would leave the wrong one behind."""
-        w, b = self.src.unembed(model)
+        w, b = self.src.weights.unembed(model)
         with lens_threads(w, hn) if own_threads else contextlib.nullcontext():
             for lo in range(0, hn.shape[0], _BLOCK):
                 check()  # each block is a vocabulary-wide product: a query past its limit stops
@@ -87,7 +87,7 @@ def _token_ids(src: VectorSource, model: Any, rows: np.ndarray, token: Arg, ttyp
     """The token id of each row (a token argument may differ from row to row)."""
     ids = np.empty(len(rows), dtype=np.int64)
     for (t, ty), pos in _per_value([token, ttype], rows).items():
-        ids[pos] = src.resolve_token(model, t, ty)
+        ids[pos] = src.tokens.resolve_token(model, t, ty)
     return torch.from_numpy(ids).to(src.device)
 
 
@@ -144,7 +144,7 @@ def kl_to(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) ->
             continue
         at = torch.from_numpy(rows).to(src.device)
         hv, ht = hv_all[at], target.hn[mid][at]
-        w, _ = src.unembed(model)
+        w, _ = src.weights.unembed(model)
         with lens_threads(w, hv):
             for (lo, hi, lv), (_, _, lt) in zip(v.logits(model, hv, own_threads=False),
                                                 target.logits(model, ht, own_threads=False),
@@ -158,7 +158,7 @@ def logit_diff(src: VectorSource, h: np.ndarray, out: np.ndarray, t1: Arg, ty1: 
                ty2: Arg) -> None:
     lens = LensRows(src, h, "logit_diff")
     for model, rows, hn in lens.by_model():
-        w, b = src.unembed(model)
+        w, b = src.weights.unembed(model)
         a, c = _token_ids(src, model, rows, t1, ty1), _token_ids(src, model, rows, t2, ty2)
         pre = torch.stack([row_dots(hn, w[a]), row_dots(hn, w[c])])  # [2, m]
         if b is not None:
@@ -195,8 +195,8 @@ def delta(src: VectorSource, h: np.ndarray, out: ListResults) -> None:
         if nxt is None:
             continue
         here = g.direction.float() * g.norm.unsqueeze(-1)  # [n, d]
-        there = (torch.from_numpy(src.field(g.model, nxt, "direction", g.rows, g.heads))
+        there = (torch.from_numpy(src.reader.field(g.model, nxt, "direction", g.rows, g.heads))
                  .to(src.device).float()
-                 * torch.from_numpy(src.field(g.model, nxt, "norm", g.rows, g.heads))
+                 * torch.from_numpy(src.reader.field(g.model, nxt, "norm", g.rows, g.heads))
                  .to(src.device).unsqueeze(-1))
         out.put(g.index, float_lists((there - here).cpu().numpy()))

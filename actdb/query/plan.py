@@ -26,7 +26,7 @@ import duckdb
 from ..errors import QueryError, QuerySyntaxError
 from . import sandbox
 from .functions import ANCHORS, INT, REGISTRY, TOKEN, VEC
-from .vectors import ANCHOR_NAMES
+from .model_weights import ANCHOR_NAMES
 
 if TYPE_CHECKING:
     from sqlglot import exp

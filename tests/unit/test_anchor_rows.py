@@ -14,7 +14,7 @@ import torch
 
 import actdb
 from actdb.errors import StoreCorruptError
-from actdb.query.vectors import ANCHOR_SETS
+from actdb.query.model_weights import ANCHOR_SETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from generate import Shape, generate  # noqa: E402
@@ -27,16 +27,17 @@ def _model(db):
 @pytest.mark.parametrize("anchor_set", ANCHOR_SETS)
 def test_an_anchor_made_alone_is_its_row_of_the_whole_set(family_store, anchor_set):
     path = family_store("gpt2")
-    tids = [0, 7, 123, 399]  # vectors._ROWS_ALONE rows: each read alone
+    tids = [0, 7, 123, 399]  # model_weights._ROWS_ALONE rows: each read alone
     with actdb.connect(path, device="cpu") as db:  # rows first, on a fresh connection
         src, model = db.source, _model(db)
-        alone = [src.anchor(model, anchor_set, t) for t in tids]
-        assert ("anchors", model.model_id, anchor_set) not in src._weights
-        assert ("w", model.model_id, "embed") not in src._weights, "the whole matrix was read"
-        whole = src.anchors(model, anchor_set)
+        alone = [src.weights.anchor(model, anchor_set, t) for t in tids]
+        assert ("anchors", model.model_id, anchor_set) not in src.weights._weights
+        assert ("w", model.model_id, "embed") not in src.weights._weights, "the whole was read"
+        whole = src.weights.anchors(model, anchor_set)
         for t, a in zip(tids, alone, strict=True):
             assert a.dtype == torch.float32 and torch.equal(a, whole[t]), t
-        assert torch.equal(src.anchor(model, anchor_set, 123), whole[123])  # from the set now
+        # from the set now
+        assert torch.equal(src.weights.anchor(model, anchor_set, 123), whole[123])
         if anchor_set != "unembed_folded":  # the folded set is checked through queries
             name = "embed" if anchor_set == "embed" or model.tied_embeddings else "lm_head"
             w = src.store.arrays.weight(model.model_id, name).astype(np.float64)
@@ -48,8 +49,8 @@ def test_an_anchor_made_alone_is_its_row_of_the_whole_set(family_store, anchor_s
 def test_an_lm_head_row_read_alone_is_its_row_of_unembed(family_store):
     with actdb.connect(family_store("gpt2"), device="cpu") as db:
         src, model = db.source, _model(db)
-        rows = {t: src.unembed_row(model, t) for t in (0, 42, 399)}
-        w, b = src.unembed(model)
+        rows = {t: src.weights.unembed_row(model, t) for t in (0, 42, 399)}
+        w, b = src.weights.unembed(model)
         for t, (wr, br) in rows.items():
             assert torch.equal(wr, w[t])
             assert (br is None) == (b is None) and (b is None or torch.equal(br, b[t]))
@@ -87,7 +88,7 @@ def test_a_column_of_many_tokens_reads_a_few_rows_alone_then_the_whole_weight(
     """A per-row token column asks for hundreds of tokens: at most a few are read alone (a
     chunk each), then the whole weight once; the values are those of a connection that
     read the whole weight first."""
-    from actdb.query import vectors
+    from actdb.query import model_weights
 
     path = family_store("gpt2")
     q = f"SELECT prompt_id, position, site, {function} AS v FROM acts ORDER BY ALL"
@@ -103,13 +104,13 @@ def test_a_column_of_many_tokens_reads_a_few_rows_alone_then_the_whole_weight(
         got = db.sql(q).fetchall()
         again = db.sql(q).fetchall()
     assert len({r[0] for r in db_tokens(path)}) > 50  # the column holds many tokens
-    assert 0 < len(alone) <= 2 * vectors._ROWS_ALONE, len(alone)  # the weight, and a bias
+    assert 0 < len(alone) <= 2 * model_weights._ROWS_ALONE, len(alone)  # the weight, and a bias
     assert wholes.count("lm_head") + wholes.count("embed") == 1, wholes
     assert got == again
     with actdb.connect(path, device="cpu") as db:
         model = _model(db)
-        db.source.unembed(model)  # the whole weights first, then the same query
-        db.source.anchors(model, None)
+        db.source.weights.unembed(model)  # the whole weights first, then the same query
+        db.source.weights.anchors(model, None)
         assert db.sql(q).fetchall() == got
 
 
@@ -129,7 +130,7 @@ def test_checks_keep_their_order_and_an_id_past_the_head_is_one_sentence(family_
 
 
 def test_many_token_strings_build_the_vocabulary_index_once(family_store):
-    from actdb.query import vectors
+    from actdb.query import tokens
 
     with actdb.connect(family_store("gpt2"), device="cpu") as db:
         src, model = db.source, _model(db)
@@ -141,10 +142,10 @@ def test_many_token_strings_build_the_vocabulary_index_once(family_store):
                                           "ORDER BY token_id").fetchall()):
             if text[0] is not None:
                 first.setdefault(text[0], tid)
-        unique = [t for t in strings if strings.count(t) == 1][: 3 * vectors._STRINGS_ALONE]
-        got = [src.resolve_token(model, t, "VARCHAR") for t in unique]
+        unique = [t for t in strings if strings.count(t) == 1][: 3 * tokens._STRINGS_ALONE]
+        got = [src.tokens.resolve_token(model, t, "VARCHAR") for t in unique]
         assert got == [first[t] for t in unique]
-        assert model.model_id in src._vocab  # built once the scans passed their number
+        assert model.model_id in src.tokens._vocab  # built once the scans passed their number
 
 
 @pytest.mark.parametrize("vec", ["vec", "normed(vec)"])

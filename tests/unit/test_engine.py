@@ -299,7 +299,7 @@ def test_scan_runs_read_what_zarr_reads_and_name_a_damaged_chunk(big, tmp_path):
 
 @pytest.mark.cpu_only  # the runs' products are the CPU's compiled kernel; a GPU uses torch
 def test_a_scan_shares_its_runs_products_with_the_read_ahead_thread(big, tmp_path, monkeypatch):
-    """`cosine_to_anchor` of raw vectors over runs of chunks (vectors._project_runs): the
+    """`cosine_to_anchor` of raw vectors over runs of chunks (runs.FieldReader._project_runs): the
     read-ahead thread makes runs' products, from the back of a window and ahead of the query,
     and every row gets the bits the chunk-by-chunk path gives it, the float64 value of its
     stored direction within float32 rounding. Damage in a run only looked at ahead is never
@@ -309,9 +309,9 @@ def test_a_scan_shares_its_runs_products_with_the_read_ahead_thread(big, tmp_pat
     import zarr
 
     from actdb.errors import StoreCorruptError
-    from actdb.query import vectors
+    from actdb.query import runs
 
-    if vectors._native is None:
+    if runs._native is None:
         pytest.skip("no compiled kernels: project takes the torch path")
     ref, db = big
     site = _site(db, "pre_mlp")
@@ -320,14 +320,14 @@ def test_a_scan_shares_its_runs_products_with_the_read_ahead_thread(big, tmp_pat
     q = (f"SELECT prompt_id, position, cosine_to_anchor(vec, 3) FROM acts WHERE site = '{site}' "
          "ORDER BY prompt_id, position")
     made: list[tuple[str, int]] = []
-    dots = vectors._RunWalk.dots
+    dots = runs.RunWalk.dots
 
     def spy(walk, r, vv):
         made.append((threading.current_thread().name, r))
         return dots(walk, r, vv)
 
-    monkeypatch.setattr(vectors._RunWalk, "dots", spy)
-    monkeypatch.setattr(vectors, "RUN_CHUNKS", 2)  # runs of 512 rows: 14 runs a site
+    monkeypatch.setattr(runs.RunWalk, "dots", spy)
+    monkeypatch.setattr(runs, "RUN_CHUNKS", 2)  # runs of 512 rows: 14 runs a site
     with actdb.connect(store, device="cpu") as fast:
         got = fast.sql(q).fetchall()
         # every chunk of the site's directions counted once, when used
@@ -336,7 +336,7 @@ def test_a_scan_shares_its_runs_products_with_the_read_ahead_thread(big, tmp_pat
     threads_used = {name.split("_")[0] for name, _ in made}
     assert threads_used == {"MainThread", "actdb-readahead"}, threads_used
     assert sorted(r for _, r in made) == sorted(set(r for _, r in made)), "a run made twice"
-    monkeypatch.setattr(vectors, "RUN_CHUNKS", 1 << 20)  # no runs: chunk by chunk
+    monkeypatch.setattr(runs, "RUN_CHUNKS", 1 << 20)  # no runs: chunk by chunk
     with actdb.connect(store, device="cpu") as slow:
         want = slow.sql(q).fetchall()
         starts = dict(slow.sql("SELECT prompt_id, row_start FROM prompt_runs").fetchall())
@@ -351,7 +351,7 @@ def test_a_scan_shares_its_runs_products_with_the_read_ahead_thread(big, tmp_pat
 
     # A query that stops before the site's end: its last window's products and those of the
     # runs after it (the farthest run made) are made; damage in that run is never reported.
-    monkeypatch.setattr(vectors, "RUN_CHUNKS", 2)
+    monkeypatch.setattr(runs, "RUN_CHUNKS", 2)
     k = max(p for p, pos, _ in got if starts[p] + pos < 5000)  # past the first window's start
     part = (f"SELECT count(cosine_to_anchor(vec, 3)) FROM acts WHERE site = '{site}' "
             f"AND prompt_id <= {k}")
@@ -375,7 +375,7 @@ def test_a_scan_shares_its_runs_products_with_the_read_ahead_thread(big, tmp_pat
 
 
 class _GatedWalk:
-    """A stand-in for vectors._RunWalk over runs 0 and 1 of 4 rows: run r's products are r,
+    """A stand-in for runs.RunWalk over runs 0 and 1 of 4 rows: run r's products are r,
     made when the run's gate (if any) opens."""
 
     def __init__(self, gates: dict[int, tuple[threading.Event, threading.Event]]) -> None:
@@ -415,7 +415,7 @@ def test_a_run_queued_by_another_query_is_taken_over_not_waited_for(big):
 
         def query(name: str, gates: dict[int, tuple[threading.Event, threading.Event]]) -> None:
             try:
-                src._project_runs(_GatedWalk(gates), vv, out[name])
+                src.reader._project_runs(_GatedWalk(gates), vv, out[name])
             except BaseException as e:
                 errors.append(e)
 

@@ -190,7 +190,7 @@ def test_lens_products_get_the_threads_their_size_earns(family_store, monkeypatc
             n = db.sql("SELECT count(*) FROM acts WHERE site = 'final'").fetchall()[0][0]
             got = db.sql("SELECT entropy(vec), kl_to(vec, vec) FROM acts "
                          "WHERE site = 'final'").fetchall()
-            w, _ = db.source.unembed(db.source.models[0])
+            w, _ = db.source.weights.unembed(db.source.models[0])
             left = torch.get_num_threads()
     finally:
         torch.set_num_threads(caller)
@@ -354,9 +354,9 @@ def test_aggregates_with_many_lists_in_small_blocks(reference, family_store, mon
     """Lists that share a site (GROUP BY prompt: one after another; GROUP BY position % 2:
     interleaved) and directions that differ by row, with vectors converted 3 rows at a time
     so that blocks cut through lists (aggregates._Moments, _against)."""
-    from actdb.query import aggregates, vectors
+    from actdb.query import aggregates, runs
 
-    monkeypatch.setattr(vectors, "_SCRATCH_FLOATS", 3 * 64)
+    monkeypatch.setattr(runs, "SCRATCH_FLOATS", 3 * 64)
     monkeypatch.setattr(aggregates, "_GRAM_BYTES", 2 * 8 * 64 * 64)  # spectrum: 2 lists a turn
     ref = reference("gpt2")
     with actdb.connect(family_store("gpt2"), device="cpu") as db:

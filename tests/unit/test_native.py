@@ -201,18 +201,18 @@ class _Counting:
 def test_a_scan_through_the_kernels_matches_the_torch_path(family_store, monkeypatch) -> None:
     """A full scan of `cosine_to_anchor` over runs of chunks (the kernel and the run reads)
     against the same query through torch and the Python reader: float32 rounding apart."""
-    from actdb.query import vectors
+    from actdb.query import runs
 
-    monkeypatch.setattr(vectors, "RUN_CHUNKS", 2)  # the tiny store's chunks make runs
+    monkeypatch.setattr(runs, "RUN_CHUNKS", 2)  # the tiny store's chunks make runs
     spy = _Counting()
-    monkeypatch.setattr(vectors, "_native", spy)
+    monkeypatch.setattr(runs, "_native", spy)
     monkeypatch.setattr(chunks, "_native", spy)
     q = ("SELECT prompt_id, position, site, cosine_to_anchor(vec, ' the') FROM acts "
          "ORDER BY ALL")
     with actdb.connect(family_store("gpt2"), device="cpu") as db:
         fast = db.sql(q).fetchall()
     assert spy.calls.get("read_chunks", 0) > 0 and spy.calls.get("f16_dots", 0) > 0
-    monkeypatch.setattr(vectors, "_native", None)
+    monkeypatch.setattr(runs, "_native", None)
     monkeypatch.setattr(chunks, "_native", None)
     with actdb.connect(family_store("gpt2"), device="cpu") as db:
         slow = db.sql(q).fetchall()
@@ -229,7 +229,7 @@ def test_a_reader_waiting_for_the_read_ahead_reads_the_farthest_queued_read_itse
     a later get of that key is answered from it, errors included."""
     import threading
 
-    from actdb.query.vectors import ChunkCache
+    from actdb.query.chunk_cache import ChunkCache
 
     cache = ChunkCache(1 << 20)
     started, release = threading.Event(), threading.Event()
@@ -312,7 +312,7 @@ def test_two_threads_waiting_on_reads_never_take_the_same_queued_read() -> None:
     import threading
     import time
 
-    from actdb.query.vectors import ChunkCache
+    from actdb.query.chunk_cache import ChunkCache
 
     cache = ChunkCache(1 << 20)
     gates = {k: threading.Event() for k in ("k1", "k2", "k3")}

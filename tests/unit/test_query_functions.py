@@ -27,7 +27,7 @@ from support.query_reference import (
 from support.tiny_models import load_tiny_model
 
 import actdb
-from actdb.query import vectors
+from actdb.query import runs
 
 FAMILIES = ("gpt2", "llama", "gemma", "bert")
 PROMPT_SUBSET = (0, 2, 3)  # short, shortest, longest (the longest spans several chunks)
@@ -336,7 +336,7 @@ def test_scalar_functions_in_small_blocks(family, reference, family_store, monke
     """The same checks with vectors converted 3 rows at a time (Group.x_blocks): block edges
     fall inside chunks, groups and the rows of each argument value (`token_id` varies by
     row). A connection of its own: a shared one may answer from windows it computed before."""
-    monkeypatch.setattr(vectors, "_SCRATCH_FLOATS", 3 * 64)
+    monkeypatch.setattr(runs, "SCRATCH_FLOATS", 3 * 64)
     db = actdb.connect(family_store(family), device="cpu")
     try:
         test_scalar_functions(family, reference, lambda _: db)
@@ -364,7 +364,7 @@ def test_a_rows_value_does_not_depend_on_the_rows_computed_with_it(family, famil
     store = family_store(family)
     with actdb.connect(store, device="cpu") as db:
         whole = db.sql(q.format("")).fetchall()
-    monkeypatch.setattr(vectors, "_SCRATCH_FLOATS", 3 * 64)
+    monkeypatch.setattr(runs, "SCRATCH_FLOATS", 3 * 64)
     with actdb.connect(store, device="cpu") as db:
         alone = [row for p in range(len(PROMPTS))
                  for row in db.sql(q.format(f"WHERE prompt_id = {p}")).fetchall()]
@@ -884,7 +884,7 @@ def test_token_strings_resolve_to_the_one_id_that_decodes_to_them(family_store):
         checked = 0
         for tok, tid in list(first.items())[::7]:
             if counts[tok] == 1:
-                assert src.resolve_token(model, tok, "VARCHAR") == tid, tok
+                assert src.tokens.resolve_token(model, tok, "VARCHAR") == tid, tok
                 checked += 1
         assert checked > 20
         from transformers import AutoTokenizer
@@ -897,21 +897,21 @@ def test_token_strings_resolve_to_the_one_id_that_decodes_to_them(family_store):
             ids = [tid for tid, t in rows if t == text]
             encoded = tok(text, add_special_tokens=False)["input_ids"]
             if len(encoded) == 1 and encoded[0] in ids:  # the tokenizer's own choice
-                assert src.resolve_token(model, text, "VARCHAR") == encoded[0], text
+                assert src.tokens.resolve_token(model, text, "VARCHAR") == encoded[0], text
                 continue
             # no id to prefer: an error naming them, never the first one silently
             with pytest.raises(actdb.TokenError, match=rf"is the text of {len(ids)} tokens "
                                                        rf"of model 'gpt2' \(ids {ids[0]}, "):
-                src.resolve_token(model, text, "VARCHAR")
+                src.tokens.resolve_token(model, text, "VARCHAR")
             ambiguous += 1
         assert ambiguous, "byte tokens that decode alike and that the tokenizer picks none of"
-        assert src.resolve_token(model, str(rows[-1][0]), "INTEGER") == rows[-1][0]
+        assert src.tokens.resolve_token(model, str(rows[-1][0]), "INTEGER") == rows[-1][0]
         with pytest.raises(actdb.TokenError, match=r"is not one token of model 'gpt2': it "
                                                    r"tokenizes as \["):
-            src.resolve_token(model, "a string no vocabulary holds whole", "VARCHAR")
+            src.tokens.resolve_token(model, "a string no vocabulary holds whole", "VARCHAR")
         with pytest.raises(actdb.TokenError, match=r"^'' is not one token of model 'gpt2': "
                                                    "the empty string is no token$"):
-            src.resolve_token(model, "", "VARCHAR")
+            src.tokens.resolve_token(model, "", "VARCHAR")
 
 
 def test_a_token_that_is_no_vocabulary_text_is_told_what_to_pass(family_store):
