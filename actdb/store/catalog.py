@@ -35,9 +35,20 @@ else:
     pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
 
 # The newest format this actdb reads and writes. Local stores are still created as version 2
-# (their layout did not change); stores on object storage are version 3 (docs/FORMAT.md).
-FORMAT_VERSION = 3
+# (their layout did not change); stores on object storage are version 3; a store becomes
+# version 4 when it first holds a model that older actdb would misread (docs/FORMAT.md).
+FORMAT_VERSION = 4
 LOCAL_FORMAT_VERSION = 2
+# A model without a token embedding, or whose head is a classifier (an image model): an actdb
+# reading version 3 or less would call its missing embedding damage and its labels tokens.
+IMAGE_FORMAT_VERSION = 4
+
+
+def version_needed(model: ModelRecord) -> int:
+    """The format version a store must have to hold `model` (0: any)."""
+    if model.has_embed is False or model.head_kind == "classifier":
+        return IMAGE_FORMAT_VERSION
+    return 0
 T = TypeVar("T")
 # How long a reader waits for a commit, or a writer for another writer or a reader's
 # snapshot, to let go of the catalog's lock (catalog_lock.py) before saying who holds it
@@ -705,6 +716,14 @@ class Catalog:
         limits.check_streams(int(have[0]) if have else 0, sum(s.n_heads or 1 for s in sites),
                              model.model)
         with self.transaction():
+            # Older stores are migrated in the same transaction: their new columns were added
+            # above (NULL in older rows, read as before); the version is raised where the
+            # model needs it, so that an older actdb refuses the store instead of misreading.
+            needed = version_needed(model)
+            if needed:
+                self.con.execute(
+                    "UPDATE meta SET value = ? WHERE key = 'format_version' "
+                    "AND CAST(value AS INTEGER) < ?", [str(needed), needed])
             row = asdict(model)
             row["config"] = json.dumps(row["config"], default=str)
             row["towers"] = json.dumps(row["towers"])

@@ -347,3 +347,53 @@ def test_plot_patches_reads_each_patch_through_the_head(digits: Digits, digits_s
     result = CliRunner().invoke(cli, ["plot", "patches", str(digits_store), "--input", "0",
                                       "--sql"])
     assert result.exit_code == 0 and "patch_row IS NOT NULL" in result.output
+
+
+def test_an_image_model_raises_the_format_version_and_migrates_an_older_store(
+        digits: Digits, tmp_path: Path, model_dir: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A text store stays version 2; registering an image model in it (its new columns added,
+    its older rows NULL) makes it version 4, which an actdb reading up to 3 refuses instead of
+    calling its missing embedding damage."""
+    import duckdb
+
+    from actdb.errors import StoreFormatError
+    from actdb.store import catalog
+    from actdb.store import store as store_module
+
+    store = tmp_path / "s.actdb"
+    actdb.ingest(store, model=str(model_dir("gpt2")), prompts=["hello there"],  # type: ignore[operator]
+                 name="gpt2")
+
+    def version() -> str:
+        con = duckdb.connect(str(store / "catalog.duckdb"), read_only=True)
+        try:
+            return str(con.execute("SELECT value FROM meta WHERE key = 'format_version'"
+                                   ).fetchall()[0][0])
+        finally:
+            con.close()
+
+    assert version() == "2"
+    # a store written before images: no tower, layout or patch columns
+    con = duckdb.connect(str(store / "catalog.duckdb"))
+    for table, column in (("tokens", "patch_row"), ("tokens", "patch_col"), ("tokens", "frame"),
+                          ("sites", "tower"), ("sites", "layout"), ("models", "towers"),
+                          ("models", "has_embed"), ("models", "head_kind"),
+                          ("models", "head_position")):
+        con.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+    con.close()
+    old = actdb.connect(store).sql("SELECT count(*), count(patch_row) FROM acts").fetchall()
+    assert old[0][0] > 0 and old[0][1] == 0  # read as before: no patches
+    actdb.ingest(store, model=str(digits.model), images=digits.images)
+    assert version() == "4"
+    db = actdb.connect(store)
+    assert db.sql("SELECT count(*) FROM acts WHERE model = 'gpt2' AND patch_row IS NULL"
+                  ).fetchall() == [(old[0][0],)]
+    assert db.sql("SELECT count(DISTINCT prompt_id) FROM acts WHERE model = 'vit-digits'"
+                  ).fetchall()[0][0] == len(digits.labels)
+    verified = CliRunner().invoke(cli, ["verify", str(store)])
+    assert verified.exit_code == 0, verified.output
+    monkeypatch.setattr(store_module, "FORMAT_VERSION", 3)  # an actdb from before images
+    with pytest.raises(StoreFormatError, match="format version 4"):
+        actdb.connect(store)
+    assert catalog.FORMAT_VERSION == 4
