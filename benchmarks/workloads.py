@@ -371,10 +371,10 @@ def _scan_profile(ours: ActdbScan, times: dict[str, float], rate: dict[str, floa
                    if pred(f, name))
 
     total = cum(lambda f, n: n == "submit" and "duckdb" in f)
-    # Runs read and multiplied on the query's thread (vectors._RunWalk.dots), chunk reads
+    # Runs read and multiplied on the query's thread (runs.RunWalk.dots), chunk reads
     # (ChunkCache.get), and waits for the read-ahead thread's runs (Future.result)
-    runs = cum(lambda f, n: f.endswith("vectors.py") and n == "dots")
-    reads = runs + cum(lambda f, n: f.endswith("vectors.py") and n == "get") + cum(
+    runs = cum(lambda f, n: f.endswith("runs.py") and n == "dots")
+    reads = runs + cum(lambda f, n: f.endswith("chunk_cache.py") and n == "get") + cum(
         lambda f, n: f.endswith("_base.py") and n == "result")
 
     def kernel(n: str) -> bool:  # the compiled kernel, or torch's conversion and product

@@ -209,8 +209,8 @@ def _against_stored(src: VectorSource, g: Any, out: np.ndarray, dirs: Directions
                     *, unit_v: bool) -> None:
     """`_against` for raw vectors and one direction for all rows (a literal, a parameter, a
     scalar subquery): the stored unit directions dotted with the direction's unit by
-    `VectorSource.project` (float16 converted and multiplied-added in one compiled pass,
-    3x `x_blocks`' rate over a full scan), times the norm for `project`. As with
+    `FieldReader.project` (float16 converted and multiplied-added in one compiled pass,
+    where `x_blocks` makes three), times the norm for `project`. As with
     `cosine_to_anchor`, a cosine is clamped to [-1, 1] (a float16 direction's length is 1
     within 2^-11), and is NULL for a zero vector (its stored direction is all zeros)."""
     du, dok = dirs.units(g.index, g.site.d, name, _where(g), torch.device("cpu"))

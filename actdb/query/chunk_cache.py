@@ -62,8 +62,8 @@ class ChunkCache:
     def _help(self) -> None:
         """While this thread waits for a read under way, do the read queued farthest ahead
         itself (file reads release the GIL, so both threads read). A scan's windows compute
-        far faster than one thread reads (measured: the query's thread waited 40 of a full
-        scan's 120 ms for the read-ahead thread). The read taken is replaced, under the
+        faster than one thread reads, so the query's thread would otherwise wait on the
+        read-ahead thread. The read taken is replaced, under the
         lock, by a future already running, so that another thread asking for it (DuckDB
         calls UDFs from several threads) waits for it, and no other helper takes it again."""
         with self._lock:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
     import torch
 else:
-    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
+    pa = lazy_module("pyarrow")  # imported when Arrow data is first made or read
     torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
 if TYPE_CHECKING:
@@ -90,8 +90,8 @@ class Database:
         sandbox.lock(self.con)
         # Statements are parsed and their trees serialized on a connection of their own (a
         # cursor: DuckDB parses there and never binds or runs the query's text; the store's
-        # database is locked down before it exists). A database of its own cost 15-20 ms of
-        # CPU per process, 4% of a CLI query's start.
+        # database is locked down before it exists): cheaper than a database of its own, which
+        # every CLI query would open.
         self._parser = self.con.cursor()
         sandbox.lock(self._parser)
         self._cluster: Any = None

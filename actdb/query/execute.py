@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     import pyarrow as pa
     import pyarrow.compute as pc
 else:
-    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
-    pc = lazy_module("pyarrow.compute")  # 0.1 s to import: when a tensor function first runs
+    pa = lazy_module("pyarrow")  # imported when Arrow data is first made or read
+    pc = lazy_module("pyarrow.compute")  # imported when a tensor function first runs
 
 _SCALARS = ("DOUBLE", "BIGINT")  # kernels fill a float64 array, NaN for NULL
 
@@ -241,7 +241,7 @@ _TYPES: dict[str, duckdb.sqltypes.DuckDBPyType] = {}
 
 def _sqltype(con: duckdb.DuckDBPyConnection, name: str) -> duckdb.sqltypes.DuckDBPyType:
     """DuckDB's type object for `name`, parsed once a process, by `con`: the module-level
-    `duckdb.sqltype` opens DuckDB's default connection first (15-30 ms of a `SELECT 1`)."""
+    `duckdb.sqltype` opens DuckDB's default connection first, a cost every query would pay."""
     t = _TYPES.get(name)
     if t is None:
         t = _TYPES[name] = con.sqltype(name)
@@ -265,9 +265,9 @@ def _sees_acts(calls: set[str], tables: set[str]) -> bool:
 
 class Functions:
     """The tensor functions and the view `acts` of one connection, each made the first time a
-    query calls or names it: registering all the functions took 25-30 ms of CPU, a twentieth
-    of a CLI query's start, for queries that call one or two, or none; the view's `norm` and
-    `mean` columns are Arrow UDFs, and registering one imports pyarrow (0.05 s).
+    query calls or names it: registering all the functions is a noticeable part of a CLI
+    query's start, for queries that call one or two, or none; the view's `norm`, `mean` and
+    `vec` columns are Arrow UDFs, and registering one imports pyarrow.
 
     Registering runs statements on the connection, so it is done before the query that needs
     it is bound (Database.sql), never while a query runs; a query that lists DuckDB's

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
     import torch
 else:
-    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
+    pa = lazy_module("pyarrow")  # imported when Arrow data is first made or read
     torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
 _BLOCK = 512  # rows per matrix product against a whole vocabulary
@@ -216,7 +216,7 @@ def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: A
 def stored_cosines(src: VectorSource, g: Group, unit: torch.Tensor,
                    at: np.ndarray | None = None) -> np.ndarray:
     """float32 cosines of the group's raw vectors (rows `at`, or all) with a unit vector, from
-    the stored directions (`VectorSource.project`): clamped to [-1, 1], since a float16
+    the stored directions (`FieldReader.project`): clamped to [-1, 1], since a float16
     direction's length is 1 only within 2^-11; NaN for a zero vector, whose direction is all
     zeros (only rows whose product is exactly 0 have their norm read)."""
     c = src.reader.project(g, unit, at).cpu().numpy()
@@ -262,7 +262,7 @@ def logit(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: 
     for g in _lm_groups(src, h):
         _require_width("logit", g, src.weights.unembed_width(g.model), "the LM head's width")
         combos = _per_value([token, ttype], g.index)
-        # each token's row of W_U and b_U (vectors.py: read alone while few are asked for)
+        # each token's row of W_U and b_U (model_weights.py: read alone while few are asked for)
         heads = {key: src.weights.unembed_row(g.model, src.tokens.resolve_token(g.model, *key))
                  for key in combos}
         for lo, hi, hn in _final_normed_blocks(src, g):

@@ -102,8 +102,8 @@ class ModelWeights:
         return w, b
 
     def _weight_shape(self, model_id: int, name: str) -> tuple[int, ...]:
-        """A weight's shape, from its array's metadata, read once (opening the array costs
-        1.5 ms, and a scan asks once per call)."""
+        """A weight's shape, from its array's metadata, read once (a scan asks once per call,
+        and opening the array reads its metadata)."""
         with self._lock:
             if (model_id, name) not in self._shapes:
                 info = self.store.arrays.info(f"models/{model_id}/{name}", required=True)

@@ -5,8 +5,8 @@ walked for function calls, so a misspelt function gets the closest names, a tens
 gets its signature when called wrongly, and literal arguments are checked up front.
 
 sqlglot is imported only for a statement that may call a function, since its checks are all
-about calls: importing it and its DuckDB dialect costs 0.12 s of CPU (the dialect parses dozens
-of SQL templates as it loads), a fifth of a CLI query's start, which
+about calls: importing it and its DuckDB dialect is a large part of a CLI query's start (the
+dialect parses dozens of SQL templates as it loads), which
 `SELECT * FROM prompts WHERE prompt_id = 3` has no use for. A statement is read by sqlglot too
 when DuckDB's own tree of it calls a function, or when its text holds a parenthesis at all: no
 call can be written without one, and DuckDB's tree leaves out text it never runs (a named

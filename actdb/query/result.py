@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import pyarrow.compute as pc
     import torch
 else:
-    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
+    pa = lazy_module("pyarrow")  # imported when Arrow data is first made or read
     pc = lazy_module("pyarrow.compute")
     torch = lazy_module("torch")
 
@@ -124,7 +124,7 @@ class Result:
         """Every row as aligned plain text, tokens' whitespace made visible (the CLI's table
         output). Rows not computed yet whose columns all hold numbers, text, or lists and
         structs of them are fetched once as DuckDB's Python values, without Arrow (importing
-        pyarrow was 0.05 s of CPU, a tenth of a `SELECT 1`'s start); any other type is shown
+        pyarrow would be a large part of a `SELECT 1`'s start); any other type is shown
         from Arrow, as Python's values of times, intervals or maps differ from it (a
         TIMESTAMP_NS's nanoseconds, an infinite date)."""
         from .display import text_table

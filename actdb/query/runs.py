@@ -37,11 +37,9 @@ RUN_CHUNKS = 16
 RUN_AHEAD = 2
 # Runs whose products a walking scan has made ahead (FieldReader._project_runs): as many as
 # the window it computes now, from RUN_AHEAD to this many. The read-ahead thread makes them
-# while DuckDB and the UDFs' Python use up the window's rows; RUN_AHEAD alone left it idle
-# through most of that: a 262,144-row scan made 54 of its 128 runs on the query's thread, 47
-# with this (0.1235 -> 0.1152 s and 0.1225 -> 0.1165 s, alternating in one process). Growing
-# with the window keeps a LIMIT query, which stops in its first small windows, from reading
-# far past its rows.
+# while DuckDB and the UDFs' Python use up the window's rows, which RUN_AHEAD alone left it
+# idle through; growing with the window keeps a LIMIT query, which stops in its first small
+# windows, from reading far past its rows.
 DOTS_AHEAD = 8
 _RUNS_PENDING = 8  # about 24 MiB of runs read ahead at most, whatever the query left behind
 # rows whose products with a constant vector are kept (_project_runs): 4 MiB of float32
@@ -191,8 +189,8 @@ class FieldReader:
 
         On the CPU, each chunk's float16 piece goes through the compiled kernel
         (`actdb._native.f16_dots`): converted in registers and multiplied-added in one pass,
-        with the GIL released so the read-ahead thread runs beside it (a full scan's product
-        3x faster than torch's three passes). Without the compiled module, torch converts
+        with the GIL released so the read-ahead thread runs beside it (one pass over the
+        stored bytes where torch makes three). Without the compiled module, torch converts
         each piece to float32 in a small scratch buffer that stays in cache, multiplies and
         sums row by row (the same values up to float32 rounding).
 
@@ -224,8 +222,8 @@ class FieldReader:
             for i in range(0, b - a, step):
                 m = min(step, b - a - i)
                 block = scratch[: m * d].view(m, d)
-                # row_dots in the scratch: converting, then multiplying in place, takes 25%
-                # less time than one mixed float16 * float32 multiply (measured)
+                # row_dots in the scratch: converting, then multiplying in place, is faster
+                # than one mixed float16 * float32 multiply
                 block.copy_(piece[i : i + m]).mul_(v)
                 torch.sum(block, -1, out=out[a + i : a + i + m])
         return out

@@ -15,7 +15,7 @@ from ..store.store import Store
 if TYPE_CHECKING:
     import pyarrow as pa
 else:
-    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
+    pa = lazy_module("pyarrow")  # imported when Arrow data is first made or read
 
 INT_TYPES = {"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT",
              "UINTEGER", "UBIGINT", "UHUGEINT"}
@@ -118,9 +118,9 @@ class Vocabulary:
 
     def _ids_of_string(self, model: ModelRecord, column: pa.Array, value: str) -> list[int]:
         """The ids whose string is `value`, in id order. The first few strings a connection
-        resolves take one Arrow comparison each (a dict of all 50,257 strings of GPT-2 cost
-        0.2 s of a fresh process's first query); past `_STRINGS_ALONE`, as for a column of
-        many token strings, the dict is built once and used."""
+        resolves take one Arrow comparison each (a dict of a whole vocabulary would cost a
+        fresh process's first query more than the query itself); past `_STRINGS_ALONE`, as
+        for a column of many token strings, the dict is built once and used."""
         with self._lock:
             index = self._vocab.get(model.model_id)
             if index is None and self._strings_alone.get(model.model_id, 0) >= _STRINGS_ALONE:

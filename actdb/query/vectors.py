@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
     import torch
 else:
-    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
+    pa = lazy_module("pyarrow")  # imported when Arrow data is first made or read
     torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
 # Sites off the residual stream: their vectors never meet the LM head, so anchor and logit
@@ -161,8 +161,8 @@ class VectorSource:
     def x_blocks(self, g: Group) -> Iterator[tuple[int, int, torch.Tensor]]:
         """`Group.x_blocks` on the CPU: each block of stored directions converted to float32
         in this thread's scratch buffer, times its norms, then the group's view applied. The
-        same float32 operations as `Group.x`, row by row, in blocks of 1 MiB: a scan of
-        `dim_contribution` converted and scaled 200 MB arrays a window before."""
+        same float32 operations as `Group.x`, row by row, in blocks of 1 MiB, so that a window's
+        float32 copy never exists whole."""
         d = g.site.d
         step = max(1, runs.SCRATCH_FLOATS // d)
         scratch = getattr(self._local, "x_scratch", None)
