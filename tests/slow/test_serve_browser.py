@@ -237,3 +237,23 @@ def test_an_image_store_lists_its_images_and_reads_its_classifier(image_store, t
         tokens = [c.get_attribute("data-token") for c in top.locator("td.cell").all()]
         assert want and tokens == [t for _, t in want]  # the class names: 'digit 3', ...
         assert tab.errors == []
+
+
+def test_lens_by_anchor_at_another_role(server, tab, db):
+    tab.goto(server.base + "input?model=llama&prompt_id=0&lens=anchor&role=pre_mlp")
+    tab.wait_for_selector("table.lens[data-model=llama] td.cell")
+    rows = tab.locator("table.lens[data-model=llama] tr[data-site]")
+    want_sites = [r[0] for r in db.sql(
+        "SELECT site FROM sites WHERE model = 'llama' AND role IN ('pre_mlp', 'final') "
+        "ORDER BY layer DESC").fetchall()]
+    assert [r.get_attribute("data-site") for r in rows.all()] == want_sites
+    for site in want_sites:
+        want = db.sql("SELECT nearest_anchors(vec, 1)[1] FROM acts WHERE model = 'llama' AND "
+                      "prompt_id = 0 AND site = $s ORDER BY position", params={"s": site}
+                      ).fetchall()
+        cells = tab.locator(f"table.lens[data-model=llama] tr[data-site='{site}'] td.cell")
+        assert [c.get_attribute("data-token") for c in cells.all()] == [w[0]["token"]
+                                                                         for w in want]
+        assert [float(c.get_attribute("data-p")) for c in cells.all()] == pytest.approx(
+            [w[0]["cosine"] for w in want])
+    assert tab.errors == []

@@ -3,12 +3,20 @@
 "use strict";
 
 const LENS_SQL = {
-  logit: `SELECT site, layer, position, token,
-       list_transform(top_logits(vec, 5), lambda t: struct_pack(
-           token_id := t.token_id, token := t.token, p := prob(vec, t.token_id))) AS top
-FROM acts
-WHERE model = $model AND prompt_id = $prompt_id AND role IN ($role, 'final')
-  AND head IS NULL
+  // the probabilities from one log-sum-exp per cell (the top token's logprob), where prob()
+  // of each listed token would take a vocabulary-wide softmax per token
+  logit: `WITH cells AS (
+  SELECT site, layer, position, token, vec, top_logits(vec, 5) AS top
+  FROM acts
+  WHERE model = $model AND prompt_id = $prompt_id AND role IN ($role, 'final')
+    AND head IS NULL
+), shifted AS (
+  SELECT *, logprob(vec, top[1].token_id) - top[1].logit AS shift FROM cells
+)
+SELECT site, layer, position, token,
+       list_transform(top, lambda t: struct_pack(
+           token_id := t.token_id, token := t.token, p := exp(t.logit + shift))) AS top
+FROM shifted
 ORDER BY layer DESC, site DESC, position`,
   anchor: `SELECT site, layer, position, token,
        list_transform(nearest_anchors(vec, 5), lambda a: struct_pack(
