@@ -1,22 +1,23 @@
 """The `actdb` command: parse argv, call one library function, print.
 
-Library errors become `click.ClickException` here and nowhere else (exit 1, one sentence on
-stderr); `--debug` shows the traceback instead.
+Library errors become `click.ClickException` at the CLI's edge (cli_exit.py) and nowhere
+else (exit 1, one sentence on stderr); `--debug` shows the traceback instead. Option values are
+parsed in cli_args.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
-from .errors import ActdbError, QuerySyntaxError
+from . import __version__
+from .cli_args import FORMAT_OF, parse_param, parse_tables, read_sql, shard_option
+from .cli_exit import exit_now, interrupted, one_sentence
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -35,40 +36,9 @@ def _human(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-@contextmanager
-def _errors(ctx: click.Context) -> Iterator[None]:
-    """ActdbError -> one sentence and exit 1 (or the traceback with --debug); Ctrl-C -> exit
-    130, as a shell gives (an ingest says first what it saved: _interrupted)."""
-    try:
-        yield
-    except ActdbError as e:
-        if ctx.obj and ctx.obj.get("debug"):
-            raise
-        text = e.with_caret() if isinstance(e, QuerySyntaxError) else str(e)
-        raise click.ClickException(text) from None
-    except KeyboardInterrupt:
-        if ctx.obj and ctx.obj.get("debug"):
-            raise
-        click.echo("\ninterrupted", err=True)
-        raise SystemExit(130) from None
-
-
-def _shard_option(ctx: click.Context, param: click.Parameter, value: str | None
-                  ) -> tuple[int, int] | None:
-    """--shard I/N checked here: a malformed one is a usage error (exit 2)."""
-    if value is None:
-        return None
-    from .ingest.shards import parse_shard
-
-    try:
-        return parse_shard(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
-@click.version_option(package_name="actdb")
+@click.version_option(version=__version__, prog_name="actdb")
 @click.pass_context
 def cli(ctx: click.Context, debug: bool) -> None:
     """actdb: every normalization site's input, on the unit sphere, queryable with SQL.
@@ -123,7 +93,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--chat-template", is_flag=True,
               help="Wrap each prompt as a user turn with the tokenizer's chat template "
                    "(instruct models); the templated text is the stored prompt.")
-@click.option("--shard", default=None, metavar="I/N", callback=_shard_option,
+@click.option("--shard", default=None, metavar="I/N", callback=shard_option,
               help="Be worker I (from 0) of N ingesting shares of the prompts into STORE side "
                    "by side; `actdb merge STORE` makes them visible when all have finished.")
 @click.option("--cluster", default=None, metavar="ADDRESS|local:N",
@@ -170,11 +140,11 @@ def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
         )
 
     show = not quiet if progress is None else progress
-    with _errors(ctx):
+    with one_sentence(ctx):
         try:
             s = run_ingest(store, progress=show, on_plan=announce, **kw)
         except KeyboardInterrupt:
-            _interrupted(store, planned[0] if planned else None)
+            interrupted(store, planned[0] if planned else None)
     for warning in s.warnings:
         click.echo(f"note: {warning}", err=True)
     if quiet:
@@ -207,7 +177,7 @@ def merge(ctx: click.Context, store: str) -> None:
     """
     from .ingest import merge as run_merge
 
-    with _errors(ctx):
+    with one_sentence(ctx):
         s = run_merge(store)
     if s.already_merged:
         model = "" if s.model is None else f"model {s.model!r}: "
@@ -220,42 +190,6 @@ def merge(ctx: click.Context, store: str) -> None:
         return
     click.echo(f"model {s.model!r}: merged {s.shards} shards ({s.prompts} prompts, "
                f"{s.tokens} tokens) into {store}")
-
-
-def _interrupted(store: str, plan: Any) -> None:
-    """Ctrl-C during an ingest: say what is saved and how to go on, exit 130 like a shell."""
-    if plan is None:
-        click.echo(f"\ninterrupted before any prompt was ingested into {store}; run the same "
-                   "command again to start", err=True)
-        raise SystemExit(130)
-    from . import connect
-
-    with connect(store) as db:
-        row = db.sql("SELECT count(DISTINCT prompt_id) FROM tokens WHERE model = $m",
-                     params={"m": plan.model}).fetchone()
-    saved = int(row[0]) if row else 0
-    click.echo(
-        f"\ninterrupted: {saved} of {plan.prompts_total} prompts are saved in {store} for "
-        f"model {plan.model!r}; run the same command again to resume", err=True)
-    raise SystemExit(130)
-
-
-def _read_sql(sql: str | None, file: str | None) -> str:
-    """The query from the argument, a file (-f FILE) or standard input ('-')."""
-    if sql is not None and file is not None:
-        raise click.UsageError("give the SQL either as an argument or with -f, not both")
-    source = file if file is not None else sql
-    if source is None:
-        raise click.UsageError("no SQL: give it as an argument, with -f FILE.sql, or - for stdin")
-    if source == "-":
-        return sys.stdin.read()
-    if file is None:
-        return source
-    try:
-        return Path(file).read_text(encoding="utf-8")
-    except OSError as e:
-        raise click.BadParameter(f"cannot read {file!r}: {e.strerror or e}",
-                                 param_hint="-f") from None
 
 
 @cli.command()
@@ -303,7 +237,7 @@ def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
         --cluster local:2
       actdb query runs.actdb "SELECT token, top_logits(vec, 5) FROM acts" --timeout 60
     """
-    sql = _read_sql(sql, sql_file)
+    sql = read_sql(sql, sql_file)
     from . import connect
     from .query.output import check_output, write_result
 
@@ -312,12 +246,12 @@ def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
         if suffix in (".npy", ".safetensors"):
             raise click.UsageError(f"query writes tables; for vectors in {suffix}, use actdb "
                                    "export (or give --format)")
-        fmt = _FORMAT_OF.get(suffix, "table")
+        fmt = FORMAT_OF.get(suffix, "table")
     if fmt == "parquet" and output is None:
         raise click.UsageError("parquet output needs -o FILE")
-    bound = dict(_parse_param(p) for p in params) if params else None
-    named = _parse_tables(tables)
-    with _errors(ctx):
+    bound = dict(parse_param(p) for p in params) if params else None
+    named = parse_tables(tables)
+    with one_sentence(ctx):
         if output is not None:
             check_output(output)
         with connect(store, device=device, cluster=cluster, timeout=timeout) as db:
@@ -327,41 +261,6 @@ def query(ctx: click.Context, store: str, sql: str | None, sql_file: str | None,
             write_result(result, fmt, output)
             if result.note is not None and not result.note.startswith("split"):
                 click.echo(f"note: {result.note}", err=True)
-
-
-# `query -o FILE` without --format: the format its extension names (json: JSON Lines, as
-# --format json writes)
-_FORMAT_OF = {".csv": "csv", ".json": "json", ".jsonl": "json", ".ndjson": "json",
-              ".parquet": "parquet"}
-
-
-def _parse_tables(texts: tuple[str, ...]) -> list[tuple[str, Path]]:
-    """--table NAME=FILE options; a name given twice (SQL names ignore case) is refused, where
-    the last file would silently have hidden the first."""
-    named: dict[str, tuple[str, Path]] = {}
-    for text in texts:
-        name, sep, path = text.partition("=")
-        if not sep or not name or not path:
-            raise click.BadParameter(f"{text!r} is not NAME=FILE", param_hint="--table")
-        earlier = named.get(name.lower())
-        if earlier is not None:
-            raise click.BadParameter(
-                f"table name {name!r} is given twice ({str(earlier[1])!r} and {path!r}); give "
-                "each file its own name", param_hint="--table")
-        named[name.lower()] = (name, Path(path))
-    return list(named.values())
-
-
-def _parse_param(text: str) -> tuple[str, Any]:
-    if "=" not in text:
-        raise click.BadParameter(f"{text!r} is not NAME=VALUE", param_hint="--param")
-    name, value = text.split("=", 1)
-    for cast in (int, float):
-        try:
-            return name, cast(value)
-        except ValueError:
-            pass
-    return name, value
 
 
 @cli.command()
@@ -391,9 +290,9 @@ def export(ctx: click.Context, store: str, sql: str | None, sql_file: str | None
     """
     from . import connect
 
-    sql = _read_sql(sql, sql_file)
-    bound = dict(_parse_param(p) for p in params) if params else None
-    with _errors(ctx), connect(store, device=device) as db:
+    sql = read_sql(sql, sql_file)
+    bound = dict(parse_param(p) for p in params) if params else None
+    with one_sentence(ctx), connect(store, device=device) as db:
         done = db.export(sql, output, params=bound)
     beside = f" with {len(done.columns)} other columns" if done.columns else ""
     click.echo(f"wrote {done.rows} vectors of d={done.d}{beside} to {output}")
@@ -415,7 +314,7 @@ def info(ctx: click.Context, store: str) -> None:
     """
     from . import connect
 
-    with _errors(ctx), connect(store) as db:
+    with one_sentence(ctx), connect(store) as db:
         i = db.info()
     sizes = ", ".join(f"{k} {_human(v)}" for k, v in i.bytes_on_disk.items() if k != "total")
     click.echo(f"store {i.path} (format {i.format_version}): "
@@ -492,7 +391,7 @@ def verify(ctx: click.Context, store: str, full: bool) -> None:
     """
     from . import connect
 
-    with _errors(ctx), connect(store) as db:
+    with one_sentence(ctx), connect(store) as db:
         problems = db.verify(full=full)
         n_models = len(db.info().models)
         checksums = db.store.has_checksums
@@ -532,7 +431,7 @@ def report(ctx: click.Context, store: str, output: Path, models: tuple[str, ...]
 
     if output.suffix.lower() not in (".html", ".htm"):
         raise click.BadParameter(f"{str(output)!r} must end in .html", param_hint="-o")
-    with _errors(ctx):
+    with one_sentence(ctx):
         path = write_report(store, output, models=list(models) or None, device=device)
     click.echo(f"wrote {path}")
 
@@ -588,7 +487,7 @@ def serve(ctx: click.Context, store: str, **kw: Any) -> None:
     """
     from .serve import serve as run_server
 
-    with _errors(ctx):
+    with one_sentence(ctx):
         run_server(store, announce=lambda line: click.echo(line, err=False), **kw)
 
 
@@ -608,42 +507,8 @@ def main() -> None:
     try:
         cli.main(prog_name="actdb")
     except SystemExit as e:
-        _exit(e.code)
-    _exit(0)
-
-
-def _exit(code: object) -> None:
-    """Exit with `code` as `sys.exit` does. When the command has returned and no thread is
-    left that the ordinary exit would wait for (every store closed, every pool joined; daemon
-    threads such as zarr's event loop it never waits for), run the exit handlers, flush the
-    standard streams and end the process there: freeing every module and object of NumPy,
-    DuckDB and Arrow one by one is a noticeable share of a short query's CPU, and
-    leaves nothing on disk or on screen that the handlers and the flush do not. Otherwise the
-    ordinary exit, which waits for those threads."""
-    import threading
-
-    main = threading.main_thread()
-    if threading.current_thread() is not main or any(
-            t is not main and not t.daemon for t in threading.enumerate()):
-        raise SystemExit(code)
-    if code is None:
-        status = 0
-    elif isinstance(code, int):
-        status = code
-    else:  # sys.exit("message"): the message on stderr, status 1
-        print(code, file=sys.stderr)
-        status = 1
-    import atexit
-
-    atexit._run_exitfuncs()
-    for stream in dict.fromkeys((sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)):
-        if stream is None or getattr(stream, "closed", False):
-            continue  # as the ordinary exit: a closed stream is left alone
-        try:
-            stream.flush()
-        except OSError:  # a closed pipe: the ordinary exit's status for it
-            status = status or 120
-    os._exit(status)
+        exit_now(e.code)
+    exit_now(0)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def test_version_and_python_dash_m() -> None:
 
 # `actdb ARGS` through the console script's entry point, with the process's exit watched: the
 # exit handlers must run and the output be whole before the process ends without tearing the
-# interpreter down (cli._exit).
+# interpreter down (cli_exit.exit_now).
 _WATCHED = """
 import atexit, os, sys
 atexit.register(lambda: sys.stderr.write("exit handlers ran\\n"))
