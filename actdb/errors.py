@@ -77,7 +77,8 @@ class StoreCorruptError(ActdbError, IOError):
 
 
 class StoreFullError(ActdbError, OSError):
-    """The file system holding the store is full; nothing committed is lost."""
+    """The file system holding the store is full, or a file of the store reached the
+    process's file-size limit (`ulimit -f`); nothing committed is lost."""
 
 
 class MissingDependencyError(ActdbError, ImportError):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import os
 import re
 from collections.abc import Mapping
@@ -37,6 +38,9 @@ from .register import Registration
 # ASCII digits only: str.isdigit() also passes '²', which int() refuses (and '٣', which it
 # reads as 3), so a typo would not be one clear error.
 _SHARD_SPEC = re.compile(r"([0-9]+)/([0-9]+)", re.ASCII)
+# Far more shards than any cluster runs; the plan walks every shard's range, so a typo with
+# twenty digits would otherwise hang before it said anything.
+MAX_SHARDS = 100_000
 
 
 def parse_shard(spec: str | tuple[int, int]) -> tuple[int, int]:
@@ -53,14 +57,17 @@ def parse_shard(spec: str | tuple[int, int]) -> tuple[int, int]:
         i, n = int(match[1]), int(match[2])
     else:
         parts = tuple(spec) if isinstance(spec, tuple | list) else ()
-        if len(parts) != 2 or not all(isinstance(v, int) and not isinstance(v, bool)
-                                      for v in parts):
+        # NumPy's integers too (a shard index from an array), never a bool
+        if len(parts) != 2 or not all(isinstance(v, numbers.Integral)
+                                      and not isinstance(v, bool) for v in parts):
             raise ShardSpecError(f"shard {spec!r} is not I/N: give a string such as '0/2' "
                                  "or a tuple of two ints such as (0, 2)")
-        i, n = parts
+        i, n = (int(v) for v in parts)
     if n < 1 or not 0 <= i < n:
         raise ShardSpecError(f"shard {spec!r}: I must be from 0 to N - 1 and N at least 1 "
                              f"(got I = {i}, N = {n})")
+    if n > MAX_SHARDS:
+        raise ShardSpecError(f"shard {spec!r}: N must be at most {MAX_SHARDS} (got N = {n})")
     return i, n
 
 
@@ -68,9 +75,10 @@ def check_shard_count(shards: object) -> int | None:
     """A cluster ingest's shard count: None (one per worker) or an int of at least 1."""
     if shards is None:
         return None
-    if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+    if not isinstance(shards, int) or isinstance(shards, bool) or not 1 <= shards <= MAX_SHARDS:
         raise ShardSpecError(f"shards={shards!r}: a cluster ingest needs a whole number of "
-                             "shards of at least 1 (or None: one per worker)")
+                             f"shards of at least 1 and at most {MAX_SHARDS} (or None: one "
+                             "per worker)")
     return shards
 
 

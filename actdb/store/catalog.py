@@ -25,7 +25,7 @@ from ..errors import (
 )
 from ..lazy import lazy_module
 from . import catalog_lock, catalog_log, limits
-from .durable import full_disk_as_error
+from .durable import full_disk_as_error, is_disk_full, is_file_too_large
 from .faults import fault
 from .records import ModelRecord, SiteRecord
 
@@ -145,6 +145,9 @@ class Catalog:
         self._hold = hold
         # The store named in messages (the file may be a working copy of a remote catalog).
         self.store_label = store or str(path.parent)
+        # The local folder a full disk or file-size limit is said of: the store's, or the
+        # working copy's where the store is on object storage.
+        self._disk = self.store_label if "://" not in self.store_label else str(path.parent)
         # Called once the file holds a committed change and is closed (checkpointed): how a
         # working copy of a catalog on object storage is published.
         self._publish = publish
@@ -178,10 +181,11 @@ class Catalog:
 
     @classmethod
     def create(cls, path: Path, *, version: int = LOCAL_FORMAT_VERSION,
-               hold: bool = True) -> Catalog:
+               hold: bool = True, store: str | None = None) -> Catalog:
         """A new catalog file with the schema; `hold=False`: opened for each session only,
-        as an ingest writer's is (for a file created and closed at once: cheaper)."""
-        cat = cls(path, read_only=False, hold=hold)
+        as an ingest writer's is (for a file created and closed at once: cheaper). `store`:
+        the store it is for, as messages name it (a new store is built under another name)."""
+        cat = cls(path, read_only=False, hold=hold, store=store)
         try:
             with cat.transaction():
                 cat.con.execute(SCHEMA)
@@ -441,6 +445,8 @@ class Catalog:
             return self._held_here()
         if "Permission denied" in text or "Read-only" in text:
             return StoreNotWritableError(f"cannot open catalog {str(self.path)!r} for writing")
+        if is_file_too_large(e) or is_disk_full(e):  # said by full_disk_as_error
+            return e
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
         return StoreCorruptError(
             f"the catalog {str(self.path)!r} cannot be read ({first}): the store is damaged"
@@ -464,7 +470,7 @@ class Catalog:
     @contextmanager
     def _session(self) -> Iterator[duckdb.DuckDBPyConnection]:
         """The connection, opened for this session only when it is not open already."""
-        with self._lock, full_disk_as_error(self.path.parent, "the catalog"):
+        with self._lock, full_disk_as_error(self._disk, "the catalog"):
             if self._con is not None:
                 yield self._con
                 return

@@ -1,6 +1,6 @@
 """Durable writes on a local file system: fsync of files and directories, one syncfs(2) for
-a commit's new files, a full disk turned into one sentence, and the clean-up of temporary
-files a killed writer left."""
+a commit's new files, a full disk (or a file-size limit) turned into one sentence, and the
+clean-up of temporary files a killed writer left."""
 
 from __future__ import annotations
 
@@ -172,24 +172,46 @@ def remove_partials(root: Path) -> int:
     return removed
 
 
+def _library_says(e: BaseException, code: int) -> bool:
+    """Whether a library's own error reports a failed write with `code`: DuckDB's (an
+    IOException, or a TransactionException for a commit that could not write its log; its
+    classes live in the module `_duckdb`) carry strerror in their text, and the Rust
+    `tokenizers` library's plain Exception ends "(os error N)"."""
+    text = str(e)
+    if type(e).__module__.lstrip("_").startswith("duckdb"):
+        return os.strerror(code) in text
+    return type(e) is Exception and text.endswith(f"(os error {code})")
+
+
 def is_disk_full(e: BaseException) -> bool:
     if isinstance(e, OSError) and e.errno in _FULL:
         return True
-    # DuckDB reports a full disk as an error (an IOException, or a TransactionException for
-    # a commit that could not write its log) whose text carries strerror; its classes live
-    # in the module `_duckdb`.
-    return (type(e).__module__.lstrip("_").startswith("duckdb")
-            and "No space left on device" in str(e))
+    return any(_library_says(e, code) for code in _FULL)
+
+
+def is_file_too_large(e: BaseException) -> bool:
+    """A write past the process's file-size limit (`ulimit -f`, RLIMIT_FSIZE): EFBIG where
+    SIGXFSZ is ignored (it kills the process otherwise)."""
+    if isinstance(e, OSError) and e.errno == errno.EFBIG:
+        return True
+    return _library_says(e, errno.EFBIG)
 
 
 @contextmanager
-def full_disk_as_error(store: Path, what: str) -> Iterator[None]:
-    """A full disk while writing `what` becomes one sentence saying what filled up."""
+def full_disk_as_error(store: str | Path, what: str) -> Iterator[None]:
+    """A full disk, or a file grown to the file-size limit, while writing `what` becomes one
+    sentence saying what filled up."""
     try:
         yield
     except StoreFullError:
         raise
     except Exception as e:
+        if is_file_too_large(e):
+            raise StoreFullError(
+                f"a file of store {str(store)!r} reached this process's file-size limit "
+                f"(ulimit -f) while writing {what}; nothing committed is lost: raise the "
+                "limit and run the same command again to resume"
+            ) from None
         if not is_disk_full(e):
             raise
         raise StoreFullError(

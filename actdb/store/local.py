@@ -96,7 +96,7 @@ class LocalBackend:
                 Arrays.create(tmp / TENSORS_NAME, version=LOCAL_FORMAT_VERSION)
                 fault("create_before_catalog")
                 Catalog.create(tmp / CATALOG_NAME, version=LOCAL_FORMAT_VERSION,
-                               hold=False).close(strict=True)
+                               hold=False, store=str(p)).close(strict=True)
                 fault("create_after_catalog")
                 durable.sync_tree(tmp)
                 try:

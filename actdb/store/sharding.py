@@ -75,7 +75,7 @@ def shard_name(shard: int, n_shards: int) -> str:
 def create_shard_catalog(path: Path, main: Catalog, model: ModelRecord, plan: ShardPlan) -> None:
     """A new shard catalog at `path`: the model and its sites as the main catalog has them
     (rows from the shard's start), the prompt columns of the main catalog, and the plan."""
-    cat = Catalog.create(path, version=main.format_version())
+    cat = Catalog.create(path, version=main.format_version(), store=main.store_label)
     try:
         vocab = pa.table({"token_id": pa.array([], pa.int32()), "token": pa.array([], pa.string()),
                           "piece": pa.array([], pa.string())})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -164,13 +164,17 @@ class Store:
             reg.__exit__(None, None, None)
 
     def close(self) -> None:
-        self._writers.shutdown()
-        self.arrays.close()
-        if self.commits is not self.catalog:
-            self.commits.close()
-        self.catalog.close()
-        self._end_registering()
-        self.backend.close()
+        # Every step runs however the ones before it ended (a catalog whose last write fails
+        # on a full disk or a file-size limit): the store's locks are released whatever
+        # happens, or a long-lived process (a Dask worker) would keep every later ingest out.
+        with ExitStack() as steps:  # run last to first
+            steps.callback(self.backend.close)
+            steps.callback(self._end_registering)
+            steps.callback(self.catalog.close)
+            if self.commits is not self.catalog:
+                steps.callback(self.commits.close)
+            steps.callback(self.arrays.close)
+            steps.callback(self._writers.shutdown)
 
     def __enter__(self) -> Store:
         return self

@@ -353,12 +353,14 @@ def test_on_s3_an_ingest_and_shards_exclude_each_other(s3: S3Server,
 
 
 @pytest.mark.parametrize("spec", ["²/3", "٣/4", "3/2", "0/0", "-1/2", " 1/2", "1/2 ", "1", "a/b",
-                                  "1//2", (2, 2), (0, True), (0, 2, 1)])
+                                  "1//2", "1/2\n", "0/100001", "0/" + "9" * 40, (2, 2),
+                                  (0, True), (0, 2, 1), (0.0, 2), (0, 10**30), b"0/2"])
 def test_a_bad_shard_is_one_clear_error(spec: object, tmp_path: Path) -> None:
     from actdb.errors import ShardSpecError
     from actdb.ingest.shards import parse_shard
 
-    with pytest.raises(ShardSpecError, match=r"^shard .+ (is not I/N|I must be from 0)"
+    with pytest.raises(ShardSpecError,
+                       match=r"^shard .+ (is not I/N|I must be from 0|N must be at most 100000)"
                        ) as err:
         parse_shard(spec)  # type: ignore[arg-type]
     assert isinstance(err.value, ValueError) and "\n" not in str(err.value)
@@ -376,9 +378,11 @@ def test_parse_shard_accepts_good_specs() -> None:
     assert parse_shard("0/1") == (0, 1)
     assert parse_shard("12/13") == (12, 13)
     assert parse_shard((1, 2)) == (1, 2)
+    assert parse_shard([np.int64(3), np.int32(4)]) == (3, 4)  # NumPy's integers too
+    assert parse_shard("99999/100000") == (99999, 100000)
 
 
-@pytest.mark.parametrize("shards", [0, -1, 1.5, True])
+@pytest.mark.parametrize("shards", [0, -1, 1.5, True, 100_001])
 def test_a_cluster_ingest_needs_one_shard_or_more(shards: object, tmp_path: Path) -> None:
     from actdb.errors import ShardSpecError
     from actdb.ingest.cluster import ingest_on_cluster
