@@ -233,8 +233,9 @@ def extract(model: nn.Module, found: list[FoundSite], tokens: list[int], *,
 
     `tokens`: token ids to run probe passes on (the prompts' own)."""
     # The blocks of the tower the model's head reads (a multimodal model's text stack).
-    final = next((f for f in reversed(found) if f.record.role == "final"), None)
-    tower = final.record.tower if final is not None else None
+    # (the last site's, in a model without a final norm: BERT's encoder is post-norm)
+    final = next((f for f in reversed(found) if f.record.role == "final"), found[-1])
+    tower = final.record.tower
     norm_paths = [p for f in found if f.record.tower == tower for p, _ in f.hooks]
     blocks, sublayers = block_sublayers(model, norm_paths)
     config = getattr(model, "config", None)
