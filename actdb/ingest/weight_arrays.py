@@ -81,6 +81,7 @@ def _mlp(m: MlpWeights, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         if host is not None:
             arrays[array_name(m.layer, part, name)] = host
             names.append(name)
-    return {"expert": m.expert, "module": m.module, "n_neurons": int(m.w_in.shape[0]),
+    return {"expert": m.expert, "shared": m.shared, "module": m.module,
+            "n_neurons": int(m.w_in.shape[0]),
             "gated": m.w_gate is not None, "activation": m.activation, "reads": m.reads,
             "arrays": names}

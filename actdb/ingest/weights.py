@@ -97,6 +97,7 @@ class MlpWeights:
     b_out: torch.Tensor | None  # [d]
     activation: str  # the activation module's class name (e.g. SiLUActivation, NewGELU...)
     reads: str | None = None  # the site whose output the MLP reads
+    shared: bool = False  # a mixture's shared expert (numbered after the routed ones)
     act_fn: Any = field(default=None, compare=False, repr=False)  # the model's own callable
 
 
@@ -468,7 +469,9 @@ def _mlp(model: nn.Module, layer: int, path: str | None, attn_path: str | None,
          d_model: int) -> tuple[list[MlpWeights], torch.Tensor | None]:
     """The MLP's weights (one entry, or one an expert), and the input its readers read."""
     if path is not None:
-        _experts(model, path)
+        experts = _experts(model, layer, path, calls, every, d_model)
+        if experts is not None:
+            return experts, calls[path].input
     after = calls[attn_path].end if attn_path is not None else -1
     region = [p for p in (_leaves(model, path) if path is not None else {}) if p in calls]
     # A block whose MLP is no module of its own (OPT), or whose MLP writes through a sibling
@@ -564,13 +567,78 @@ def _activation(model: nn.Module, path: str | None, calls: Mapping[str, Any],
     return None
 
 
-def _experts(model: nn.Module, path: str) -> None:
-    """Refuse a mixture whose routed experts are kept as 3-D parameters."""
-    for sub, m in model.get_submodule(path).named_modules():
-        params = dict(m.named_parameters(recurse=False))
-        three = {k: v for k, v in params.items() if v.dim() == 3}
-        if len(three) < 2:
+def _experts(model: nn.Module, layer: int, path: str, calls: Mapping[str, Any],
+             every: Mapping[str, list[Any]], d_model: int) -> list[MlpWeights] | None:
+    """A mixture's routed experts, kept as 3-D parameters (a fused [experts, 2n, d] gate and
+    input, an [experts, d, n] output), each read by calling the experts module with every
+    token sent to that one expert at weight 1; then its shared experts, each a dense MLP
+    beside them. None where the MLP has no such experts."""
+    root = model.get_submodule(path)
+    found = next(((sub, m) for sub, m in root.named_modules()
+                  if sum(1 for q in m.parameters(recurse=False) if q.dim() == 3) >= 2), None)
+    if found is None:
+        return None
+    sub, experts = found
+    where = f"{path}.{sub}"
+    params = dict(experts.named_parameters(recurse=False))
+    three = [q for q in params.values() if q.dim() == 3]
+    if len(three) != 2 or len(params) != 2:
+        raise _Unmapped(f"the experts of {where} keep {len(params)} parameters, not a fused "
+                        "gate and input and an output without biases")
+    n_experts = int(three[0].shape[0])
+    widths = [int(q.shape[1] * q.shape[2] // d_model) for q in three]
+    if widths[0] == 2 * widths[1]:
+        fused, down = three
+    elif widths[1] == 2 * widths[0]:
+        down, fused = three
+    else:
+        raise _Unmapped(f"the experts of {where} are not a fused gate and input beside an "
+                        "output")
+    n = min(widths)
+    act = next((m for m in experts.children() if not any(True for _ in m.parameters())), None)
+    x = calls[path].input
+    if act is None or x is None:
+        raise _Unmapped(f"the experts of {where} have no activation module")
+    x2 = x.reshape(-1, d_model).detach()
+    ones = torch.ones(len(x2), 1, dtype=x2.dtype, device=x2.device)
+    out: list[MlpWeights] = []
+    for e in range(n_experts):
+        index = torch.full((len(x2), 1), e, dtype=torch.long, device=x2.device)
+        try:
+            with torch.no_grad():
+                y = experts(x2, index, ones)
+        except (RuntimeError, ValueError, IndexError, TypeError) as err:
+            raise _Unmapped(f"the experts of {where} cannot be called with one expert a "
+                            f"token ({_first(err)})") from None
+        y = output_tensor(y)
+        assert y is not None
+        gu = fused[e] if fused.shape[1] == 2 * n else fused[e].t()  # [2n, d]
+        rows = [down[e].t(), down[e]] if down.shape[1] != down.shape[2] else [down[e].t()]
+        found_map = None
+        for w_out in rows:
+            if tuple(w_out.shape) != (n, d_model):
+                continue
+            for gate, up in ((gu[:n], gu[n:]), (gu[n:], gu[:n])):
+                h = act(x2 @ gate.t()) * (x2 @ up.t())
+                if _close(h @ w_out, y, x2.dtype):
+                    found_map = (gate, up, w_out)
+                    break
+            if found_map:
+                break
+        if found_map is None:
+            raise _Unmapped(f"expert {e} of {where} does not compute act(gate) * up, then "
+                            "its output, from its parameters")
+        gate, up, w_out = (t.detach() for t in found_map)
+        out.append(MlpWeights(layer=layer, expert=e, module=where, w_in=up, w_gate=gate,
+                              w_out=w_out, b_in=None, b_gate=None, b_out=None,
+                              activation=type(act).__name__, act_fn=act))
+    # Shared experts: the MLP's other children that are MLPs of their own (a router is one
+    # projection, so not one).
+    for name, child in root.named_children():
+        child_path = f"{path}.{name}"
+        leaves = [p for p in _leaves(model, child_path) if p in calls]
+        if child is experts or len(leaves) < 2:
             continue
-        where = f"{path}.{sub}" if sub else path
-        raise _Unmapped(f"a mixture of experts ({where}: {', '.join(sorted(three))} kept as "
-                        "3-D parameters) is not mapped yet")
+        shared, _ = _mlp(model, layer, child_path, None, [], calls, every, d_model)
+        out += [replace(m, expert=n_experts + j, shared=True) for j, m in enumerate(shared)]
+    return out

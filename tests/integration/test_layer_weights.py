@@ -312,3 +312,38 @@ def test_refused_layers_say_why(tmp_path: Path) -> None:
     manifest, _ = _stored(_ingest(tmp_path, model, tok))
     refused = [r for r in manifest["refused"] if r["part"] == "attn"]
     assert len(refused) == 2 and all("latent" in r["reason"] for r in refused)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_experts_are_the_models_own(tmp_path: Path, family: str) -> None:
+    """Each routed expert's rows are its slice of the experts' 3-D parameters (the fused
+    [gate; up] rows and the transposed output), and a shared expert is its own MLP."""
+    model, tok = _model(family)
+    manifest, get = _stored(_ingest(tmp_path, model, tok))
+    assert not manifest["refused"]
+    for entry in manifest["layers"]:
+        i = entry["layer"]
+        moe = model.model.layers[i].mlp
+        experts = moe.experts
+        n = experts.down_proj.shape[2]
+        routed = [m for m in entry["mlp"] if not m["shared"]]
+        assert [m["expert"] for m in routed] == list(range(experts.gate_up_proj.shape[0]))
+        for m in routed:
+            e, part = m["expert"], f"mlp.{m['expert']}"
+            gu = experts.gate_up_proj[e].detach().numpy()
+            assert np.array_equal(get(array_name(i, part, "W_gate")), gu[:n])
+            assert np.array_equal(get(array_name(i, part, "W_in")), gu[n:])
+            assert np.array_equal(get(array_name(i, part, "W_out")),
+                                  experts.down_proj[e].detach().numpy().T)
+        shared = [m for m in entry["mlp"] if m["shared"]]
+        if family == "qwen2_moe":
+            (m,) = shared
+            part, se = f"mlp.{m['expert']}", moe.shared_expert
+            assert np.array_equal(get(array_name(i, part, "W_gate")),
+                                  se.gate_proj.weight.detach().numpy())
+            assert np.array_equal(get(array_name(i, part, "W_in")),
+                                  se.up_proj.weight.detach().numpy())
+            assert np.array_equal(get(array_name(i, part, "W_out")),
+                                  se.down_proj.weight.detach().numpy().T)
+        else:
+            assert not shared
