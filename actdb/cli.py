@@ -324,7 +324,10 @@ def info(ctx: click.Context, store: str) -> None:
         click.echo(
             f"\nmodel {m['model']!r}: {m['architecture']}, d={m['d_model']}, "
             f"{m['n_layers']} layers, vocab {m['vocab_size']}, "
-            f"LM head {'yes' if m['has_lm_head'] else 'no'}, {m['prompts']} prompts, "
+            + ("classifier head (its labels are the vocabulary), "
+               if m.get("head_kind") == "classifier" else
+               f"LM head {'yes' if m['has_lm_head'] else 'no'}, ")
+            + f"{m['prompts']} prompts, "
             f"{m['tokens']} tokens, {m['n_sites']} sites, {m['dtype']}, from {m['source']}"
         )
         if m["has_lm_head"]:

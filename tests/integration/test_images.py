@@ -124,6 +124,8 @@ def test_classifier_anchors(digits: Digits, digits_store: Path) -> None:
                    "logit_max_rel_error FROM models").fetchall()[0]
     assert model[:4] == ("classifier", 0, False, 10)
     assert model[4] < 1e-3
+    info = CliRunner().invoke(cli, ["info", str(digits_store)])
+    assert info.exit_code == 0 and "classifier head (its labels are the vocabulary)" in info.output
     with pytest.raises(ActdbError, match="no token embedding"):
         db.sql("SELECT cosine_to_anchor(vec, 'digit 3', 'embed') FROM acts LIMIT 1").fetchall()
 
