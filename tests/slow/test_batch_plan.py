@@ -123,3 +123,19 @@ def test_prompts_batched_otherwise_store_other_bytes(tmp_path: Path,
     actdb.ingest(a, model=str(model), prompts=PROMPTS[:16], batch_size=16, **_KW)
     actdb.ingest(b, model=str(model), prompts=PROMPTS[:16], batch_size=4, **_KW)
     assert _differences(stored_bytes(a), stored_bytes(b))
+
+
+def test_a_shard_of_another_batch_size_is_another_plan(tmp_path: Path,
+                                                       model_dir: Callable[[str], Path]) -> None:
+    """The batch size is part of a sharded ingest's plan: a shard run with another one would
+    batch (and pad) its prompts otherwise, so it is refused beside the first, writing
+    nothing."""
+    from actdb.errors import IngestError
+
+    store, model = tmp_path / "s.actdb", model_dir("gpt2")
+    actdb.ingest(store, model=str(model), prompts=PROMPTS[:12], batch_size=4, shard=(0, 2),
+                 **_KW)
+    with pytest.raises(IngestError, match="another plan"):
+        actdb.ingest(store, model=str(model), prompts=PROMPTS[:12], batch_size=2,
+                     shard=(1, 2), **_KW)
+    assert not (store / "shards" / "1-of-2" / "catalog.duckdb").exists()
