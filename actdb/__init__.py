@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
-import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,31 +29,13 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .ingest import IngestSummary, ingest, merge
+    from .ingestion import IngestSummary, ingest, merge
     from .query import Database, Result, connect
 
 # The query and ingest layers load on first use, so `import actdb` (and the CLI) stays cheap.
-_LAZY = {"IngestSummary": "ingest", "merge": "ingest", "Database": "query", "Result": "query",
-         "connect": "query"}
-
-
-class _Package(types.ModuleType):
-    """`actdb.ingest` is the function, as it was when it was imported eagerly: importing the
-    subpackage `actdb.ingest` (which the import system records on its parent) must not
-    replace it. The subpackage stays in sys.modules."""
-
-    @property
-    def ingest(self) -> Any:
-        from .ingest import ingest
-
-        return ingest
-
-    @ingest.setter
-    def ingest(self, value: Any) -> None:
-        pass
-
-
-sys.modules[__name__].__class__ = _Package
+# `actdb.ingest` is the function; its package is `actdb.ingestion`.
+_LAZY = {"IngestSummary": "ingestion", "ingest": "ingestion", "merge": "ingestion",
+         "Database": "query", "Result": "query", "connect": "query"}
 
 
 def __getattr__(name: str) -> Any:

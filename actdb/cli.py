@@ -121,8 +121,8 @@ def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
       actdb ingest runs.actdb --model gpt2 --prompts examples/prompts.txt --cluster local:2
       actdb ingest vision.actdb --model ./vit-digits --images ./digits
     """
-    from .ingest import IngestPlan
-    from .ingest import ingest as run_ingest
+    from .ingestion import IngestPlan
+    from .ingestion import ingest as run_ingest
 
     if sum(kw[k] is not None for k in ("prompts", "images", "inputs")) != 1:
         raise click.UsageError("give one of --prompts, --images and --inputs")
@@ -175,7 +175,7 @@ def merge(ctx: click.Context, store: str) -> None:
     Example:
       actdb merge runs.actdb
     """
-    from .ingest import merge as run_merge
+    from .ingestion import merge as run_merge
 
     with one_sentence(ctx):
         s = run_merge(store)

@@ -16,7 +16,7 @@ def shard_option(ctx: click.Context, param: click.Parameter, value: str | None
     """--shard I/N checked here: a malformed one is a usage error (exit 2)."""
     if value is None:
         return None
-    from .ingest.shards import parse_shard
+    from .ingestion.shards import parse_shard
 
     try:
         return parse_shard(value)

@@ -1,5 +1,5 @@
 """A Dask client from what a user names: `local:N`, a scheduler address, or a client or
-cluster object. Shared by cluster queries (query/) and cluster ingests (ingest/)."""
+cluster object. Shared by cluster queries (query/) and cluster ingests (ingestion/)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ divide by the root mean square plus eps, then a per-dimension affine `y = gain *
 whose gain and bias are the *effective* ones measured by probing the module at ingest
 (a Gemma-style `(1 + weight)` is already folded into the stored gain).
 
-Imports nothing of ours but lazy.py, so `ingest/` and `query/` can both use it without
+Imports nothing of ours but lazy.py, so `ingestion/` and `query/` can both use it without
 importing each other.
 All functions take float tensors whose last dimension is the site width `d`.
 """

@@ -32,7 +32,7 @@ from run import SCALES  # noqa: E402
 from workloads import _gpt2_small  # noqa: E402
 
 import actdb  # noqa: E402
-from actdb.ingest import logits, process, run  # noqa: E402
+from actdb.ingestion import logits, process, run  # noqa: E402
 from actdb.store.store import Store  # noqa: E402
 
 STEPS = {

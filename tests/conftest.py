@@ -29,7 +29,7 @@ if os.environ.get("ACTDB_TEST_DEVICE"):
     import importlib
 
     _devices = importlib.import_module("actdb.devices")
-    _load = importlib.import_module("actdb.ingest.load")  # `actdb.ingest` names the function
+    _load = importlib.import_module("actdb.ingestion.load")
     _resolve = _devices.resolve_device
 
     def _test_device(device: str) -> object:

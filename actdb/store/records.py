@@ -63,7 +63,7 @@ class ModelRecord:
     logit_softcap: float | None = None  # logit = cap * tanh(scale * pre / cap)
     logit_scale: float | None = None  # logit = scale * (W_U . final_norm(x) + b_U); None: 1
     logit_max_rel_error: float | None = None  # worst error of recomputed vs the model's logits
-    # every parameter's name, dtype, shape and bytes, digested (ingest/register.py
+    # every parameter's name, dtype, shape and bytes, digested (ingestion/register.py
     # params_digest): a resume under this name must bring the same; None in older stores
     params_digest: str | None = None
     config: dict[str, Any] = field(default_factory=dict)

@@ -202,8 +202,8 @@ def test_bad_inputs_are_one_sentence(digits: Digits, digits_store: Path, tmp_pat
 
 def test_undecodable_video(tmp_path: Path) -> None:
     from actdb.errors import IngestError
-    from actdb.ingest.inputs import load_video
-    from actdb.ingest.prompts import Media
+    from actdb.ingestion.inputs import load_video
+    from actdb.ingestion.prompts import Media
 
     (tmp_path / "clip.mp4").write_bytes(b"\x00" * 64)
     with pytest.raises(IngestError, match="video 'clip.mp4' cannot be decoded"):

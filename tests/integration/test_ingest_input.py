@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import actdb
 from actdb.cli import cli
-from actdb.ingest.prompts import read_prompts
+from actdb.ingestion.prompts import read_prompts
 
 
 def _ingest(store: Path, model_dir: Callable[[str], Path], prompts: Any) -> actdb.IngestSummary:
@@ -223,7 +223,7 @@ def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
     import duckdb
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from actdb.ingest import register, run
+    from actdb.ingestion import register, run
     from actdb.store import catalog as catalog_module
     from actdb.store import catalog_lock
 
@@ -306,7 +306,7 @@ def test_probe_passes_keep_every_position_where_a_norm_follows_the_cut(family: s
     import torch
     from transformers import BertConfig, BertLMHeadModel, RobertaConfig, RobertaForCausalLM
 
-    from actdb.ingest import sites
+    from actdb.ingestion import sites
 
     torch.manual_seed(0)
     kw = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -750,7 +750,7 @@ def test_the_site_named_final_is_the_one_the_lm_head_reads(
     keeps them when an ingest adds prompts to it, and its `final_2` gives the logits."""
     from support.tiny_models import build_family_tokenizer
 
-    from actdb.ingest import process
+    from actdb.ingestion import process
 
     tok = build_family_tokenizer("bert")
     model = _modernbert(tok)
@@ -833,7 +833,7 @@ def test_post_norm_roles_do_not_depend_on_the_dtype(dtype: str) -> None:
     from support.tiny_models import randomize_norms
     from transformers import DistilBertConfig, DistilBertForMaskedLM, GPT2Config, GPT2LMHeadModel
 
-    from actdb.ingest.sites import find_sites
+    from actdb.ingestion.sites import find_sites
 
     ids = torch.randint(5, 100, (3, 11), generator=torch.Generator().manual_seed(1))
     sample = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

@@ -157,7 +157,7 @@ def test_second_ctrl_c_waits_for_the_commit_being_written() -> None:
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from actdb.ingest.run import drained as _drained
+    from actdb.ingestion.run import drained as _drained
 
     started, second_sent, finished = threading.Event(), threading.Event(), threading.Event()
 
@@ -193,7 +193,7 @@ def test_a_groups_host_buffers_are_separate_aligned_and_on_huge_pages_where_offe
 
     import numpy as np
 
-    from actdb.ingest import fields
+    from actdb.ingestion import fields
 
     specs = [((3071, 768), np.float16), ((3071,), np.float32), ((3071,), np.float32),
              ((3071, 4, 64), np.float16), ((3071, 4), np.float32), ((3071, 4), np.float32),

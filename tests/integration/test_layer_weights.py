@@ -1,4 +1,4 @@
-"""Layer weights stored at ingest (ingest/weights.py, store/layer_weights.py): every stored
+"""Layer weights stored at ingest (ingestion/weights.py, store/layer_weights.py): every stored
 matrix equals the model's own parameter, bit for bit, sliced as the family's documented layout
 says (written out here per family, independent of the behavioural search in the code); what
 the stored heads and neurons compute equals what the model's own modules computed (hooks);
@@ -19,7 +19,7 @@ from support.tiny_models import CORPUS, build_family_tokenizer, make_tiny_model
 from transformers.activations import ACT2FN
 
 import actdb
-from actdb.ingest.circuits import SVD_BOUND
+from actdb.ingestion.circuits import SVD_BOUND
 from actdb.store.layer_weights import array_name, read_manifest
 from actdb.store.store import Store
 

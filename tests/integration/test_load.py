@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import actdb
-from actdb.ingest.load import load
+from actdb.ingestion.load import load
 
 PROMPTS = ["The capital of France is Paris.", "the the the the"]
 
@@ -157,7 +157,7 @@ def test_auto_dtype_on_cuda_keeps_the_weights_in_hand() -> None:
     import torch
     from transformers import GPT2Config
 
-    from actdb.ingest.load import resolve_dtype
+    from actdb.ingestion.load import resolve_dtype
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     config = GPT2Config()

@@ -36,7 +36,7 @@ _KW = {"device": "cpu", "name": "m", "chunk_tokens": 4}
 # written, with small commits.
 _SCRIPT = (
     "import importlib, json, os, sys; import actdb; "
-    "importlib.import_module('actdb.ingest.run').FLUSH_TOKENS = 40; "
+    "importlib.import_module('actdb.ingestion.run').FLUSH_TOKENS = 40; "
     "a = json.loads(sys.argv[1]); "
     "actdb.ingest(a['store'], model=a['model'], prompts=a['prompts'], batch_size=a['b'], "
     "shard=a['shard'], device='cpu', name='m', chunk_tokens=4)"

@@ -19,7 +19,7 @@ from support.prompts import PROMPTS
 from support.tiny_models import build_family_tokenizer
 
 import actdb
-from actdb.ingest import run
+from actdb.ingestion import run
 
 CASES = sample_choices(24, seed=9)
 OFF_STREAM = {"inner", "q_norm", "k_norm"}

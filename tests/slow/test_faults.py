@@ -33,7 +33,7 @@ _SCRIPT = textwrap.dedent("""
     import torch
     import actdb
     torch.set_num_threads(1)
-    importlib.import_module("actdb.ingest.run").FLUSH_TOKENS = 32
+    importlib.import_module("actdb.ingestion.run").FLUSH_TOKENS = 32
     if len(sys.argv) > 4:  # weight chunks of at least this many bytes past the page cache
         importlib.import_module("actdb.store.chunks").DIRECT_MIN_BYTES = int(sys.argv[4])
     log = importlib.import_module("actdb.store.catalog_log")

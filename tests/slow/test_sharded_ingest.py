@@ -34,7 +34,7 @@ PROMPTS = [f"Prompt {i}: the quick brown fox jumps over {i % 5} lazy dogs" + " a
 # A shard process: the CLI with small commits (a few prompts each), so that a kill leaves
 # some of a shard committed and the next commit patches a chunk the last one began.
 _SCRIPT = (
-    "import os, sys, importlib; importlib.import_module('actdb.ingest.run').FLUSH_TOKENS "
+    "import os, sys, importlib; importlib.import_module('actdb.ingestion.run').FLUSH_TOKENS "
     "= int(os.environ.get('FLUSH_TOKENS', 40)); "
     "from actdb.cli import cli; cli(sys.argv[1:])"
 )
@@ -357,7 +357,7 @@ def test_on_s3_an_ingest_and_shards_exclude_each_other(s3: S3Server,
                                   (0, True), (0, 2, 1), (0.0, 2), (0, 10**30), b"0/2"])
 def test_a_bad_shard_is_one_clear_error(spec: object, tmp_path: Path) -> None:
     from actdb.errors import ShardSpecError
-    from actdb.ingest.shards import parse_shard
+    from actdb.ingestion.shards import parse_shard
 
     with pytest.raises(ShardSpecError,
                        match=r"^shard .+ (is not I/N|I must be from 0|N must be at most 100000)"
@@ -373,7 +373,7 @@ def test_a_bad_shard_is_one_clear_error(spec: object, tmp_path: Path) -> None:
 
 
 def test_parse_shard_accepts_good_specs() -> None:
-    from actdb.ingest.shards import parse_shard
+    from actdb.ingestion.shards import parse_shard
 
     assert parse_shard("0/1") == (0, 1)
     assert parse_shard("12/13") == (12, 13)
@@ -385,8 +385,8 @@ def test_parse_shard_accepts_good_specs() -> None:
 @pytest.mark.parametrize("shards", [0, -1, 1.5, True, 100_001])
 def test_a_cluster_ingest_needs_one_shard_or_more(shards: object, tmp_path: Path) -> None:
     from actdb.errors import ShardSpecError
-    from actdb.ingest.cluster import ingest_on_cluster
-    from actdb.ingest.options import IngestOptions
+    from actdb.ingestion.cluster import ingest_on_cluster
+    from actdb.ingestion.options import IngestOptions
 
     # refused before any cluster is started or anything is read
     opts = IngestOptions(store=tmp_path / "c.actdb", model="gpt2",

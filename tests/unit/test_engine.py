@@ -733,7 +733,7 @@ try:
 except SystemExit as e:
     assert not e.code, e.code
 heavy = ("torch", "transformers", "matplotlib", "pandas", "zarr", "pyarrow", "obstore",
-         "actdb.plot.data", "actdb.plot.figures", "actdb.ingest")
+         "actdb.plot.data", "actdb.plot.figures", "actdb.ingestion")
 print(json.dumps(sorted(m for m in heavy if m in sys.modules
                         and type(sys.modules[m]).__name__ == "module")))
 """

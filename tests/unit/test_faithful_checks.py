@@ -23,7 +23,7 @@ from torch import nn
 import actdb
 from actdb import norms
 from actdb.errors import IngestError, ModelLoadError
-from actdb.ingest.probe import measure_norm
+from actdb.ingestion.probe import measure_norm
 
 
 @pytest.fixture(scope="module")
