@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import actdb
-from actdb.ingest.circuits import SVD_BOUND
-from actdb.ingest.load import load
+from actdb.ingestion.circuits import SVD_BOUND
+from actdb.ingestion.load import load
 from actdb.store.layer_weights import array_name, read_manifest
 from actdb.store.store import Store
 
