@@ -131,6 +131,13 @@ def resolve_models(db: Database, models: str | Sequence[str] | None) -> list[str
     return out
 
 
+def head_kind(db: Database, model: str) -> str | None:
+    """'lm', 'classifier' or None (no head; older stores have no such column: None)."""
+    df = db.sql("SELECT * FROM models WHERE model = $model", params={"model": model}).df()
+    value = df.iloc[0].get("head_kind") if len(df) else None
+    return value if isinstance(value, str) else None
+
+
 def model_row(db: Database, model: str) -> dict[str, Any]:
     df = db.sql("SELECT model, d_model, n_layers, has_lm_head, final_site FROM models "
                 "WHERE model = $model", params={"model": model}).df()

@@ -26,6 +26,7 @@ from .data import (
     PlotData,
     PlotError,
     Spec,
+    head_kind,
     is_missing,
     model_roles,
     model_row,
@@ -92,7 +93,8 @@ def lens_spec(db: Database, prompt_id: int, *, model: str | None = None, by: str
     roles = [base] + (["final"] if base != "final" and "final" in roles_present else [])
     params: dict[str, Any] = {"model": name, "prompt_id": int(prompt_id), "roles": roles}
     meta: dict[str, Any] = {"model": name, "prompt_id": int(prompt_id), "n_tokens": n,
-                            "roles": roles, "by": by, "text": prompt_text(db, prompt_id)}
+                            "roles": roles, "by": by, "text": prompt_text(db, prompt_id),
+                            "classifier": head_kind(db, name) == "classifier"}
     if by == "anchor":
         if anchors is not None:
             params["anchors"] = anchors
@@ -182,7 +184,9 @@ def lens_figure(spec: Spec, df: pd.DataFrame) -> Figure:
     elif token is None:
         cbar.set_label("probability of the top token (logit lens)")
         head = "Logit lens"
-        what = ("Each cell: the token the model's next-token distribution puts first at that "
+        what = ("Each cell: the label the classifier's distribution puts first at that "
+                "layer, coloured by its probability" if m.get("classifier") else
+                "Each cell: the token the model's next-token distribution puts first at that "
                 "layer, coloured by its probability")
     else:
         tok = repr(token) if isinstance(token, str) else f"token id {token}"
