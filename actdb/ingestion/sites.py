@@ -23,13 +23,22 @@ from torch import nn
 
 from ..errors import ActdbError, ModelLoadError
 from ..store.records import SiteRecord
+from .blocks import (
+    Blocks,
+    batch_dims,
+    fixed_layout,
+    head_lists,
+    is_norm_module,
+    stack_of,
+    token_layout,
+)
+from .blocks import block_sublayers as block_sublayers  # weights.py imports it from here
+from .blocks import is_projection as is_projection  # weights.py imports it from here
 from .capture import Call, record_calls
 from .inputs import takes
 from .probe import measure_norm
 from .towers import Tower, find_towers, main_tower, site_prefix
 
-_ATTN = re.compile(r"(^|_)(self_)?(attn|attention|self_attention)$")
-_MLP = re.compile(r"^(mlp|feed_forward|ffn|intermediate|feedforward|block_sparse_moe)$")
 _Q = re.compile(r"(^|_)(q|query)_?(norm|layernorm|ln)s?$")
 _K = re.compile(r"(^|_)(k|key)_?(norm|layernorm|ln)s?$")
 _SHORT = {"pre_attn": "ln1", "pre_mlp": "ln2", "post_attn": "ln1_post", "post_mlp": "ln2_post",
@@ -58,145 +67,6 @@ class FoundSite:
     @property
     def module(self) -> nn.Module:
         return self.hooks[0][1]
-
-
-def is_norm_module(module: nn.Module) -> bool:
-    name = type(module).__name__
-    return isinstance(module, nn.LayerNorm) or name.endswith(("RMSNorm", "LayerNorm"))
-
-
-def _is_projection(module: nn.Module) -> bool:
-    """A leaf with a matrix weight (nn.Linear, GPT-2's Conv1D, ...)."""
-    w = getattr(module, "weight", None)
-    return isinstance(w, torch.Tensor) and w.dim() == 2 and not any(module.children())
-
-
-def _list_at(model: nn.Module, path: str) -> nn.ModuleList:
-    m = model.get_submodule(path)
-    assert isinstance(m, nn.ModuleList), path
-    return m
-
-
-def _norm_lists(norms_by_path: dict[str, nn.Module], model: nn.Module) -> list[str]:
-    """ModuleLists whose children are all norm modules."""
-    return [path for path, m in model.named_modules()
-            if isinstance(m, nn.ModuleList) and len(m) > 1
-            and all(f"{path}.{i}" in norms_by_path for i in range(len(m)))]
-
-
-def _layer_lists(model: nn.Module, path: str) -> list[str]:
-    """The ModuleList at `path` and its sibling ModuleLists of the same length, in their
-    parent's order, where one of them holds something other than norm modules: XLM keeps a
-    block's parts side by side (`attentions[i]`, `layer_norm1[i]`, `ffns[i]`,
-    `layer_norm2[i]`), so that index i across them is block i. Empty for a list without such
-    siblings."""
-    parent_path, _, _ = path.rpartition(".")
-    parent = model.get_submodule(parent_path)
-    n = len(_list_at(model, path))
-    prefix = parent_path + "." if parent_path else ""
-    lists = [(prefix + name, m) for name, m in parent.named_children()
-             if isinstance(m, nn.ModuleList) and len(m) == n]
-    if not any(not is_norm_module(c) for _, m in lists for c in m):
-        return []
-    return [p for p, _ in lists]
-
-
-def _head_lists(norms_by_path: dict[str, nn.Module], model: nn.Module) -> dict[str, list[str]]:
-    """ModuleLists of norm modules that are one per-head site each: those that are not one
-    norm a block (`_layer_lists`)."""
-    return {path: [f"{path}.{i}" for i in range(len(_list_at(model, path)))]
-            for path in _norm_lists(norms_by_path, model) if not _layer_lists(model, path)}
-
-
-def _dims(sample: Mapping[str, torch.Tensor]) -> tuple[int, int | None]:
-    """(batch size, token count) of a probe batch; the count is None for inputs whose
-    positions are fixed by their size (images), which probe at two batch sizes instead."""
-    ids = sample.get("input_ids")
-    if ids is not None:
-        return int(ids.shape[0]), int(ids.shape[1])
-    first = next(v for v in sample.values() if isinstance(v, torch.Tensor))
-    return int(first.shape[0]), None
-
-
-def _fixed_layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b1: int, b2: int
-                  ) -> tuple[str, int] | None:
-    """(layout, positions an input) from the input shapes at two batch sizes, for inputs
-    whose positions do not follow a token count: [B, T, d] or its [B*T, d] flattening."""
-    if len(shape1) != len(shape2) or shape1[-1] != shape2[-1]:
-        return None
-    if len(shape1) == 3 and (shape1[0], shape2[0]) == (b1, b2) and shape1[1] == shape2[1]:
-        return "btd", int(shape1[1])
-    if (len(shape1) == 2 and shape1[0] % b1 == 0 and shape2[0] % b2 == 0
-            and shape1[0] // b1 == shape2[0] // b2):
-        return "btd", int(shape1[0] // b1)
-    return None
-
-
-def _layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b: int, t1: int, t2: int
-            ) -> tuple[str, int | None] | None:
-    """(layout, heads) from the input shapes at two sequence lengths: the axis that follows
-    the length is the token axis, so a head count equal to B or T cannot mislead."""
-    if len(shape1) != len(shape2) or shape1[-1] != shape2[-1]:
-        return None
-    if len(shape1) == 3 and shape1[:2] == (b, t1) and shape2[:2] == (b, t2):
-        return "btd", None
-    if len(shape1) == 2 and shape1[0] == b * t1 and shape2[0] == b * t2:
-        return "btd", None
-    if len(shape1) == 4 and shape1[0] == b == shape2[0]:
-        if shape1[1] == t1 and shape2[1] == t2 and shape1[2] == shape2[2]:
-            return "bthd", shape1[2]
-        if shape1[2] == t1 and shape2[2] == t2 and shape1[1] == shape2[1]:
-            return "bhtd", shape1[1]
-    return None
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """The transformer blocks: one ModuleList of block modules (`paths` has one entry), or
-    sibling ModuleLists whose i-th entries together are block i (XLM, `_layer_lists`)."""
-
-    paths: tuple[str, ...]
-    n: int
-
-    def parts(self, model: nn.Module, i: int) -> list[tuple[str, nn.Module]]:
-        """Block i's modules: the block itself, or its entry of each sibling list."""
-        return [(f"{p}.{i}", _list_at(model, p)[i]) for p in self.paths]
-
-    def children(self, model: nn.Module, i: int) -> list[tuple[str, str, nn.Module]]:
-        """(name, path, module) of block i's children: a block module's own children, or
-        the sibling lists' entries, each named by its list in the singular (`attentions` ->
-        `attention`, `ffns` -> `ffn`)."""
-        if len(self.paths) == 1:
-            path, block = self.parts(model, i)[0]
-            return [(name, f"{path}.{name}", c) for name, c in block.named_children()]
-        return [(p.rsplit(".", 1)[-1].removesuffix("s"), path, m)
-                for p, (path, m) in zip(self.paths, self.parts(model, i), strict=True)]
-
-    def place(self, path: str) -> tuple[int, str] | None:
-        """(i, what follows block i in `path`) where `path` is in block i (or is one of a
-        sibling list's entries: then the rest is empty)."""
-        for p in self.paths:
-            m = re.match(re.escape(p) + r"\.(\d+)(?:\.(.*))?$", path)
-            if m and (len(self.paths) > 1 or m.group(2)):
-                return int(m.group(1)), m.group(2) or ""
-        return None
-
-
-def _block_list(model: nn.Module, norm_paths: list[str]) -> Blocks:
-    """The transformer blocks: the ModuleList holding the most norm modules, or where that
-    is a list of norms kept beside its block's other parts, those sibling lists together."""
-    best, best_count = "", 0
-    for path, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 0:
-            count = sum(1 for n in norm_paths if n.startswith(path + "."))
-            if count > best_count:
-                best, best_count = path, count
-    if not best_count:
-        return Blocks((), 0)
-    found = _list_at(model, best)
-    if all(is_norm_module(m) for m in found):  # a block's norm, kept beside its other parts
-        return Blocks(tuple(_layer_lists(model, best) or [best]), len(found))
-    return Blocks((best,), len(found))
 
 
 def _role(leaf: str, call: Call, attn: Call | None, mlp: Call | None, sublayer: str | None,
@@ -316,58 +186,6 @@ def _final_path(log: dict[str, list[Call]], norm_paths: list[str], blocks: Block
     return None
 
 
-@dataclass
-class _Stack:
-    """A tower's blocks, their attention and MLP modules (path -> ("attn" / "mlp", block)),
-    the bare projections standing for an MLP that is no module of its own (OPT's fc1 and fc2
-    are the block's own layers), and when its first block ran."""
-
-    blocks: Blocks
-    sublayers: dict[str, tuple[str, int]]
-    bare: dict[int, list[str]]
-    first_block: int = 0
-
-
-def _stack(model: nn.Module, norm_paths: list[str], watched: dict[str, nn.Module]) -> _Stack:
-    """The stack of blocks holding `norm_paths`; what `_place` needs of it is added to
-    `watched`."""
-    blocks = _block_list(model, norm_paths)
-    sublayers: dict[str, tuple[str, int]] = {}
-    for i in range(blocks.n):
-        watched.update(blocks.parts(model, i))
-        for kind, pattern in (("attn", _ATTN), ("mlp", _MLP)):
-            for name, child_path, child in blocks.children(model, i):
-                if not pattern.search(name) or is_norm_module(child):
-                    continue
-                sublayers[child_path] = (kind, i)
-                watched[child_path] = child
-                for sub, m in child.named_modules():
-                    if sub and _is_projection(m):
-                        watched[f"{child_path}.{sub}"] = m
-    bare: dict[int, list[str]] = {}
-    for i in range(blocks.n):
-        if any(v == ("mlp", i) for v in sublayers.values()):
-            continue
-        for _, child_path, child in blocks.children(model, i):
-            if _is_projection(child):
-                bare.setdefault(i, []).append(child_path)
-                watched[child_path] = child
-    return _Stack(blocks=blocks, sublayers=sublayers, bare=bare)
-
-
-def block_sublayers(model: nn.Module, norm_paths: list[str]
-                    ) -> tuple[Blocks, dict[str, tuple[str, int]]]:
-    """The stack of blocks holding `norm_paths`, and its attention and MLP modules (path ->
-    ("attn" / "mlp", block)), as find_sites places sites in it (weights.py reads them)."""
-    st = _stack(model, norm_paths, {})
-    return st.blocks, st.sublayers
-
-
-def is_projection(module: nn.Module) -> bool:
-    """A leaf with a matrix weight (nn.Linear, GPT-2's Conv1D, ...)."""
-    return _is_projection(module)
-
-
 def _reads(model: nn.Module) -> str:
     """What a model that is one tower reads, which names the tower."""
     kinds = takes(model)
@@ -410,13 +228,13 @@ def find_sites(
     (towers.py); the number of blocks returned is the main tower's.
     """
     norm_modules = norm_modules_of(model)
-    lists = _head_lists(norm_modules, model)
+    lists = head_lists(norm_modules, model)
     # Roles and layers are assigned within each tower (a multimodal model's vision tower and
     # text decoder), whatever the depth of the others.
     towers = find_towers(model, list(norm_modules), single=_reads(model))
     tower_of = {p: next(t for t in towers if t.holds(p)) for p in norm_modules}
     watched: dict[str, nn.Module] = dict(norm_modules)
-    stacks = {t: _stack(model, [p for p in norm_modules if tower_of[p] == t], watched)
+    stacks = {t: stack_of(model, [p for p in norm_modules if tower_of[p] == t], watched)
               for t in towers}
 
     target = forward_module(model, list(norm_modules))
@@ -439,8 +257,8 @@ def find_sites(
             final_probe.run(model, norm_modules[final_path], final_path, sample_alt)
         else:
             target(**sample_alt)
-    b, t1 = _dims(sample)
-    b2, t2 = _dims(sample_alt)
+    b, t1 = batch_dims(sample)
+    b2, t2 = batch_dims(sample_alt)
 
     n_layers = stacks[main].blocks.n
     norm_calls = [c[0] for p, c in log.calls.items() if p in norm_modules and c]
@@ -467,10 +285,10 @@ def find_sites(
         fixed = None
         layout: tuple[str, int | None] | None
         if t1 is None or t2 is None:
-            fixed = _fixed_layout(tuple(call.input.shape), shape2, b, b2)
+            fixed = fixed_layout(tuple(call.input.shape), shape2, b, b2)
             layout = None if fixed is None else (fixed[0], None)
         else:
-            layout = _layout(tuple(call.input.shape), shape2, b, t1, t2)
+            layout = token_layout(tuple(call.input.shape), shape2, b, t1, t2)
         if layout is None and alt and alt[0].input is not None and shape2 == shape_in and (
                 torch.equal(call.input, alt[0].input)):
             # the same input for both probe batches, whose tokens differ: no token in it
