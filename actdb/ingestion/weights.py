@@ -595,6 +595,7 @@ def _experts(model: nn.Module, layer: int, path: str, calls: Mapping[str, Any],
         raise _Unmapped(f"the experts of {where} are not a fused gate and input beside an "
                         "output")
     n = min(widths)
+    fused, down = fused.detach(), down.detach()  # read here, never trained
     act = next((m for m in experts.children() if not any(True for _ in m.parameters())), None)
     x = calls[path].input
     if act is None or x is None:
