@@ -75,7 +75,9 @@ def ingest(
     With `shard=(i, N)` (or `"i/N"`), this is worker i (from 0) of N ingesting its share of
     the prompts into the same store, side by side with the others: its catalog rows go to
     the store's `shards/{i}-of-{N}` catalog until `actdb.merge` moves them all into the main
-    catalog. Run again with the same arguments, a killed shard resumes. With `cluster`
+    catalog. Run again with the same arguments, a killed shard resumes. Each shard runs
+    whole batches of the one batch plan a one-process ingest runs, so the merged store holds
+    the same bytes as a one-process ingest at any `batch_size`. With `cluster`
     (`"local:N"`, a Dask scheduler address or client), one shard per worker runs on the
     cluster and they are merged at the end (the workers must reach the store and model).
 
