@@ -34,10 +34,12 @@ PROMPTS = [f"{i}: " + " ".join(_WORDS[(i + j) % len(_WORDS)] for j in range(2 + 
 _KW = {"device": "cpu", "name": "m", "chunk_tokens": 4}
 # A process killed (SIGKILL) once `after` commits are done, as the next one's vectors are
 # written, with small commits.
+# The same torch thread count as this process's (an earlier test may have changed it): some
+# of the model's arithmetic depends on it.
 _SCRIPT = (
-    "import importlib, json, os, sys; import actdb; "
+    "import importlib, json, os, sys; import torch; import actdb; "
     "importlib.import_module('actdb.ingestion.run').FLUSH_TOKENS = 40; "
-    "a = json.loads(sys.argv[1]); "
+    "a = json.loads(sys.argv[1]); torch.set_num_threads(a['threads']); "
     "actdb.ingest(a['store'], model=a['model'], prompts=a['prompts'], batch_size=a['b'], "
     "shard=a['shard'], device='cpu', name='m', chunk_tokens=4)"
 )
@@ -47,8 +49,10 @@ def _killed(store: Path, model: Path, batch_size: int, shard: str | None, after:
     import json
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ACTDB_FAULT": f"tensors_written:{after + 1}"}
+    import torch
+
     arg = json.dumps({"store": str(store), "model": str(model), "prompts": PROMPTS,
-                      "b": batch_size, "shard": shard})
+                      "b": batch_size, "shard": shard, "threads": torch.get_num_threads()})
     p = subprocess.run([sys.executable, "-c", _SCRIPT, arg], env=env, capture_output=True,
                        text=True, timeout=240)
     assert p.returncode == -9, p.stderr
