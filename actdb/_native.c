@@ -5,8 +5,9 @@
    against the module's output, the GIL released, on the calling thread or shared with a pool
    of POSIX threads (below, "The hook's rows shared among threads").
 
-   read_chunks(paths, buf, nbytes, crc, check): the chunk files of a run read into their places
-   in one buffer and their CRC-32C checked, with the GIL released for the whole run (below).
+   read_chunks(paths, buf, nbytes, crc, check[, crcs]): the chunk files of a run read into their
+   places in one buffer and their CRC-32C checked (and handed back, for the digests recorded for
+   their places), with the GIL released for the whole run (below).
 
    f16_dots(x, v, out): out[i] = sum_j float(x[i, j]) * v[j] for a C-contiguous float16 matrix
    x [n, d], a float32 vector v [d] and a float32 vector out [n], in one pass over x (the
@@ -294,23 +295,33 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
 
 /* -- reading a run of chunk files -----------------------------------------------------------
 
-   read_chunks(paths, buf, nbytes, crc, check) -> list: file i's first `nbytes` bytes into
-   buf[i * nbytes:], then up to 5 more bytes (its 4-byte CRC-32C when `crc`, and one byte that
-   shows a file too long). For each file in order, the number of bytes it held (None: no such
-   file) or, when its size is right and `check` holds and its CRC-32C differs from the stored
-   one, -1; the list stops at the first file that is missing, of the wrong size or fails its
-   checksum, as the Python reader stops there (chunks.py). Any other error opening or reading
-   a file is an OSError naming it. The GIL is released for the whole run: one call where a
-   run of 16 chunks took about 150 Python steps. */
+   read_chunks(paths, buf, nbytes, crc, check[, crcs]) -> list: file i's first `nbytes` bytes
+   into buf[i * nbytes:], then up to 5 more bytes (its 4-byte CRC-32C when `crc`, and one byte
+   that shows a file too long); with `crcs` (a writable buffer of a uint32 a file), file i's
+   stored CRC-32C into crcs[i], for the caller to compare with the digest recorded for the
+   chunk's place (store/digests.py). For each file in order, the number of bytes it held (None:
+   no such file) or, when its size is right and `check` holds and its CRC-32C differs from the
+   stored one, -1; the list stops at the first file that is missing, of the wrong size or fails
+   its checksum, as the Python reader stops there (chunks.py). Any other error opening or
+   reading a file is an OSError naming it. The GIL is released for the whole run: one call where
+   a run of 16 chunks took about 150 Python steps. */
 
 static PyObject *py_read_chunks(PyObject *self, PyObject *args) {
     PyObject *list;
     Py_buffer buf;
     Py_ssize_t nbytes;
     int crc, check;
-    if (!PyArg_ParseTuple(args, "O!w*npp", &PyList_Type, &list, &buf, &nbytes, &crc,
-                          &check)) {
+    PyObject *crcs_obj = Py_None;
+    Py_buffer crcs = {0};
+    if (!PyArg_ParseTuple(args, "O!w*npp|O", &PyList_Type, &list, &buf, &nbytes, &crc,
+                          &check, &crcs_obj)) {
         return NULL;
+    }
+    if (crcs_obj != Py_None) {
+        if (PyObject_GetBuffer(crcs_obj, &crcs, PyBUF_WRITABLE) < 0) {
+            PyBuffer_Release(&buf);
+            return NULL;
+        }
     }
     PyObject *result = NULL;
     /* a tuple of its own: the list may change while the GIL is released, the tuple keeps
@@ -321,9 +332,18 @@ static PyObject *py_read_chunks(PyObject *self, PyObject *args) {
     int *errs = NULL;
     if (paths == NULL) {
         PyBuffer_Release(&buf);
+        if (crcs.obj != NULL) {
+            PyBuffer_Release(&crcs);
+        }
         return NULL;
     }
     Py_ssize_t count = PyTuple_GET_SIZE(paths);
+    uint32_t *stored_out = crcs.obj != NULL ? (uint32_t *)crcs.buf : NULL;
+    if (stored_out != NULL && (!crc || crcs.len < count * (Py_ssize_t)sizeof(uint32_t))) {
+        PyErr_SetString(PyExc_ValueError,
+                        "read_chunks: crcs needs 4 bytes a chunk, and chunks with a CRC-32C");
+        goto done;
+    }
     /* by division: count * nbytes may overflow */
     if (nbytes <= 0 || (count > 0 && nbytes > buf.len / count)) {
         PyErr_SetString(PyExc_ValueError, "read_chunks: the buffer is smaller than the run");
@@ -406,10 +426,13 @@ static PyObject *py_read_chunks(PyObject *self, PyObject *args) {
             stop = i + 1;
             break;
         }
-        if (crc && check) {
+        if (crc && (check || stored_out != NULL)) {
             uint32_t stored = (uint32_t)tail[0] | (uint32_t)tail[1] << 8 |
                               (uint32_t)tail[2] << 16 | (uint32_t)tail[3] << 24;
-            if (crc32c_of(data, (size_t)nbytes, 0) != stored) {
+            if (stored_out != NULL) {
+                stored_out[i] = stored;
+            }
+            if (check && crc32c_of(data, (size_t)nbytes, 0) != stored) {
                 got[i] = -1;
                 stop = i + 1;
                 break;
@@ -444,6 +467,9 @@ done:
     PyMem_Free(errs);
     Py_DECREF(paths);
     PyBuffer_Release(&buf);
+    if (crcs.obj != NULL) {
+        PyBuffer_Release(&crcs);
+    }
     return result;
 }
 
@@ -1105,7 +1131,7 @@ static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS,
      "crc32c(data, portable=False): the CRC-32C of a buffer's bytes, the GIL released."},
     {"read_chunks", py_read_chunks, METH_VARARGS,
-     "read_chunks(paths, buf, nbytes, crc, check): a run of chunk files read into `buf`, "
+     "read_chunks(paths, buf, nbytes, crc, check[, crcs]): a run of chunk files read into `buf`, "
      "their sizes (None: missing; -1: right size, wrong CRC-32C) in a list."},
     {"handles_seal", handles_seal, METH_VARARGS,
      "handles_seal(key, fields, out): out[2i] = SipHash-2-4(key, fields[i]), out[2i + 1] = "

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import IngestError, ModelLoadError
 from ..store.records import ModelRecord, SiteRecord
-from ..store.sharding import mark_finished, pending_shards, shard_name
+from ..store.shard_catalogs import mark_finished, pending_shards, shard_name
 from ..store.store import Store
 from .batches import cycled, length_limit, plan_batches, probe_batch, to_device, tokenize
 from .heads import ClassifierHead, find_classifier, prove_classifier

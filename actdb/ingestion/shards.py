@@ -24,7 +24,7 @@ from typing import Any
 from ..errors import IngestError, ShardSpecError
 from ..store.arrays import write_alignment
 from ..store.records import SiteRecord
-from ..store.sharding import (
+from ..store.shard_catalogs import (
     MergeSummary,
     ShardPlan,
     create_shard_catalog,

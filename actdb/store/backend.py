@@ -9,8 +9,7 @@ tensors' Zarr group is, and where tokenizers and byte counts come from.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
@@ -90,31 +89,3 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release what the backend holds (working copies, downloaded files)."""
-
-
-SCHEME = "s3://"
-
-
-def is_remote(location: str | os.PathLike[str]) -> bool:
-    """Whether a store location names object storage (`s3://bucket/prefix`). Decided here,
-    not in objects.py: a local store never imports the object-storage client."""
-    return isinstance(location, str) and location.startswith(SCHEME)
-
-
-def open_backend(location: str | os.PathLike[str],
-                 storage_options: Mapping[str, Any] | None = None) -> Backend:
-    """The backend for a store location: `s3://bucket/prefix` or a local path."""
-    if is_remote(location):
-        from .remote import S3Backend
-
-        return S3Backend(str(location), storage_options)
-    if storage_options:
-        from ..errors import StoreFormatError
-
-        raise StoreFormatError(
-            f"storage_options are for stores on object storage (s3://...), not for the local "
-            f"store {os.fspath(location)!r}"
-        )
-    from .local import LocalBackend
-
-    return LocalBackend(Path(location))

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from .retry import retry
+
 
 class Outcome(Enum):
     TAKEN = "taken"
@@ -122,16 +124,14 @@ def acquire(path: Path, *, exclusive: bool, timeout: float) -> Outcome:
     got = False
     try:
         fd = _open(key, path)
-        pause = 0.002
-        while fd is not None:
+        if fd is not None:
+            held_fd = fd
+            mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
             try:
-                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-                break
+                retry(lambda: fcntl.flock(held_fd, mode),
+                      again=lambda e: isinstance(e, BlockingIOError), deadline=deadline)
             except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    return Outcome.BUSY
-                time.sleep(pause)
-                pause = min(pause * 2, 0.05)
+                return Outcome.BUSY
         if fd is not None and exclusive:
             _record_pid(fd, f"{os.getpid()}\n")
         got = True

@@ -92,7 +92,7 @@ def fold(path: Path, engine: duckdb.DuckDBPyConnection | None = None) -> None:
     """Fold the log of `path` into a new file renamed over it. The caller holds the
     catalog's lock exclusively (catalog_lock.py) and has no transaction in flight. With
     `engine` (a DuckDB instance of the caller's), the copy is attached to it rather than
-    opened as a database of its own (each DuckDB database costs CPU to open)."""
+    opened as a database of its own, which would start a DuckDB instance."""
     log = log_path(path)
     try:
         copied_log = log.stat()

@@ -18,7 +18,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import crc32c as _crc32c
 import numpy as np
@@ -46,6 +46,17 @@ def crc32c(data: np.ndarray) -> int:
     return int(_crc32c.crc32c(data.reshape(-1).view(np.uint8).data, gil_release_mode=1))
 
 
+class Expect(Protocol):
+    """The digests recorded for an array's places (digests.ArrayDigests): a chunk read,
+    whole and valid by its own checksum, must also be the one that belongs where it lies."""
+
+    def check_one(self, fmt: Any, chunk: int, data: np.ndarray, stored: int | None
+                  ) -> None: ...
+
+    def check_run(self, fmt: Any, first: int, count: int, buf: np.ndarray,
+                  stored: np.ndarray | None) -> None: ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class ChunkFormat:
     """What one chunk of a raw array holds: its values (`bytes` codec, little-endian), then,
@@ -60,7 +71,7 @@ class ChunkFormat:
     @property
     def nbytes(self) -> int:
         # math.prod, not np.prod: this runs several times per chunk read (a scan reads
-        # thousands), and np.prod's dispatch showed up in a full scan's profile
+        # thousands), and np.prod's dispatch is a visible part of a full scan
         return math.prod(self.shape) * self.dtype.itemsize
 
     @property
@@ -71,24 +82,28 @@ class ChunkFormat:
         """Where chunk `chunk` lies, for messages."""
         raise NotImplementedError
 
-    def decode(self, raw: np.ndarray, chunk: int, *, check: bool) -> np.ndarray:
+    def decode(self, raw: np.ndarray, chunk: int, *, check: bool,
+               expect: Expect | None = None) -> np.ndarray:
         """The values of one chunk from its `file_bytes` bytes (a view of `raw`), the
-        checksum checked when `check`."""
+        checksum checked when `check`, and (`expect`) the digest recorded for its place."""
         data = raw[: self.nbytes]
+        stored: int | None = None
         if self.crc and check:
             stored = int.from_bytes(raw[self.nbytes : self.file_bytes].tobytes(), "little")
             if crc32c(data) != stored:
-                raise self._damaged(chunk, "fails its checksum")
+                raise self.damaged(chunk, "fails its checksum")
+        if expect is not None:
+            expect.check_one(self, chunk, data, stored)
         return data.view(self.dtype).reshape(self.shape)
 
     def check_size(self, chunk: int, size: int | None) -> None:
         """A chunk found with `size` bytes (None: absent) is whole, or the store is damaged."""
         if size is None:
-            raise self._damaged(chunk, "is missing")
+            raise self.damaged(chunk, "is missing")
         if size != self.file_bytes:
-            raise self._damaged(chunk, f"has {size} bytes, not {self.file_bytes}")
+            raise self.damaged(chunk, f"has {size} bytes, not {self.file_bytes}")
 
-    def _damaged(self, chunk: int, what: str) -> StoreCorruptError:
+    def damaged(self, chunk: int, what: str) -> StoreCorruptError:
         return StoreCorruptError(
             f"chunk {chunk} of array {self.label!r} {what} ({self.where(chunk)!r}): "
             "the store is damaged"
@@ -105,9 +120,11 @@ class RawLayout(ChunkFormat):
     def path(self, chunk: int) -> str:
         return f"{self.folder}/{self.prefix}{chunk}{self.tail}"
 
-    def read(self, chunk: int, *, check: bool = True) -> np.ndarray:
+    def read(self, chunk: int, *, check: bool = True, expect: Expect | None = None
+             ) -> np.ndarray:
         """Chunk `chunk` read straight from its file, its size and (`check`) checksum
-        checked: a missing, short, long or damaged chunk is a StoreCorruptError naming it."""
+        checked, and (`expect`) the digest of its place: a missing, short, long, damaged or
+        misplaced chunk is a StoreCorruptError naming it."""
         path = self.path(chunk)
         # One byte more than expected: a file too long shows in the count read.
         buf = np.empty(self.file_bytes + 1, dtype=np.uint8)
@@ -120,9 +137,10 @@ class RawLayout(ChunkFormat):
         except FileNotFoundError:
             got = None
         self.check_size(chunk, got)
-        return self.decode(buf, chunk, check=check)
+        return self.decode(buf, chunk, check=check, expect=expect)
 
-    def read_run(self, first: int, count: int, *, check: bool = True) -> np.ndarray:
+    def read_run(self, first: int, count: int, *, check: bool = True,
+                 expect: Expect | None = None) -> np.ndarray:
         """Chunks `first` .. `first + count - 1` as one array (their rows in order), each
         chunk's file checked as `read` checks it.
 
@@ -131,17 +149,22 @@ class RawLayout(ChunkFormat):
         per-call costs once per run of chunks for the buffer, and no copy joins them."""
         nbytes = self.nbytes
         buf = np.empty(count * nbytes, dtype=np.uint8)
+        # each chunk's own CRC-32C, checked against its bytes, for the digests of the places
+        stored = (np.empty(count, dtype=np.uint32)
+                  if expect is not None and self.crc and check else None)
         if _native is not None:
             # the same reads and checks in C, the GIL released for the whole run: a scan's
             # read-ahead thread no longer competes with the query's thread for it per chunk
             sizes = _native.read_chunks([os.fsencode(self.path(first + i)) for i in range(count)],
-                                        buf, nbytes, self.crc, check)
+                                        buf, nbytes, self.crc, check, stored)
             for i, size in enumerate(sizes):  # it stops at the first damaged chunk
                 if size == -1:
-                    raise self._damaged(first + i, "fails its checksum")
+                    raise self.damaged(first + i, "fails its checksum")
                 self.check_size(first + i, size)
             if len(sizes) != count:
                 raise RuntimeError(f"read_chunks stopped at an undamaged chunk of {self.label}")
+            if expect is not None:
+                expect.check_run(self, first, count, buf, stored)
             return buf.view(self.dtype).reshape(count * self.shape[0], *self.shape[1:])
         # the checksum, then one byte more than expected: a file too long shows in the count
         tail = np.empty(CRC_BYTES + 1, dtype=np.uint8)
@@ -162,9 +185,13 @@ class RawLayout(ChunkFormat):
                     os.close(fd)
             self.check_size(chunk, got)
             if self.crc and check:
-                stored = int.from_bytes(tail[:CRC_BYTES].tobytes(), "little")
-                if crc32c(data) != stored:
-                    raise self._damaged(chunk, "fails its checksum")
+                crc = int.from_bytes(tail[:CRC_BYTES].tobytes(), "little")
+                if crc32c(data) != crc:
+                    raise self.damaged(chunk, "fails its checksum")
+                if stored is not None:
+                    stored[i] = crc
+        if expect is not None:
+            expect.check_run(self, first, count, buf, stored)
         return buf.view(self.dtype).reshape(count * self.shape[0], *self.shape[1:])
 
     def stat(self, chunk: int) -> None:
@@ -176,7 +203,7 @@ class RawLayout(ChunkFormat):
         self.check_size(chunk, size)
 
     def write(self, chunk: int, data: np.ndarray, *, point: str = "chunk_write",
-              direct: bool = False, sync: bool = True) -> None:
+              direct: bool = False, sync: bool = True) -> int | None:
         """Replace chunk `chunk` whole: a temporary file beside it, fsynced, renamed over it
         (the caller fsyncs the folder). Its folder must exist. `point`: the fault point
         that tests inject at mid-write (faults.py). `direct`: past the page cache where the
@@ -184,7 +211,8 @@ class RawLayout(ChunkFormat):
         `sync=False`: not fsynced, for a chunk with no committed rows, which the caller makes
         durable with the whole file system (durable.FileSystemSync) before the catalog
         refers to it; a chunk holding committed rows is always fsynced before its rename,
-        so that a crash never leaves it replaced by a file whose data was lost."""
+        so that a crash never leaves it replaced by a file whose data was lost. Returns the
+        chunk's CRC-32C (None: the array has none)."""
         path = self.path(chunk)
         data = np.ascontiguousarray(data, dtype=self.dtype)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{PARTIAL_SUFFIX}"
@@ -193,7 +221,7 @@ class RawLayout(ChunkFormat):
             if direct and data.nbytes >= DIRECT_MIN_BYTES and write_direct(tmp, data, crc,
                                                                            point):
                 os.replace(tmp, path)
-                return
+                return crc
             with open(tmp, "wb") as f:
                 f.write(data.data.cast("B"))
                 fault(point)  # a kill here leaves a torn temporary file
@@ -207,9 +235,19 @@ class RawLayout(ChunkFormat):
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
+        return crc
 
     def where(self, chunk: int) -> str:
         return self.path(chunk)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZarrChunks(ChunkFormat):
+    """An array read through zarr (not laid out as actdb reads chunks straight): what its
+    chunks hold, for the checks of their places' digests."""
+
+    def where(self, chunk: int) -> str:
+        return f"{self.label}, read through zarr"
 
 
 # Chunks at least this large may be written past the page cache (RawLayout.write's `direct`).
@@ -225,11 +263,11 @@ def write_direct(tmp: str, data: np.ndarray, crc: int | None, point: str) -> boo
     O_DIRECT, and fsync it; False, with nothing left at `tmp`, where the system or its file
     system does not take O_DIRECT (tmpfs before Linux 6.6, some FUSE and network file systems).
 
-    A buffered write of a large weight chunk into fresh page-cache pages costs system time per
-    page (on the commit thread, beside the first forward pass); past the page cache, through one
-    reused 4 MiB buffer, it is the copy into that buffer. The file's length is not a multiple of
-    the alignment (the CRC's 4 bytes): the last piece is written padded, and the file cut to its
-    size."""
+    A buffered write of a large weight chunk spends most of its system time filling fresh
+    page-cache pages, on the commit thread beside the first forward pass; past the page cache,
+    through one reused 4 MiB buffer, it is the copy into that buffer. The file's length is not
+    a multiple of the alignment (the CRC's 4 bytes): the last piece is written padded, and the
+    file cut to its size."""
     flag = getattr(os, "O_DIRECT", 0)
     folder = os.path.dirname(tmp) or "."
     if not flag:
@@ -301,7 +339,7 @@ def local_info(root: Path, label: str
     group folder `root`, read from its `zarr.json` alone, where it is stored raw as
     `raw_layout` accepts it; None otherwise (no file, metadata that is not JSON or not such
     an array: zarr-python then opens it and reports what is wrong). Reading a store through
-    zarr imports it (slow to import) and runs each array's open on its event loop."""
+    zarr imports it and costs a round trip through its event loop an array."""
     try:
         doc = json.loads((root / label / "zarr.json").read_bytes())
         if (not isinstance(doc, dict) or doc.get("zarr_format") != 3

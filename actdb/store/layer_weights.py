@@ -16,10 +16,13 @@ Each array is chunked along its rows with a CRC-32C a chunk, as the other weight
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .arrays import Arrays
+
+class Groups(Protocol):
+    """What reading a manifest needs of the tensors (arrays.Arrays)."""
+
+    def open_group(self, label: str) -> Any: ...
 
 GROUP = "weights"
 MANIFEST = "actdb_layer_weights"  # the group attribute holding the manifest
@@ -31,7 +34,7 @@ def array_name(layer: int, part: str, name: str) -> str:
     return f"{GROUP}/{layer}/{part}/{name}"
 
 
-def read_manifest(arrays: Arrays, model_id: int) -> dict[str, Any] | None:
+def read_manifest(arrays: Groups, model_id: int) -> dict[str, Any] | None:
     """The manifest of a model's layer weights; None for a model stored without them (with
     `--weights none`, or by a version before weights were stored)."""
     group = arrays.open_group(f"models/{model_id}/{GROUP}")

@@ -21,6 +21,8 @@ from typing import Any
 
 from ..errors import StoreBusyError
 from .objects import AlreadyExistsError, Objects, PreconditionError
+from .pids import alive
+from .retry import retry
 
 LEASE_KEY = "ingest.lease"
 LEASE_S = 60.0  # ACTDB_LEASE_S overrides it
@@ -60,17 +62,10 @@ class Lease:
         """Take the lease, waiting up to `seconds` (None: as long as it takes) while another
         holder has it. A live holder renews it; one that died stops renewing, its lease runs
         out within `lease_seconds()` and is taken over, so an endless wait ends."""
-        deadline = None if seconds is None else time.monotonic() + seconds
-        pause = 0.05
-        while True:
-            try:
-                self.acquire()
-                return
-            except StoreBusyError:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise
-                time.sleep(pause)
-                pause = min(pause * 1.5, 1.0)  # a long wait costs a request a second
+        # a long wait costs a request a second
+        retry(self.acquire, again=lambda e: isinstance(e, StoreBusyError),
+              deadline=None if seconds is None else time.monotonic() + seconds,
+              pause=0.05, grow=1.5, longest=1.0)
 
     def _take_over(self) -> None:
         try:
@@ -160,8 +155,6 @@ def _parse(data: bytes) -> dict[str, Any]:
 
 def _dead_here(holder: dict[str, Any]) -> bool:
     """The holder ran on this machine and its process is gone (killed: resume at once)."""
-    from .local import alive
-
     pid = holder.get("pid")
     return (holder.get("host") == socket.gethostname() and isinstance(pid, int)
             and pid != os.getpid() and not alive(pid))

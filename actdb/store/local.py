@@ -7,7 +7,6 @@ import errno
 import fcntl
 import os
 import shutil
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
@@ -25,6 +24,8 @@ from .arrays import Arrays
 from .backend import CATALOG_NAME, SHARDS_NAME, TENSORS_NAME, TOKENIZERS_NAME
 from .catalog import LOCAL_FORMAT_VERSION, Catalog
 from .faults import fault
+from .pids import alive
+from .retry import retry
 
 LOCK_NAME = "ingest.lock"  # flock: exclusive for an ingest or merge, shared by shard ingests
 REGISTER_LOCK_NAME = "shards.lock"  # flock: shard ingests registering a model and planning
@@ -197,12 +198,8 @@ class LocalBackend:
         try:
             # Polled rather than a blocking flock: Ctrl-C (or a worker's cancellation) ends
             # the wait at once.
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    time.sleep(0.05)
+            retry(lambda: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB),
+                  again=lambda e: isinstance(e, BlockingIOError), pause=0.05, grow=1.0)
             yield
         finally:
             os.close(fd)
@@ -324,12 +321,3 @@ def _remove_dead_builds(p: Path) -> None:
         if pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(build, ignore_errors=True)
 
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

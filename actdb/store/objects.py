@@ -15,7 +15,7 @@ from obstore.exceptions import AlreadyExistsError, PreconditionError
 from obstore.store import S3Store
 
 from ..errors import StoreFormatError, StoreNotFoundError, StoreStorageError
-from .backend import SCHEME, is_remote
+from .location import SCHEME, is_remote
 
 # storage_options keys that configure the HTTP client rather than S3 itself.
 _CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "timeout"}

@@ -23,8 +23,10 @@ from .durable import full_disk_as_error
 from .faults import fault
 from .lease import LEASE_KEY, Lease, live_holder
 from .objects import Objects, parse_url
+from .pids import alive
 
-REMOTE_FORMAT_VERSION = 3
+# Stores on object storage are created at the newest format, as local ones (docs/FORMAT.md).
+REMOTE_FORMAT_VERSION = FORMAT_VERSION
 SHARD_LEASE = "shard.lease"  # each running shard ingest's own lease, beside its catalog
 REGISTER_LEASE = "register.lease"  # one shard ingest at a time registers and plans
 
@@ -38,12 +40,8 @@ def _sweep_orphans() -> None:
         pid = folder.name[len(_WORK_PREFIX):].split("-", 1)[0]
         if not pid.isdigit() or not folder.is_dir() or folder.stat().st_uid != os.getuid():
             continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if not alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
-        except PermissionError:  # alive, another user's
-            pass
 
 
 class S3Backend:

@@ -20,16 +20,19 @@ import numpy as np
 
 from ..errors import StoreFormatError
 from ..lazy import lazy_module
+from . import upgrade
 from .arrays import ACT_FIELDS
-from .backend import CATALOG_NAME, TENSORS_NAME, TOKENIZERS_NAME, Backend, open_backend
+from .backend import CATALOG_NAME, TENSORS_NAME, TOKENIZERS_NAME, Backend
 from .catalog import FORMAT_VERSION, Catalog
+from .digests import DIGESTS_VERSION, ChunkDigests, digests_table, find_with, load_with
 from .faults import fault
+from .location import is_remote
 from .records import ModelRecord, SiteRecord
 
 if TYPE_CHECKING:
     import pyarrow as pa
 else:
-    pa = lazy_module("pyarrow")  # 0.05 s to import: when Arrow data is first made or read
+    pa = lazy_module("pyarrow")  # imported when Arrow data is first made or read
 
 StoreLocation = str | os.PathLike[str]
 
@@ -41,6 +44,23 @@ class ActBatch:
     direction: np.ndarray  # float16 [n, d] or [n, heads, d]
     norm: np.ndarray  # float32 [n] or [n, heads]
     mean: np.ndarray  # float32 [n] or [n, heads]
+
+
+def open_backend(location: str | os.PathLike[str],
+                 storage_options: Mapping[str, Any] | None = None) -> Backend:
+    """The backend for a store location: `s3://bucket/prefix` or a local path."""
+    if is_remote(location):
+        from .remote import S3Backend  # obstore: imported by a remote store alone
+
+        return S3Backend(str(location), storage_options)
+    if storage_options:
+        raise StoreFormatError(
+            f"storage_options are for stores on object storage (s3://...), not for the local "
+            f"store {os.fspath(location)!r}"
+        )
+    from .local import LocalBackend
+
+    return LocalBackend(Path(location))
 
 
 class Store:
@@ -90,6 +110,7 @@ class Store:
             raise
         # Where an ingest's batches are committed: the main catalog, or the shard's own.
         self.commits = self.catalog
+        self._names: dict[int, str] = {}
         try:
             self.format_version = self.catalog.format_version()
             self._check_version(self.format_version)
@@ -97,6 +118,12 @@ class Store:
             self._check_version(self.arrays.format_version())
             if ingest and not shard:  # shards running beside this one have writes in flight
                 self.backend.clean_partials()
+            if not self.read_only and self.format_version >= 2:
+                with self.backend.writing("the upgrade to format 5"):
+                    self.format_version = upgrade.to_digests(self.catalog, self.arrays,
+                                                             self.format_version)
+            if self.format_version >= DIGESTS_VERSION:
+                self.arrays.expected = self._chunk_digests()
         except BaseException:
             self._writers.shutdown()
             self.catalog.close()
@@ -125,6 +152,35 @@ class Store:
     def has_checksums(self) -> bool:
         """Format 1 stores were written without chunk checksums."""
         return self.format_version >= 2
+
+    @property
+    def has_digests(self) -> bool:
+        """Each chunk's digest is recorded under its place (format 5): a valid chunk moved,
+        copied or swapped is damage. Older stores check each chunk's own checksum only."""
+        return self.format_version >= DIGESTS_VERSION
+
+    def model_names(self) -> dict[int, str]:
+        """model_id -> model name, of the models when the store was opened and those this
+        process registered since."""
+        return self._names
+
+    def _chunk_digests(self) -> ChunkDigests:
+        """The digests recorded for chunks' places: weights' in the main catalog, vectors'
+        in the catalog this process commits to (a shard's own) over the main one's."""
+        main = self.catalog.digest_query()
+        load_main = load_with(main)
+
+        def load(model: str, array: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            chunks, rows, crc = load_main(model, array)
+            if self.commits is self.catalog or not array.startswith("acts/"):
+                return chunks, rows, crc
+            own = load_with(lambda sql, params: self.commits.all(sql, params))(model, array)
+            return (np.concatenate([chunks, own[0]]), np.concatenate([rows, own[1]]),
+                    np.concatenate([crc, own[2]]))  # later entries win
+
+        # read now: a reader's chunks are read inside queries on the catalog's connection
+        self._names.update({m.model_id: m.model for m in self.catalog.models()})
+        return ChunkDigests(load, find_with(main), self.model_names)
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -206,8 +262,21 @@ class Store:
                 weights_manifest=weights_manifest, pool=self._writers,
             )
         fault("weights_written")
+        digests = None
+        if self.has_digests:
+            weights: dict[str, np.ndarray | None] = {
+                "embed": embed, "lm_head": lm_head, "lm_head_bias": lm_head_bias}
+            for site, (gain, bias) in site_params.items():
+                weights[f"sites/{site}/gain"] = gain
+                weights[f"sites/{site}/bias"] = bias
+            weights.update(layer_weights or {})
+            digests = digests_table(self.arrays.weight_digests(model.model_id, weights),
+                                    {model.model_id: model.model})
         with self.backend.writing("the catalog"):
-            self.catalog.insert_model(model, sites, vocab)
+            self.catalog.insert_model(model, sites, vocab, digests)
+        self._names[model.model_id] = model.model
+        if self.arrays.expected is not None:
+            self.arrays.expected.forget()  # an interrupted registration's may have been read
 
     def save_tokenizer(self, model_id: int, save: Callable[[str], object]) -> None:
         """`save(folder)` writes a model's tokenizer (its `save_pretrained`) into the store."""
@@ -271,12 +340,17 @@ class Store:
             ))
             self.arrays.sync(self._writers)
         fault("tensors_written")
+        written = self.arrays.written.take(model.model_id, start + n)
+        digests = (digests_table(written, {model.model_id: model.model})
+                   if self.has_digests else None)
         with self.backend.writing("the catalog"):
             self.commits.commit_batch(
                 model=model.model, new_prompts=new_prompts, prompt_runs=prompt_runs,
                 tokens=tokens, site_errors=site_errors, n_rows=start + n,
-                logit_error=logit_error,
+                logit_error=logit_error, digests=digests,
             )
+        if self.arrays.expected is not None:
+            self.arrays.expected.committed(written)
         return start + n
 
     # -- reading ---------------------------------------------------------------------------
@@ -291,4 +365,5 @@ class Store:
         return self.backend.disk_bytes()
 
 
-__all__ = ["ACT_FIELDS", "CATALOG_NAME", "TENSORS_NAME", "TOKENIZERS_NAME", "ActBatch", "Store"]
+__all__ = ["ACT_FIELDS", "CATALOG_NAME", "TENSORS_NAME", "TOKENIZERS_NAME", "ActBatch", "Store",
+           "open_backend"]

@@ -7,6 +7,8 @@ such chunk and every weight, checking their checksums (format 2)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from ..errors import StoreCorruptError
@@ -14,15 +16,31 @@ from .arrays import ACT_FIELDS, write_alignment
 from .layer_weights import manifest_arrays, read_manifest
 from .records import ModelRecord, SiteRecord
 from .store import Store
+from .upgrade import unused_rows
+
+# Damaged chunks listed per array before verify moves on to the next one.
+_DAMAGED_PER_ARRAY = 4
 
 
 def verify(store: Store, *, full: bool = False) -> list[str]:
     """Problems found, one sentence each; an empty list means the store is consistent."""
     problems: list[str] = []
     cat = store.catalog
-    for m in store.catalog.models():
+    models = store.catalog.models()
+    for group in ("", "models") if models else ("",):
+        try:
+            store.arrays.check_group(group)
+        except StoreCorruptError as e:
+            problems.append(str(e))
+    if problems:
+        return problems  # nothing below can be read
+    for m in models:
         where = f"model {m.model!r}"
         sites = store.catalog.sites(m.model)
+        metadata = _check_metadata(store, m, sites, where, full=full)
+        if metadata:
+            problems += metadata
+            continue
         if len(sites) != m.n_sites:
             problems.append(f"{where}: catalog lists {len(sites)} sites, models says {m.n_sites}")
         n_tokens, lo, hi, distinct = cat.one(
@@ -67,21 +85,78 @@ def verify(store: Store, *, full: bool = False) -> list[str]:
     return problems
 
 
-def unused_rows(runs: list[tuple[int, int]], n_rows: int, align: int
-                ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The rows below `n_rows` in no prompt run, as ranges [a, b): those a sharded ingest
-    leaves between a shard's last row and the next shard's start (a multiple of `align`,
-    less than `align` rows on), whose chunks may never have been written; and any other,
-    which no ingest leaves (an unsharded store has none at all)."""
-    allowed: list[tuple[int, int]] = []
-    bad: list[tuple[int, int]] = []
-    pos = 0
-    for start, n in [*runs, (n_rows, 0)]:
-        if start > pos:
-            ok = start % align == 0 and start - pos < align
-            (allowed if ok else bad).append((pos, start))
-        pos = max(pos, start + n)
-    return allowed, bad
+def _check_metadata(store: Store, m: ModelRecord, sites: list[SiteRecord], where: str, *,
+                    full: bool) -> list[str]:
+    """The model's group metadata (its own, its `sites` and `acts` groups and theirs: the
+    arrays' own are read with them below), and its saved tokenizer: the folder is there, its
+    JSON files parse, and (`full`) it loads and gives each token id the piece the catalog
+    recorded for it."""
+    groups = [f"models/{m.model_id}"]
+    with_params = [s for s in sites if s.has_gain or s.has_bias]
+    if with_params:
+        groups += [f"models/{m.model_id}/sites"]
+        groups += [f"models/{m.model_id}/sites/{s.site}" for s in with_params]
+    if m.n_rows:
+        groups += [f"models/{m.model_id}/acts"]
+        groups += [f"models/{m.model_id}/acts/{s.site}" for s in sites]
+    out = []
+    for group in groups:
+        try:
+            store.arrays.check_group(group)
+        except StoreCorruptError as e:
+            out.append(f"{where}: {e}")
+    out += _check_tokenizer(store, m, where, full=full)
+    return out
+
+
+def _check_tokenizer(store: Store, m: ModelRecord, where: str, *, full: bool) -> list[str]:
+    folder = store.tokenizer_dir(m.model_id)
+    if not folder.is_dir():
+        if m.has_embed is False:  # a model of images alone may come without a tokenizer
+            return []
+        return [f"{where}: its tokenizer ({str(folder)!r}) is missing: the store is damaged"]
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    if not any(p.name == "tokenizer_config.json" for p in files):
+        return [f"{where}: its tokenizer has no tokenizer_config.json ({str(folder)!r}): the "
+                "store is damaged"]
+    for p in files:
+        if p.suffix == ".json":
+            try:
+                json.loads(p.read_bytes())
+            except ValueError as e:
+                return [f"{where}: the tokenizer file {str(p)!r} cannot be read "
+                        f"({_first_line(e)}): the store is damaged"]
+    if not full:
+        return []
+    from transformers import AutoTokenizer  # transformers' own loader, as queries load it
+
+    try:  # a store's folder may come from anyone: its code never runs
+        tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            return []  # one only its own code loads: queries resolve tokens by `vocab`
+        return [f"{where}: its tokenizer in {str(folder)!r} does not load "
+                f"({_first_line(e)}): the store is damaged"]
+    except Exception as e:  # noqa: BLE001 - any failure to load is damage, said in a sentence
+        return [f"{where}: its tokenizer in {str(folder)!r} does not load "
+                f"({_first_line(e)}): the store is damaged"]
+    if m.head_kind not in (None, "lm"):
+        return []  # the vocabulary is a classifier's labels, not the tokenizer's pieces
+    pieces = store.catalog.all("SELECT token_id, piece FROM vocab WHERE model = ? AND "
+                               "token_id < ? ORDER BY token_id", [m.model, len(tok)])
+    got = tok.convert_ids_to_tokens([int(i) for i, _ in pieces])
+    wrong = [int(i) for (i, want), have in zip(pieces, got, strict=True)
+             if want is not None and want != str(have)]
+    if wrong:
+        return [f"{where}: its tokenizer in {str(folder)!r} gives {len(wrong)} token ids "
+                f"(first {wrong[0]}) another piece than the catalog's vocab: the store is "
+                "damaged"]
+    return []
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _check_weights(store: Store, m: ModelRecord, sites: list[SiteRecord], where: str, *,
@@ -138,6 +213,7 @@ def _check_site(store: Store, m: ModelRecord, s: SiteRecord, where: str,
         raw = store.arrays.act_layout(m.model_id, s.site, field)
         c = arr.chunks[0]
         unused = {k for a, b in gaps for k in range(-(-a // c), b // c)}
+        damaged = 0
         for chunk in range(-(-m.n_rows // c)):
             if chunk in unused:
                 continue
@@ -148,7 +224,9 @@ def _check_site(store: Store, m: ModelRecord, s: SiteRecord, where: str,
                     raw.stat(chunk)
             except StoreCorruptError as e:
                 out.append(f"{here}: {e}")
-                break  # one damaged chunk per array is enough to say
+                damaged += 1
+                if damaged == _DAMAGED_PER_ARRAY:
+                    break  # a few are enough to say, and to name both ends of a moved chunk
     if out:
         return out
     # Spot-check the last committed rows: unit directions where the norm is positive.

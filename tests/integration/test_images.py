@@ -354,9 +354,10 @@ def test_plot_patches_reads_each_patch_through_the_head(digits: Digits, digits_s
 def test_an_image_model_raises_the_format_version_and_migrates_an_older_store(
         digits: Digits, tmp_path: Path, model_dir: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A text store stays version 2; registering an image model in it (its new columns added,
-    its older rows NULL) makes it version 4, which an actdb reading up to 3 refuses instead of
-    calling its missing embedding damage."""
+    """A text store of version 2 (as an older actdb wrote it) gets an image model: the writer
+    upgrades it (chunk digests, version 5) and registering the model adds its new columns, its
+    older rows NULL; an actdb reading up to 3 refuses it instead of calling its missing
+    embedding damage."""
     import duckdb
 
     from actdb.errors import StoreFormatError
@@ -375,19 +376,21 @@ def test_an_image_model_raises_the_format_version_and_migrates_an_older_store(
         finally:
             con.close()
 
-    assert version() == "2"
-    # a store written before images: no tower, layout or patch columns
+    # a store written before images and chunk digests: no tower, layout or patch columns
     con = duckdb.connect(str(store / "catalog.duckdb"))
+    con.execute("DROP TABLE chunk_digests")
+    con.execute("UPDATE meta SET value = '2' WHERE key = 'format_version'")
     for table, column in (("tokens", "patch_row"), ("tokens", "patch_col"), ("tokens", "frame"),
                           ("sites", "tower"), ("sites", "layout"), ("models", "towers"),
                           ("models", "has_embed"), ("models", "head_kind"),
                           ("models", "head_position")):
         con.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
     con.close()
+    assert version() == "2"
     old = actdb.connect(store).sql("SELECT count(*), count(patch_row) FROM acts").fetchall()
     assert old[0][0] > 0 and old[0][1] == 0  # read as before: no patches
     actdb.ingest(store, model=str(digits.model), images=digits.images)
-    assert version() == "4"
+    assert version() == "5"
     db = actdb.connect(store)
     assert db.sql("SELECT count(*) FROM acts WHERE model = 'gpt2' AND patch_row IS NULL"
                   ).fetchall() == [(old[0][0],)]
@@ -396,6 +399,6 @@ def test_an_image_model_raises_the_format_version_and_migrates_an_older_store(
     verified = CliRunner().invoke(cli, ["verify", str(store)])
     assert verified.exit_code == 0, verified.output
     monkeypatch.setattr(store_module, "FORMAT_VERSION", 3)  # an actdb from before images
-    with pytest.raises(StoreFormatError, match="format version 4"):
+    with pytest.raises(StoreFormatError, match="format version 5"):
         actdb.connect(store)
-    assert catalog.FORMAT_VERSION == 4
+    assert catalog.FORMAT_VERSION == 5

@@ -272,3 +272,52 @@ def test_two_ingests_racing_to_create_one_store(
         assert db.verify(full=True) == []
         assert db.sql("SELECT count(*) FROM prompt_runs").fetchall() == [(6,)]
     assert len(snapshot(store, "m")["prompts"]) == 6  # type: ignore[arg-type]
+
+
+# Metadata files verify reads: every group's and array's `zarr.json`, the saved tokenizer.
+METADATA = {
+    "root group": "tensors.zarr/zarr.json",
+    "models group": "tensors.zarr/models/zarr.json",
+    "model group": "tensors.zarr/models/0/zarr.json",
+    "acts group": "tensors.zarr/models/0/acts/zarr.json",
+    "site group": f"tensors.zarr/models/0/acts/{SITE}/zarr.json",
+    "norm array": f"tensors.zarr/models/0/acts/{SITE}/norm/zarr.json",
+    "weights group": "tensors.zarr/models/0/sites/zarr.json",
+    "site weights group": f"tensors.zarr/models/0/sites/{SITE}/zarr.json",
+    "gain array": f"tensors.zarr/models/0/sites/{SITE}/gain/zarr.json",
+    "embed array": "tensors.zarr/models/0/embed/zarr.json",
+    "tokenizer": "tokenizers/0/tokenizer.json",
+    "tokenizer config": "tokenizers/0/tokenizer_config.json",
+}
+
+
+@pytest.mark.parametrize("how", ["delete", "garbage"])
+@pytest.mark.parametrize("kind", list(METADATA))
+def test_damaged_metadata_is_found_by_verify_in_one_sentence(
+    family_store: Callable[[str], Path], tmp_path: Path, kind: str, how: str
+) -> None:
+    store = tmp_path / "s.actdb"
+    shutil.copytree(family_store("gpt2"), store)
+    path = store / METADATA[kind]
+    if how == "delete":
+        path.unlink()
+    else:
+        path.write_bytes(b'{"zarr_format": 3, "node_type": ')  # cut short, as a torn write
+    # Deleting tokenizer.json leaves a folder whose files all parse: loading it (--full) tells.
+    quick_sees = not (kind == "tokenizer" and how == "delete")
+    for args in (["verify", str(store), "--full"], ["verify", str(store)]):
+        result = CliRunner().invoke(cli, args)
+        if args[-1] != "--full" and not quick_sees:
+            continue
+        assert result.exit_code == 1, (args, result.output)
+        assert "Traceback" not in result.output, result.output
+        problems = [line for line in result.stderr.splitlines() if line.startswith("problem:")]
+        if not problems:  # the store does not open: that one sentence
+            problems = result.stderr.strip().splitlines()
+            assert len(problems) == 1, result.stderr
+        assert problems and all(p.endswith("the store is damaged") for p in problems), problems
+        label = str(Path(METADATA[kind]).parent.relative_to("tensors.zarr")) if METADATA[
+            kind].startswith("tensors.zarr") else "tokenizer"
+        named = {".": "'/'"}.get(label, label if label == "tokenizer" else f"'{label}'")
+        assert any(named in p or (label == "." and "root metadata" in p) for p in problems), (
+            named, problems)

@@ -240,7 +240,7 @@ def test_merge_refuses_and_changes_nothing(tmp_path: Path, model_dir: Callable[[
 
 def _check_exclusion(location: str) -> None:
     """Shards share the store's lock; an ingest or merge holds it alone."""
-    from actdb.store.backend import open_backend
+    from actdb.store.store import open_backend
 
     s0, s1, s0_again, whole = (open_backend(location) for _ in range(4))
     s0.lock("0-of-2")
@@ -556,8 +556,7 @@ def _registration_waits_and_an_error_there_releases_the_lock(store: Path) -> Non
     import fcntl
     import signal
 
-    from actdb.store.backend import open_backend
-    from actdb.store.store import Store
+    from actdb.store.store import Store, open_backend
 
     class Stop(Exception):
         pass
@@ -589,8 +588,8 @@ def _registration_lease_waits_while_renewed(location: str) -> None:
     import threading
     import time
 
-    from actdb.store.backend import open_backend
     from actdb.store.lease import Lease
+    from actdb.store.store import open_backend
 
     key = "shards/register.lease"
     holder = Lease(Objects(parse_url(location)), location, key)

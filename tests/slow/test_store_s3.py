@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -113,9 +114,9 @@ def test_same_answers_as_local(s3_store: str, local_store: Path) -> None:
         assert got == want, query
     with actdb.connect(s3_store) as db:
         assert db.verify(full=True) == []
-        assert db.info().format_version == 3
+        assert db.info().format_version == 5 and db.store.has_digests
     with actdb.connect(local_store) as db:
-        assert db.info().format_version == 2  # local stores keep format 2
+        assert db.info().format_version == 5
     assert_same(snapshot(s3_store, "gpt2"), snapshot(local_store, "gpt2"))
 
 
@@ -221,6 +222,36 @@ def test_damaged_vectors_are_found(copied: str) -> None:
                 db.sql(f"SELECT sum({column}) FROM acts WHERE site = 'final'").fetchall()
 
 
+def test_a_valid_chunk_in_the_wrong_place_is_found_naming_both(copied: str) -> None:
+    """Two sites' norm chunks (on object storage: whole shard objects, each inner chunk with a
+    valid CRC-32C) swapped: every read of them names both places, through verify --full and a
+    query (format 5's chunk digests)."""
+    with actdb.connect(copied) as db:
+        other = db.sql("SELECT site FROM sites WHERE site <> 'final' ORDER BY site_id "
+                       "LIMIT 1").fetchall()[0][0]
+    sep = "/" if copied.startswith("s3://") else "."
+    keys = [f"tensors.zarr/models/0/acts/{site}/norm/c{sep}0" for site in ("final", other)]
+    if copied.startswith("s3://"):
+        objects = Objects(parse_url(copied))
+        a, b = (objects.get(k)[0] for k in keys)
+        objects.put(keys[0], bytes(b))
+        objects.put(keys[1], bytes(a))
+    else:
+        pa, pb = (Path(copied) / k for k in keys)
+        da, db_ = pa.read_bytes(), pb.read_bytes()
+        pa.write_bytes(db_)
+        pb.write_bytes(da)
+    here, there = ("chunk 0 of array 'models/0/acts/final/norm' holds the bytes of chunk 0 of "
+                   f"array 'models/0/acts/{other}/norm'", "chunk 0 of array "
+                   f"'models/0/acts/{other}/norm' holds the bytes of chunk 0 of array "
+                   "'models/0/acts/final/norm'")
+    with actdb.connect(copied) as db:
+        full = db.verify(full=True)
+        assert any(here in p for p in full) and any(there in p for p in full), full
+        with pytest.raises(actdb.ActdbError, match=re.escape(here)):
+            db.sql("SELECT sum(norm) FROM acts WHERE site = 'final'").fetchall()
+
+
 def test_no_store_is_one_sentence(s3: S3Server) -> None:
     url = s3.url()
     with pytest.raises(StoreNotFoundError, match=f"no store at {url!r}"):
@@ -240,7 +271,7 @@ def test_every_command_on_s3(s3: S3Server, model_dir: Callable[[str], Path],
                     str(prompts), "--device", "cpu", "--name", "gpt2", "--batch-size", "4"])
     assert res.exit_code == 0, res.output
     info = run(cli, ["info", url])
-    assert info.exit_code == 0 and url in info.output and "format 3" in info.output
+    assert info.exit_code == 0 and url in info.output and "format 5" in info.output
     assert run(cli, ["verify", url, "--full"]).exit_code == 0
     q = "SELECT count(*) AS n, sum(norm) AS s FROM acts"
     out = run(cli, ["query", url, q, "--format", "json"])

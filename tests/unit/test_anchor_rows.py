@@ -64,9 +64,9 @@ def test_weight_rows_read_only_the_chunks_that_hold_them(tmp_path, monkeypatch):
         mid = _model(db).model_id
         whole = arrays.weight(mid, "embed")
         read: list[int] = []
-        checked = arrays._checked_chunk
-        monkeypatch.setattr(arrays, "_checked_chunk",
-                            lambda arr, raw, i: read.append(i) or checked(arr, raw, i))
+        checked = arrays.reader.chunk
+        monkeypatch.setattr(arrays.reader, "chunk",
+                            lambda label, info, i: read.append(i) or checked(label, info, i))
         got = arrays.weight_rows(mid, "embed", [19999, 5, 8191, 8192, 6])
         np.testing.assert_array_equal(got, whole[[19999, 5, 8191, 8192, 6]])
         assert sorted(read) == [0, 1, 2], read  # 8,192-row chunks: each read once

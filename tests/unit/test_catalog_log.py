@@ -181,7 +181,7 @@ def test_an_interrupted_session_leaves_the_file_neither_attached_nor_locked(
     with pytest.raises(KeyboardInterrupt):
         _commit(writer, 0, 2)
     monkeypatch.setattr(catalog_log, "log_only", real)
-    assert writer._engine is not None and writer._engine.execute(
+    assert writer.connection._engine is not None and writer.connection._engine.execute(
         "SELECT database_name FROM duckdb_databases() WHERE NOT internal").fetchall() == [
         ("memory",)]
     other = duckdb.connect(str(created))  # DuckDB's own lock is free
@@ -189,7 +189,7 @@ def test_an_interrupted_session_leaves_the_file_neither_attached_nor_locked(
     _commit(writer, 0, 2)
     # attached and never detached (an interrupt just after the ATTACH returned)
     quoted = str(created).replace("'", "''")
-    writer._engine.execute(f"ATTACH '{quoted}' AS actdb_catalog")
+    writer.connection._engine.execute(f"ATTACH '{quoted}' AS actdb_catalog")
     _commit(writer, 2, 2)
     writer.close()
     assert _texts(created) == [f"prompt {j}" for j in range(4)]

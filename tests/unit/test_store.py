@@ -14,6 +14,7 @@ from actdb.store.arrays import Arrays
 from actdb.store.chunks import local_info, raw_layout
 from actdb.store.records import ModelRecord, SiteRecord
 from actdb.store.store import Store
+from actdb.store.weights import create_weight_array
 
 
 def test_raw_chunk_reads_equal_zarr_reads(family_store: Callable[[str], Path]) -> None:
@@ -90,7 +91,7 @@ def test_an_array_that_is_not_raw_is_opened_through_zarr(tmp_path: Path) -> None
         info = arrays.info(name)
         assert info is not None and info.shape == (10, 4)
         assert (info.raw is None) == (name != "plain"), name
-        np.testing.assert_array_equal(arrays._read_checked(name, info), value)
+        np.testing.assert_array_equal(arrays.reader.whole(name, info), value)
     (root / "plain" / "zarr.json").write_text("{not json")
     fresh = Arrays(root, read_only=True)
     with pytest.raises(StoreCorruptError, match="cannot be read"):
@@ -113,7 +114,7 @@ def test_missing_chunk_is_an_error_naming_it(tmp_path: Path) -> None:
 
 
 def test_new_sites_metadata_is_what_zarr_writes(tmp_path: Path) -> None:
-    """A new site's arrays are made from metadata built once per shape (Arrays._site_metadata):
+    """A new site's arrays are made from metadata built once per shape (ActArrays._site_metadata):
     every site's files equal, byte for byte, those zarr writes when it creates the same arrays
     in place, and zarr opens them as arrays of the right shape, dtype and chunks."""
     import zarr
@@ -130,8 +131,8 @@ def test_new_sites_metadata_is_what_zarr_writes(tmp_path: Path) -> None:
     ours = tmp_path / "s.actdb" / "tensors.zarr" / "models" / "0" / "acts"
     plain = zarr.open_group(str(tmp_path / "plain.zarr"), mode="w", zarr_format=3)
     for site, (inner, rows) in shapes.items():
-        Arrays._create_act_arrays(st.arrays, plain.require_group(site), inner=inner, rows=rows,
-                                  chunk_tokens=16)
+        st.arrays.acts.create_arrays(plain.require_group(site), inner=inner, rows=rows,
+                                     chunk_tokens=16)
         for name in ("zarr.json", "direction/zarr.json", "norm/zarr.json", "mean/zarr.json"):
             want = (tmp_path / "plain.zarr" / site / name).read_bytes()
             assert (ours / site / name).read_bytes() == want, (site, name)
@@ -144,7 +145,7 @@ def test_new_sites_metadata_is_what_zarr_writes(tmp_path: Path) -> None:
 
 def test_site_parameters_are_what_zarr_writes(tmp_path: Path) -> None:
     """A local store's norm gains and biases are written from metadata built once per shape
-    (Arrays._param_metadata) and chunk files written straight: every file under the model's
+    (Weights._param_metadata) and chunk files written straight: every file under the model's
     `sites` folder (groups, arrays, chunks) equals, byte for byte, what zarr writes when it
     creates the same arrays in place with the same values, and zarr reads the values back."""
     import zarr
@@ -170,7 +171,7 @@ def test_site_parameters_are_what_zarr_writes(tmp_path: Path) -> None:
         sg = plain.require_group(f"sites/{site}")
         for name, value in zip(("gain", "bias"), pair, strict=True):
             if value is not None:
-                Arrays._create_whole(sg, name, value.shape)[...] = value
+                create_weight_array(sg, name, value.shape)[...] = value
     want = {p.relative_to(tmp_path / "plain.zarr" / "sites"): p.read_bytes()
             for p in (tmp_path / "plain.zarr" / "sites").rglob("*") if p.is_file()}
     got = {p.relative_to(ours): p.read_bytes() for p in ours.rglob("*") if p.is_file()}
@@ -566,7 +567,7 @@ def test_new_chunks_on_another_file_system_are_fsynced_each(
     model, sites = _small_model(1)
     with Store.open_or_create(tmp_path / "s.actdb") as st:
         _register(st, model, sites, 32)
-        fs = st.arrays._file_system_sync()
+        fs = st.arrays.durability.file_system_sync()
         assert fs is not None
         monkeypatch.setattr(fs, "device", -1)  # every folder is elsewhere
         monkeypatch.setattr(os, "fsync", fsync)

@@ -18,8 +18,11 @@ from typing import TYPE_CHECKING
 from ..errors import ShardError
 from ..lazy import lazy_module
 from .catalog import Catalog, quote
+from .digests import TABLE as DIGESTS
+from .digests import digests_table
 from .records import ModelRecord
 from .store import Store
+from .upgrade import act_digests
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -135,6 +138,18 @@ class _Shard:
     model: ModelRecord
     tables: dict[str, pa.Table]
     errors: dict[str, float]
+    digests: pa.Table | None  # its chunks' digests (None: a shard of an older actdb)
+
+
+def _digests_of_old_shards(store: Store, model: ModelRecord, shards: list[_Shard]
+                           ) -> pa.Table:
+    """The digests of the chunks that shards written by an actdb older than format 5 hold
+    (their catalogs record none), read from the chunks as they are (upgrade.py)."""
+    sites = store.catalog.sites(model.model)
+    found = []
+    for s in shards:  # a shard's last chunk holds its rows up to its end, then unused rows
+        found += act_digests(store.arrays, model, sites, s.plan.start, s.model.n_rows, [])
+    return digests_table(found, {model.model_id: model.model})
 
 
 def _read_shard(store: Store, name: str) -> _Shard:
@@ -144,12 +159,15 @@ def _read_shard(store: Store, name: str) -> _Shard:
         model = cat.models()[0]
         tables = {t: cat.con.sql(f"SELECT * FROM {t}").to_arrow_table()
                   for t in _ROW_TABLES}
+        digests = (cat.con.sql(f"SELECT * FROM {DIGESTS}").to_arrow_table()
+                   if cat.con.execute("SELECT 1 FROM duckdb_tables() WHERE table_name = ?",
+                                      [DIGESTS]).fetchall() else None)
         errors = {s: e for s, e in cat.con.execute(
             "SELECT site, max_rel_error FROM sites WHERE max_rel_error IS NOT NULL").fetchall()}
     finally:
         cat.close()
     return _Shard(name=name, plan=plan, finished=finished, model=model, tables=tables,
-                  errors=errors)
+                  errors=errors, digests=digests)
 
 
 def merge_shards(store: Store) -> MergeSummary:
@@ -217,6 +235,10 @@ def merge_shards(store: Store) -> MergeSummary:
         for site, err in s.errors.items():
             errors[site] = max(errors.get(site, 0.0), err)
     logit = [s.model.logit_max_rel_error for s in shards if s.model.logit_max_rel_error]
+    digests = [s.digests for s in shards if s.digests is not None]
+    if store.has_digests and len(digests) < len(shards):  # shards of an older actdb
+        digests.append(_digests_of_old_shards(store, model, [s for s in shards
+                                                             if s.digests is None]))
     with store.backend.writing("the catalog"), main.transaction():
         con = main.con
         for s in shards:
@@ -235,6 +257,9 @@ def merge_shards(store: Store) -> MergeSummary:
         if logit:
             con.execute("UPDATE models SET logit_max_rel_error = greatest(coalesce("
                         "logit_max_rel_error, 0), ?) WHERE model = ?", [max(logit), plan.model])
+        if store.has_digests:
+            for table in digests:
+                main.put_digests(table)
         con.execute("UPDATE models SET n_rows = ? WHERE model = ?", [n_rows, plan.model])
         con.execute("DELETE FROM meta WHERE key IN (?, ?)", [_MERGED_KEY, _MERGED_MODEL_KEY])
         con.execute("INSERT INTO meta VALUES (?, ?), (?, ?)",

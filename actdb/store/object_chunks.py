@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .chunks import CRC_BYTES, ChunkFormat, crc32c
+from .chunks import CRC_BYTES, ChunkFormat, Expect, crc32c
 from .faults import fault
 
 if TYPE_CHECKING:
@@ -46,7 +46,8 @@ class ObjectChunks(ChunkFormat):
     def key(self, chunk: int) -> str:
         return f"{self.label}/c{self.sep}{chunk}{self.tail}"
 
-    def read(self, chunk: int, *, check: bool = True) -> np.ndarray:
+    def read(self, chunk: int, *, check: bool = True, expect: Expect | None = None
+             ) -> np.ndarray:
         try:
             data: bytes | None = self.objects.get(self.key(chunk))[0]
         except FileNotFoundError:
@@ -54,7 +55,8 @@ class ObjectChunks(ChunkFormat):
         self.check_size(chunk, None if data is None else len(data))
         assert data is not None
         # The object's bytes are immutable: the values are copied out, writable.
-        return self.decode(np.frombuffer(data, np.uint8), chunk, check=check).copy()
+        return self.decode(np.frombuffer(data, np.uint8), chunk, check=check,
+                           expect=expect).copy()
 
     def stat(self, chunk: int) -> None:
         self.check_size(chunk, self.objects.size(self.key(chunk)))
@@ -101,33 +103,35 @@ class ShardedChunks(ChunkFormat):
         try:
             got = self.objects.get_range(self.key(shard), start, start + self.index_bytes + 1)
         except FileNotFoundError:
-            raise self._damaged(chunk, "is missing (its shard is absent)") from None
+            raise self.damaged(chunk, "is missing (its shard is absent)") from None
         if len(got) != self.index_bytes:
-            raise self._damaged(chunk, f"lies in a shard of the wrong size (its index has "
+            raise self.damaged(chunk, f"lies in a shard of the wrong size (its index has "
                                        f"{len(got)} bytes, not {self.index_bytes})")
         raw = bytes(got)
         body, stored = raw[:-CRC_BYTES], int.from_bytes(raw[-CRC_BYTES:], "little")
         if crc32c(np.frombuffer(body, np.uint8)) != stored:
-            raise self._damaged(chunk, "lies in a shard whose index fails its checksum")
+            raise self.damaged(chunk, "lies in a shard whose index fails its checksum")
         if raw != self.expected_index():
             index = np.frombuffer(body, "<u8").reshape(self.per_shard, 2)
             j = chunk % self.per_shard
             if index[j, 0] == _EMPTY:
-                raise self._damaged(chunk, "is missing from its shard")
-            raise self._damaged(chunk, "lies in a shard not laid out as actdb writes it")
+                raise self.damaged(chunk, "is missing from its shard")
+            raise self.damaged(chunk, "lies in a shard not laid out as actdb writes it")
         with self._lock:
             self._index_ok.add(shard)
 
-    def read(self, chunk: int, *, check: bool = True) -> np.ndarray:
+    def read(self, chunk: int, *, check: bool = True, expect: Expect | None = None
+             ) -> np.ndarray:
         shard, j = divmod(chunk, self.per_shard)
         self._check_index(shard, chunk)
         lo = j * self.file_bytes
         try:
             got = self.objects.get_range(self.key(shard), lo, lo + self.file_bytes)
         except FileNotFoundError:
-            raise self._damaged(chunk, "is missing (its shard is absent)") from None
+            raise self.damaged(chunk, "is missing (its shard is absent)") from None
         self.check_size(chunk, len(got))
-        return self.decode(np.frombuffer(got, np.uint8), chunk, check=check).copy()
+        return self.decode(np.frombuffer(got, np.uint8), chunk, check=check,
+                           expect=expect).copy()
 
     def stat(self, chunk: int) -> None:
         shard = chunk // self.per_shard
@@ -135,10 +139,14 @@ class ShardedChunks(ChunkFormat):
             self._index_ok.discard(shard)  # verify looks afresh
         self._check_index(shard, chunk)
 
-    def write_rows(self, start: int, value: np.ndarray) -> None:
+    def write_rows(self, start: int, value: np.ndarray, *, expect: Expect | None = None
+                   ) -> list[tuple[int, int, int, np.ndarray, int]]:
         """Rows [start, start + n): every shard they touch is rebuilt and PUT whole. Inner
         chunks below `start` hold committed rows: copied as stored (a chunk partly below
-        is read, checked, and patched); chunks past the rows written are zeros."""
+        is read, checked (`expect`: against its place's digest too), and patched); chunks
+        past the rows written are zeros. Returns each inner chunk holding rows written, as
+        (chunk, its first row, the row past those written, its values, its CRC-32C)."""
+        written: list[tuple[int, int, int, np.ndarray, int]] = []
         c, stop = self.shape[0], start + value.shape[0]
         rows_per_shard = c * self.per_shard
         value = np.ascontiguousarray(value, dtype=self.dtype)
@@ -157,33 +165,39 @@ class ShardedChunks(ChunkFormat):
                 if a >= b:  # past the rows written: not committed, zeros
                     data = np.zeros(self.shape, self.dtype)
                 elif j == first and partial:
-                    data = self.read(lo // c + j).copy()
+                    data = self.read(lo // c + j, expect=expect).copy()
                     data[a - lo - j * c : b - lo - j * c] = value[a - start : b - start]
                 else:
                     data = np.zeros(self.shape, self.dtype)
                     data[a - lo - j * c : b - lo - j * c] = value[a - start : b - start]
-                self._encode_into(buf, j, data)
+                crc = self._encode_into(buf, j, data)
+                if a < b:
+                    written.append((lo // c + j, lo + j * c, b, data, crc))
             buf[self.per_shard * self.file_bytes:] = np.frombuffer(self.expected_index(),
                                                                    np.uint8)
             fault("chunk_write")  # a kill here: the shard object is untouched
             self.objects.put(self.key(shard), buf.data)
+        return written
 
     def _old_shard(self, shard: int, first_chunk: int) -> np.ndarray:
         try:
             data, _ = self.objects.get(self.key(shard))
         except FileNotFoundError:
-            raise self._damaged(first_chunk, "is missing (its shard is absent)") from None
+            raise self.damaged(first_chunk, "is missing (its shard is absent)") from None
         if len(data) != self.shard_bytes:
-            raise self._damaged(first_chunk, f"lies in a shard of {len(data)} bytes, not "
+            raise self.damaged(first_chunk, f"lies in a shard of {len(data)} bytes, not "
                                              f"{self.shard_bytes}")
         return np.frombuffer(data, np.uint8)
 
-    def _encode_into(self, buf: np.ndarray, j: int, data: np.ndarray) -> None:
+    def _encode_into(self, buf: np.ndarray, j: int, data: np.ndarray) -> int:
+        """Inner chunk `j` of a shard into `buf`: its values, then their CRC-32C (returned)."""
         lo = j * self.file_bytes
         raw = np.ascontiguousarray(data, dtype=self.dtype).reshape(-1).view(np.uint8)
         buf[lo : lo + self.nbytes] = raw
+        crc = crc32c(raw)
         buf[lo + self.nbytes : lo + self.file_bytes] = np.frombuffer(
-            crc32c(raw).to_bytes(CRC_BYTES, "little"), np.uint8)
+            crc.to_bytes(CRC_BYTES, "little"), np.uint8)
+        return crc
 
     def where(self, chunk: int) -> str:
         return self.objects.where(self.key(chunk // self.per_shard))
