@@ -194,6 +194,22 @@ def test_every_committed_chunk_has_the_digest_of_its_bytes(
             data = _chunk_file(store, 0, f"sites/{s.site}/{name}", 0).read_bytes()
             assert rows == s.d and crc32c.crc32c(data[:-4]) == crc
     expected.add((m.model, "embed", 0))
+    # the layer weights (neurons, heads, circuits), each array chunked along its rows
+    from actdb.store.layer_weights import manifest_arrays, read_manifest
+
+    with actdb.connect(store) as db:
+        names = manifest_arrays(read_manifest(db.store.arrays, 0) or {})
+    assert names
+    for name in names:
+        meta = json.loads((store / "tensors.zarr/models/0" / name / "zarr.json").read_text())
+        n, c = meta["shape"][0], meta["chunk_grid"]["configuration"]["chunk_shape"][0]
+        for chunk in range(-(-n // c)):
+            expected.add((m.model, name, chunk))
+            rows, crc = digests[(m.model, name, chunk)]
+            data = _chunk_file(store, 0, name, chunk).read_bytes()
+            row_bytes = (len(data) - 4) // c
+            assert rows == min(c, n - chunk * c)
+            assert crc32c.crc32c(data[: rows * row_bytes]) == crc
     assert set(digests) == expected
 
 
@@ -300,3 +316,18 @@ def test_without_the_compiled_reader_a_chunk_in_the_wrong_place_is_found_too(
     with actdb.connect(store) as db, pytest.raises(StoreCorruptError) as e:
         db.sql(_site_query(B)).fetchall()
     assert _names_both(str(e.value), x, y)
+
+
+def test_layer_weights_swapped_are_damage_naming_both_places(
+    family_store: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A block's MLP input and output matrices (same shape, both valid) swapped: verify --full
+    names each place and the other."""
+    store = tmp_path / "s.actdb"
+    shutil.copytree(family_store("gpt2"), store)
+    x, y = _weight("weights/0/mlp/W_in", True), _weight("weights/0/mlp/W_out", True)
+    _apply(store, "swap", x[0], y[0])
+    with actdb.connect(store) as db:
+        problems = db.verify(full=True)
+    assert any(_names_both(p, x, y) for p in problems), problems
+    assert any(_names_both(p, y, x) for p in problems), problems
