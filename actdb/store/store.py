@@ -161,7 +161,9 @@ class Store:
 
     def model_names(self) -> dict[int, str]:
         """model_id -> model name, of the models when the store was opened and those this
-        process registered since."""
+        process registered since (an ingest reads them when it first needs them)."""
+        if not self._names and self.catalog.connection.held is None:
+            self._names.update({m.model_id: m.model for m in self.catalog.models()})
         return self._names
 
     def _chunk_digests(self) -> ChunkDigests:
@@ -178,8 +180,10 @@ class Store:
             return (np.concatenate([chunks, own[0]]), np.concatenate([rows, own[1]]),
                     np.concatenate([crc, own[2]]))  # later entries win
 
-        # read now: a reader's chunks are read inside queries on the catalog's connection
-        self._names.update({m.model_id: m.model for m in self.catalog.models()})
+        if self.catalog.connection.held is not None:
+            # read now: a reader's (or holder's) chunks are read inside queries on the
+            # catalog's connection, which cannot run another query then
+            self._names.update({m.model_id: m.model for m in self.catalog.models()})
         return ChunkDigests(load, find_with(main), self.model_names)
 
     # -- opening ---------------------------------------------------------------------------

@@ -224,7 +224,7 @@ def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from actdb.ingestion import register, run
-    from actdb.store import catalog as catalog_module
+    from actdb.store import catalog_connection as catalog_module
     from actdb.store import catalog_lock
 
     path = model_dir("gpt2")
@@ -266,14 +266,14 @@ def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
     def stop(*a: Any, **kw: Any) -> None:
         raise Stop
 
-    real_attach = catalog_module.Catalog._attach
+    real_attach = catalog_module.CatalogConnection._attach
 
     def attach(self: Any) -> Any:
         opened.append(f"attached {self.path}")
         return real_attach(self)
 
     monkeypatch.setattr(catalog_module.duckdb, "connect", connect)
-    monkeypatch.setattr(catalog_module.Catalog, "_attach", attach)
+    monkeypatch.setattr(catalog_module.CatalogConnection, "_attach", attach)
     monkeypatch.setattr(run.BatchRunner, "run", stop)
     try:
         with pytest.raises(Stop):
@@ -504,6 +504,7 @@ def test_the_last_batch_is_written_during_its_forward_pass_and_every_row_is_the_
     commit; every stored row is then the model's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from actdb.store.act_arrays import ActArrays
     from actdb.store.arrays import Arrays
     from actdb.store.store import Store
 
@@ -517,7 +518,7 @@ def test_the_last_batch_is_written_during_its_forward_pass_and_every_row_is_the_
     ahead: list[tuple[str, bool, tuple[int, int]]] = []
     writes: list[tuple[str, int, int]] = []
     real_ahead, real_whole = Store.write_ahead, Arrays.write_whole_chunks
-    real_commit, real_write = Store.commit_batch, Arrays._write_raw
+    real_commit, real_write = Store.commit_batch, ActArrays._write_raw
 
     def write_ahead(self: Store, model: Any, site: str, start: int, direction: Any) -> Any:
         events.append(("ahead", start, len(direction)))
@@ -530,13 +531,13 @@ def test_the_last_batch_is_written_during_its_forward_pass_and_every_row_is_the_
         events.append(("commit", kw["start"], kw["tokens"].num_rows))
         return real_commit(self, *a, **kw)
 
-    def write_raw(self: Arrays, raw: Any, start: int, value: Any) -> None:
+    def write_raw(self: ActArrays, raw: Any, start: int, value: Any) -> None:
         writes.append((raw.label, start, start + len(value)))
         real_write(self, raw, start, value)
 
     monkeypatch.setattr(Store, "write_ahead", write_ahead)
     monkeypatch.setattr(Store, "commit_batch", commit_batch)
-    monkeypatch.setattr(Arrays, "_write_raw", write_raw)
+    monkeypatch.setattr(ActArrays, "_write_raw", write_raw)
     store = tmp_path / "s.actdb"
     actdb.ingest(store, model=model, tokenizer=tok, prompts=_AHEAD_PROMPTS, batch_size=2,
                  device="cpu", name="m", chunk_tokens=4)
