@@ -37,6 +37,9 @@ try:  # compiled run reads (actdb/_native.c), built at install when a C compiler
     from .. import _native
 except ImportError:  # pragma: no cover - a build without a C compiler
     _native = None  # type: ignore[assignment]
+# Whether the compiled reader hands each chunk's stored CRC back (`crcs`): a module built from
+# an older _native.c does not, and the digests are then checked from the bytes instead.
+_NATIVE_CRCS = _native is not None and "crcs" in (_native.read_chunks.__doc__ or "")
 
 CRC_BYTES = 4
 
@@ -153,10 +156,14 @@ class RawLayout(ChunkFormat):
         stored = (np.empty(count, dtype=np.uint32)
                   if expect is not None and self.crc and check else None)
         if _native is not None:
+            if not _NATIVE_CRCS:
+                stored = None
             # the same reads and checks in C, the GIL released for the whole run: a scan's
             # read-ahead thread no longer competes with the query's thread for it per chunk
-            sizes = _native.read_chunks([os.fsencode(self.path(first + i)) for i in range(count)],
-                                        buf, nbytes, self.crc, check, stored)
+            paths = [os.fsencode(self.path(first + i)) for i in range(count)]
+            sizes = (_native.read_chunks(paths, buf, nbytes, self.crc, check, stored)
+                     if stored is not None else
+                     _native.read_chunks(paths, buf, nbytes, self.crc, check))
             for i, size in enumerate(sizes):  # it stops at the first damaged chunk
                 if size == -1:
                     raise self.damaged(first + i, "fails its checksum")

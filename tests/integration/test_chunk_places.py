@@ -303,12 +303,19 @@ def test_the_run_reader_hands_back_each_chunk_files_stored_crc(tmp_path: Path) -
                             np.zeros(2, np.uint32))
 
 
+@pytest.mark.parametrize("reader", ["python", "compiled without crcs"])
 def test_without_the_compiled_reader_a_chunk_in_the_wrong_place_is_found_too(
-    family_store: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    family_store: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    reader: str
 ) -> None:
+    """The Python run reader, and a compiled one built before it handed CRCs back (the
+    digests then checked from the bytes)."""
     from actdb.store import chunks
 
-    monkeypatch.setattr(chunks, "_native", None)
+    if reader == "python":
+        monkeypatch.setattr(chunks, "_native", None)
+    else:
+        monkeypatch.setattr(chunks, "_NATIVE_CRCS", False)
     store = tmp_path / "s.actdb"
     shutil.copytree(family_store("gpt2"), store)
     x, y = _acts(B, "direction", 2), _acts(A, "direction", 2)
