@@ -87,6 +87,10 @@ def test_the_finder_sees_a_circle() -> None:
     assert _circles({"a": {"b"}, "b": set()}) == []
 
 
+def test_no_import_circle() -> None:
+    assert _circles(_imports()) == []
+
+
 def test_imports_flow_one_way() -> None:
     """store imports neither ingest nor query (nor the pictures); ingest and query never
     import each other."""
