@@ -248,9 +248,21 @@ def create_weight_array(group: zarr.Group, name: str, shape: tuple[int, ...]) ->
         # chunk is damage, never zeros
         config={"write_empty_chunks": True},
         # per-head sites' gain and bias are [heads, d]
-        dimension_names=("head", "dim") if name in ("gain", "bias") and len(shape) == 2
-        else _WEIGHT_DIMS.get(name),
+        dimension_names=weight_dims(name, shape),
     )
+
+
+def weight_dims(name: str, shape: tuple[int, ...]) -> tuple[str, ...]:
+    """The array's dimension names (xarray needs them, and one size per name in a group): a
+    per-head site's gain and bias are [head, dim]; a layer's matrices (W_Q, u, ...) are rows
+    of the residual width; any other array's axes are named for the array alone."""
+    if name in ("gain", "bias") and len(shape) == 2:
+        return ("head", "dim")
+    if name in _WEIGHT_DIMS:
+        return _WEIGHT_DIMS[name]
+    if len(shape) == 2 and (name.startswith("W_") or name in ("u", "v")):
+        return (f"{name}_row", "dim")
+    return tuple(f"{name}_{axis}" for axis in range(len(shape)))
 
 
 __all__ = ["Weights", "create_weight_array", "weight_chunk_rows"]
