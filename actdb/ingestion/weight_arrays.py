@@ -11,7 +11,7 @@ import torch
 
 from ..store.layer_weights import array_name
 from .circuits import SVD_BOUND, head_circuits
-from .weights import AttentionWeights, MlpWeights, ModelWeights
+from .weight_records import AttentionWeights, MlpWeights, ModelWeights
 
 
 def _host(t: torch.Tensor | None) -> np.ndarray | None:
