@@ -101,7 +101,7 @@ def test_a_failed_close_still_releases_the_store(tmp_path: Path,
     import errno
 
     from actdb.store import catalog
-    from actdb.store.backend import open_backend
+    from actdb.store.store import open_backend
 
     store, model = tmp_path / "c.actdb", model_dir("gpt2")
     actdb.ingest(store, model=str(model), prompts=PROMPTS[:1], device="cpu", name="m",
