@@ -42,8 +42,11 @@ browser:
 
 # Every tier: tests/unit, tests/integration and tests/slow (fault injection, fuzzing, clusters,
 # browsers, real checkpoints).
+# The suite runs on WORKERS processes (pytest-xdist), one per core of the 2-core machine it is
+# sized for; WORKERS=0 runs it in this process.
+WORKERS ?= 2
 test: lint browser
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=15
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=15 -n $(WORKERS)
 
 # The unit tier alone: about a minute on two cores, for the edit-test loop.
 test-fast: setup
