@@ -50,22 +50,29 @@ class CallLog:
 
 
 @contextmanager
-def record_calls(modules: Mapping[str, nn.Module]) -> Iterator[CallLog]:
-    """Record the order of calls of `modules`, with their input and output."""
+def record_calls(modules: Mapping[str, nn.Module], *, copies: bool = False
+                 ) -> Iterator[CallLog]:
+    """Record the order of calls of `modules`, with their input and output; `copies` keeps
+    copies of them, for a model that changes an output in place after the call (Falcon adds
+    the attention's output to the MLP's)."""
+
+    def kept(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t.detach().clone() if copies and t is not None else t
+
     log = CallLog()
     handles = []
 
     def make(name: str) -> tuple[Callable[..., None], Callable[..., None]]:
         def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             x = first_tensor(args, kwargs)
-            log.calls.setdefault(name, []).append(Call(start=log.tick(), input=x))
+            log.calls.setdefault(name, []).append(Call(start=log.tick(), input=kept(x)))
 
         def post(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> None:
             call = log.calls[name][-1]
             call.end = log.tick()
-            call.output = output_tensor(output)
+            call.output = kept(output_tensor(output))
 
         return pre, post
 

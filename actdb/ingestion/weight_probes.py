@@ -3,14 +3,13 @@ hooks that record calls or stop a pass, a projection's orientation, and the floa
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from .capture import Call, CallLog, first_tensor, output_tensor
 from .sites import is_norm_module
 from .sites import is_projection as _is_projection
 
@@ -55,38 +54,6 @@ def count_heads(attn: nn.Module, config: Any) -> int | None:
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
     return None
-
-
-@contextmanager
-def recorded(modules: Mapping[str, nn.Module]) -> Iterator[CallLog]:
-    """Every call of `modules` in order, with copies of its input and output: a model may
-    change an output in place after the call (Falcon adds the attention's output to the
-    MLP's)."""
-    log = CallLog()
-
-    def make(name: str) -> tuple[Any, Any]:
-        def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
-            x = first_tensor(args, kwargs)
-            log.calls.setdefault(name, []).append(
-                Call(start=log.tick(), input=None if x is None else x.detach().clone()))
-
-        def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            call = log.calls[name][-1]
-            call.end = log.tick()
-            y = output_tensor(output)
-            call.output = None if y is None else y.detach().clone()
-        return pre, post
-
-    handles = []
-    try:
-        for name, module in modules.items():
-            pre, post = make(name)
-            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-            handles.append(module.register_forward_hook(post, with_kwargs=True))
-        yield log
-    finally:
-        for h in handles:
-            h.remove()
 
 
 class Stop(Exception):

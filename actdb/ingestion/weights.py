@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .attention_weights import find_attention
+from .capture import record_calls
 from .mlp_weights import find_mlp
 from .sites import FoundSite, block_sublayers, forward_module, is_norm_module
 from .weight_probes import (
@@ -43,7 +44,6 @@ from .weight_probes import (
     first_line,
     functions,
     projections_of,
-    recorded,
     same,
 )
 from .weight_records import ModelWeights, Refusal
@@ -82,7 +82,7 @@ def extract(model: nn.Module, found: list[FoundSite], tokens: list[int], *,
                and f.record.n_heads is None}
     watched.update({p: model.get_submodule(p) for p in site_of})
     try:
-        with torch.no_grad(), recorded(watched) as log:
+        with torch.no_grad(), record_calls(watched, copies=True) as log:
             target(input_ids=ids2, attention_mask=torch.ones_like(ids2))
     except (RuntimeError, ValueError, IndexError, TypeError) as e:
         return ModelWeights(attention=[], mlps=[], refused=[Refusal(
