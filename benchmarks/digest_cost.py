@@ -1,7 +1,8 @@
 """What checking each chunk against the digest of its place (format 4) costs a full read of a
 store's vectors, beside each chunk's own CRC-32C: every direction, norm and mean chunk of every
 site read in runs of 16 chunks through the store's run reader, with the digests checked and not
-(`Arrays.expected = None`), rounds alternating; the median of per-round ratios and their spread.
+(`Arrays.expected = None`), paired round by round (method.py): the median of per-round ratios and
+their spread.
 
     python benchmarks/digest_cost.py [--tokens N] [--rounds R] [--store PATH]
 """
@@ -9,12 +10,12 @@ site read in runs of 16 chunks through the store's run reader, with the digests 
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 from generate import Shape, generate
+from method import paired
 
 from actdb.store.arrays import ACT_FIELDS
 from actdb.store.store import Store
@@ -49,22 +50,18 @@ def main() -> None:
             digests = st.arrays.expected
             assert digests is not None, "a format-4 store records digests"
             size = read_all(st)  # warm: page cache, digests loaded
-            ratios, on, off = [], [], []
-            for r in range(args.rounds):
-                times = {}
-                for check in ((True, False) if r % 2 == 0 else (False, True)):
-                    st.arrays.expected = digests if check else None
-                    t = time.perf_counter()
-                    read_all(st)
-                    times[check] = time.perf_counter() - t
-                on.append(times[True])
-                off.append(times[False])
-                ratios.append(times[True] / times[False])
+
+            def check(on: bool) -> Callable[[], None]:
+                def setup() -> None:
+                    st.arrays.expected = digests if on else None
+                return setup
+
+            ratio = paired(lambda: read_all(st), lambda: read_all(st), args.rounds,
+                           warmup=False, actdb_setup=check(True), baseline_setup=check(False))
             st.arrays.expected = digests
-    print(f"{size / 1e6:.0f} MB of chunks a read; digests checked {statistics.median(on):.3f} s, "
-          f"not {statistics.median(off):.3f} s (medians of {args.rounds})")
-    print(f"ratio checked / unchecked: median {statistics.median(ratios):.3f}, "
-          f"range {min(ratios):.3f}-{max(ratios):.3f}")
+    print(f"{size / 1e6:.0f} MB of chunks a read; digests checked {ratio.seconds:.3f} s, "
+          f"not {ratio.baseline_seconds:.3f} s (medians of {args.rounds})")
+    print(f"ratio checked / unchecked: median {ratio.median:.3f}, range {ratio.spread}")
 
 
 if __name__ == "__main__":

@@ -12,11 +12,11 @@ size.
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from method import paired
 from report import Result
 
 import actdb
@@ -73,18 +73,9 @@ def image_ingest(work: Path, repeats: int, scale: str, *, batch_size: int = 16) 
                 batch = [Image.open(f).convert("RGB") for f in files[i:i + batch_size]]
                 model(**processor(images=batch, return_tensors="pt"))
 
-    ingest()  # warm-up of both sides
-    forward()
     rounds = max(repeats, 5)
-    t_ingest: list[float] = []
-    t_forward: list[float] = []
-    for k in range(rounds):  # each round times the two back to back, in alternating order
-        for name in (("ingest", "forward") if k % 2 == 0 else ("forward", "ingest")):
-            t = time.perf_counter()
-            ingest() if name == "ingest" else forward()
-            (t_ingest if name == "ingest" else t_forward).append(time.perf_counter() - t)
-    ratios = [i / f for i, f in zip(t_ingest, t_forward, strict=True)]
-    ratio = statistics.median(ratios)
+    timed = paired(ingest, forward, rounds)
+    t_ingest, t_forward = list(timed.actdb), list(timed.baseline)
     r = Result(
         title="15. Image ingest",
         what=(f"`actdb.ingest(images=...)` of a ViT classifier (random weights, d={d}, "
@@ -101,6 +92,5 @@ def image_ingest(work: Path, repeats: int, scale: str, *, batch_size: int = 16) 
     r.figure("the model's own forward pass (processor included)",
              f"{statistics.median(t_forward):.2f} s "
              f"({n_images / statistics.median(t_forward):.1f} images/s)")
-    r.figure("each round's ratio", ", ".join(f"{x:.2f}" for x in ratios))
-    r.ratio("ingest time / the model's own forward pass", ratio, "(information)", True)
+    r.ratio("ingest time / the model's own forward pass", timed, "(information)", True)
     return r

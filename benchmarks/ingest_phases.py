@@ -3,7 +3,7 @@
     python benchmarks/ingest_phases.py [--prompts 1] [--repeats 3] [--device cpu]
                                        [--timeline] [--workdir /tmp/phases]
 
-The model is the ingest benchmark's (workloads.py: GPT-2-small shape, random weights, fixed
+The model is the ingest benchmark's (bench_model.py: GPT-2-small shape, random weights, fixed
 seed, 128-token prompts), ingested into a new store each run, batch size 8, on `--device`.
 Steps on the commit thread (registering the model, sizing the arrays, committing batches)
 overlap the forward passes, so the steps do not add up to the wall time. Prints the median of
@@ -28,8 +28,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from bench_model import gpt2_small  # noqa: E402
 from run import SCALES  # noqa: E402
-from workloads import _gpt2_small  # noqa: E402
 
 import actdb  # noqa: E402
 from actdb.ingestion import logits, process, run  # noqa: E402
@@ -73,7 +73,8 @@ def main() -> None:
     for owner, names in STEPS.items():
         for name in names:
             _timed(owner, name)
-    model, tokenizer, prompts = _gpt2_small(SCALES["medium"])
+    g = gpt2_small(SCALES["medium"])
+    model, tokenizer, prompts = g.model, g.tokenizer, g.prompts
     _timed(model.transformer, "forward")  # the model's forward passes (the ingest's base model)
     prompts = prompts[: args.prompts]
     runs: dict[str, list[float]] = defaultdict(list)

@@ -3,7 +3,7 @@ over one ingest, read from /proc/self/task (Linux) every 20 ms while it runs.
 
     python benchmarks/ingest_threads.py [--prompts 32] [--workdir /tmp/actdb-ingest-threads]
 
-The model and prompts are the ingest benchmark's (workloads.py: GPT-2-small shape, random
+The model and prompts are the ingest benchmark's (bench_model.py: GPT-2-small shape, random
 weights, fixed seed, 128-token prompts), batch size 8, on the CPU, into a new store after one
 warm-up ingest. Threads that already ran before the ingest (the main thread, torch's OpenMP
 workers) are told apart from the ones the ingest starts (its commit and writer threads).
@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_model import gpt2_small  # noqa: E402
 from run import SCALES  # noqa: E402
-from workloads import _gpt2_small  # noqa: E402
 
 import actdb  # noqa: E402
 
@@ -49,7 +49,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/actdb-ingest-threads"))
     args = ap.parse_args()
-    model, tokenizer, prompts = _gpt2_small(SCALES["medium"])
+    g = gpt2_small(SCALES["medium"])
+    model, tokenizer, prompts = g.model, g.tokenizer, g.prompts
     prompts = prompts[: args.prompts]
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)

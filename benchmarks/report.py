@@ -7,6 +7,8 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from method import Ratio
+
 
 @dataclass(kw_only=True)
 class Result:
@@ -15,14 +17,34 @@ class Result:
     title: str
     what: str
     figures: list[tuple[str, str]] = field(default_factory=list)  # (label, value with unit)
-    ratios: list[tuple[str, float, str, bool]] = field(default_factory=list)  # label, x, target
+    ratios: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def figure(self, label: str, value: str) -> None:
         self.figures.append((label, value))
 
-    def ratio(self, label: str, value: float, target: str, met: bool) -> None:
-        self.ratios.append((label, value, target, met))
+    def ratio(self, label: str, value: float | Ratio, target: str, met: bool) -> None:
+        """A row of the table: a timed ratio (`Ratio`, printed with its spread and rounds)
+        or a figure that no timing makes (bytes, CPU seconds, rows right)."""
+        if isinstance(value, Ratio):
+            self.ratios.append(Row(label=label, value=value.median, spread=value.spread,
+                                   rounds=len(value.rounds), target=target, met=met))
+            self.figure(f"{label}, each round", value.each())
+        else:
+            self.ratios.append(Row(label=label, value=value, spread="", rounds=0,
+                                   target=target, met=met))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    """One row of today's table."""
+
+    label: str
+    value: float
+    spread: str  # min..max of the per-round ratios; empty for an untimed figure
+    rounds: int
+    target: str
+    met: bool
 
 
 def machine(load_at_start: tuple[float, float, float] | None = None) -> dict[str, str]:
@@ -77,17 +99,22 @@ def write_report(path: Path, results: list[Result], mach: dict[str, str], *, com
         "# Benchmarks",
         "",
         "Today's figures: every ratio is actdb against a baseline measured in the same run, on "
-        "the same data, with fixed seeds (times are medians of repeated runs after a warm-up, "
-        "page cache warm). Compare ratios, not times across machines. Each workload's set-up "
-        "and its figures follow the table; earlier runs are in git's history.",
+        "the same data, with fixed seeds. A timed ratio is the median of per-round ratios, each "
+        "round timing actdb and its baseline back to back in alternating order (actdb first in "
+        "odd rounds, the baseline first in even ones; one untimed warm-up of each first; page "
+        "cache warm), with the spread of the rounds' ratios (min..max) beside it "
+        "(benchmarks/method.py). Compare ratios, not times across machines. Each workload's "
+        "set-up and its figures follow the table; earlier runs are in git's history.",
         "",
-        "| workload | measured against (baseline) | ratio | target | met | machine | command |",
-        "|---|---|---|---|---|---|---|",
+        "| workload | measured against (baseline) | ratio | spread | rounds | target | met "
+        "| machine | command |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        for label, value, target, met in r.ratios:
-            lines.append(f"| {r.title} | {label} | {value:.3g} | {target} | "
-                         f"{'yes' if met else '**no**'} | A | `{command}` |")
+        for row in r.ratios:
+            lines.append(f"| {r.title} | {row.label} | {row.value:.3g} | {row.spread or '-'} | "
+                         f"{row.rounds or '-'} | {row.target} | "
+                         f"{'yes' if row.met else '**no**'} | A | `{command}` |")
     lines += [
         "",
         "## Machine",

@@ -1,8 +1,9 @@
 """`make bench`: measure actdb against the tools a researcher would use instead.
 
 Every figure is a ratio against a baseline measured in the same run, on the same data, with
-fixed seeds; times are the median of `--repeats` runs after one warm-up (warm page cache).
-Writes BENCHMARKS.md (or `--output`) with the machine described and the command.
+fixed seeds; a timed ratio is the median of per-round ratios, each round timing the two sides
+back to back in alternating order, with the spread printed (method.py). Writes BENCHMARKS.md
+(or `--output`) with the machine described, its load, and the command.
 
     python benchmarks/run.py [--scale full|medium|tiny] [--output BENCHMARKS.md]
                              [--workdir bench-data] [--only full-scan|ingest|start-up|memory]
@@ -23,8 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import workloads  # noqa: E402
+import bench_model  # noqa: E402
+import footprint  # noqa: E402
+import ingest_cost  # noqa: E402
+import nearest  # noqa: E402
+import scan_functions  # noqa: E402
+import scans  # noqa: E402
 from report import Result, machine, write_report  # noqa: E402
+from scan_data import ScanData  # noqa: E402
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--keep-going", action="store_true",
                     help="record a workload that fails (its error in the report) and go on")
     args = ap.parse_args(argv)
-    workloads.DEVICE = args.device
+    bench_model.DEVICE = args.device
     scale = SCALES[args.scale]
     repeats = args.repeats or (3 if scale.name == "full" else 1)
     work = args.workdir
@@ -92,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
                      seconds=time.perf_counter() - started, scale=scale.name)
 
     def step(name: str, run: Callable[[], Result | list[Result]]) -> None:
+        load = os.getloadavg()[0]  # other work on the machine moves every figure: say it
         try:
             got = run()
         except Exception as e:  # noqa: BLE001 - with --keep-going, a failure is a figure too
@@ -100,42 +108,39 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
             got = Result(title=f"{name} (failed)", what=f"Failed: {type(e).__name__}: {e}",
                          notes=["```", *traceback.format_exc().splitlines()[-12:], "```"])
-        results.extend(got if isinstance(got, list) else [got])
+        for r in got if isinstance(got, list) else [got]:
+            r.figure("load average (1 min) when it started and ended",
+                     f"{load:.2f}, {os.getloadavg()[0]:.2f}")
+            results.append(r)
         report()
 
     only = args.only
     try:
         if only in (None, "ingest"):
-            step("1. Ingest overhead", lambda: workloads.ingest_overhead(scale, work, repeats))
+            step("1. Ingest overhead",
+                 lambda: ingest_cost.ingest_overhead(scale, work, repeats))
         if only in (None, "images"):
             import images
 
             step("15. Image ingest", lambda: images.image_ingest(work, repeats, scale.name))
         if only not in ("ingest", "images"):
-            scan = workloads.ScanData.build(scale, work)
-            full_scan: list[Result] = []
-
-            def scan_once() -> Result:
-                full_scan.append(workloads.full_scan(scan, repeats))
-                return full_scan[0]
-
+            scan = ScanData.build(scale, work)
             if only in (None, "full-scan"):
-                step("2. Full scan", scan_once)
-                step("7. Checksum cost", lambda: workloads.checksum_cost(scan, repeats))
+                step("2. Full scan", lambda: scans.full_scan(scan, repeats))
+                step("7. Checksum cost", lambda: scans.checksum_cost(scan, repeats))
             if only is None:
-                if full_scan:
-                    step("3. Selective query",
-                         lambda: workloads.selective(scan, repeats, full_scan[0]))
-                step("4. Nearest anchors", lambda: workloads.nearest(scan, repeats))
-                step("8. Full scan under contention", lambda: workloads.contention(scan, repeats))
-                step("12. Other functions", lambda: workloads.function_scans(scan, repeats))
-                step("13. Vector aggregates", lambda: workloads.aggregates(scan, repeats))
+                step("3. Selective query", lambda: scans.selective(scan, repeats))
+                step("4. Nearest anchors", lambda: nearest.nearest(scan, repeats))
+                step("8. Full scan under contention", lambda: scans.contention(scan, repeats))
+                step("12. Other functions",
+                     lambda: scan_functions.function_scans(scan, repeats))
+                step("13. Vector aggregates", lambda: scan_functions.aggregates(scan, repeats))
             if only in (None, "start-up"):
-                step("9. Start-up", lambda: workloads.start_up(scan, repeats))
+                step("9. Start-up", lambda: footprint.start_up(scan, repeats))
             if only in (None, "memory"):
-                step("6. Memory", lambda: workloads.memory(scan))
+                step("6. Memory", lambda: footprint.memory(scan))
             if only is None:
-                step("5. Storage", lambda: workloads.storage(scan))
+                step("5. Storage", lambda: footprint.storage(scan))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

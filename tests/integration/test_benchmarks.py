@@ -26,8 +26,15 @@ def test_tiny_benchmark_writes_every_workload(tmp_path: Path) -> None:
         assert title in text
     # Every baseline and ratio is reported, and actdb's answer agrees with the baselines'.
     for label in ("DuckDB array_cosine_similarity", "NumPy float16 memmap", "raw chunk-file read",
-                  "torch matmul", "bare forward", "peak RSS"):
+                  "torch matmul", "output_hidden_states", "hand-written hook cache", "peak RSS"):
         assert label in text
+    # Every timed ratio is the median of its rounds, printed with their spread (lo..hi).
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ")][1:]
+    timed = [(float(r[2]), r[3], r[4]) for r in rows if r[3] != "-"]
+    assert len(timed) >= 15
+    for median, spread, rounds in timed:
+        lo, hi = (float(x) for x in spread.split(".."))
+        assert lo <= median <= hi and int(rounds) >= 3, (median, spread, rounds)
     spreads = [float(part.split(")")[0]) for part in text.split("(spread ")[1:]]
     assert len(spreads) == 5 and max(spreads) < 1e-3, spreads
     assert not (tmp_path / "work").exists()
