@@ -23,6 +23,7 @@ from .. import norms
 from ..errors import IngestError
 from ..store.records import SiteRecord
 from ..store.store import ActBatch
+from .grids import FEATURE_MAPS, Grid, GridPlan, as_rows
 from .sites import FoundSite
 
 try:  # the compiled kernels (actdb/_native.c), built at install when a C compiler is there
@@ -117,12 +118,19 @@ class SiteSink:
     after a batch has run, ends the group and hands over its rows). `out[site]` are the
     current batch's rows."""
 
-    def __init__(self, found: list[FoundSite], device: torch.device, *, rows: int = 2048
-                 ) -> None:
+    def __init__(self, found: list[FoundSite], device: torch.device, *, rows: int = 2048,
+                 grids: GridPlan | None = None) -> None:
         """`rows`: the most rows a group will hold (its buffers' pages, 2 MiB ones where huge,
         are only taken as rows are written, so a generous size costs address space, not
-        memory)."""
+        memory). `grids`: where sites see different positions, each site's place among an
+        input's rows (its other rows are zeros, never read: no token of its grid)."""
         self.found = found
+        self.places: dict[str, Grid] = {}
+        for f in found:
+            place = grids.place(f.record.site) if grids is not None else None
+            if place is not None:
+                self.places[f.record.site] = place
+        self._placed: dict[str, ActBatch] = {}  # a placed site's rows of a batch, compact
         self.by_module = {path: (f, i) for f in found for i, (path, _) in enumerate(f.hooks)}
         self.params = {
             f.record.site: (
@@ -226,6 +234,12 @@ class SiteSink:
                            for i in range(len(f.hooks))], dim=-2)
         elif f.layout == "bhtd":
             x, y = x.transpose(1, 2), y.transpose(1, 2)  # [B, T, H, d]
+        elif f.layout in FEATURE_MAPS:  # a feature map's positions, row by row: [B, H*W, C]
+            b = self.mask.shape[0]
+            x, y = as_rows(x, f.layout, b), as_rows(y, f.layout, b)
+        if s.site in self.places:
+            self._store_placed(f, x, y)
+            return
         tail = tuple(x.shape[-(2 if s.n_heads else 1):])
         x = self._rows_of(x, self._x, tail)
         y = self._rows_of(y, self._y, tail)
@@ -233,10 +247,67 @@ class SiteSink:
         assert group is not None
         lo, hi = self._filled, self._filled + self._n
         stored = group.fields[s.site]
+        worst = self._split(s, x, y, stored, lo, hi)
+        self._stored(s, worst, ActBatch(direction=stored.direction[lo:hi],
+                                        norm=stored.norm[lo:hi], mean=stored.mean[lo:hi]))
+        if self.on_site is not None:
+            self.on_site(s.site, stored.direction[:hi])
+
+    def mask_of(self, site: str) -> torch.Tensor:
+        """The positions of the current batch that `site`'s rows in `out` are: [B, T], or a
+        placed site's own grid's [B, size]."""
+        g = self.places.get(site)
+        if g is None:
+            return self.mask
+        return torch.ones((self.mask.shape[0], g.size), dtype=torch.bool,
+                          device=self.mask.device)
+
+    def _store_placed(self, f: FoundSite, x: torch.Tensor, y: torch.Tensor) -> None:
+        """A site on a grid of its own: its rows [B, size, d] split and checked compactly,
+        then placed at its grid's offset in each input's rows; the input's other rows of
+        this site are zeros (the catalog has no token of its grid there)."""
+        s, g = f.record, self.places[f.record.site]
+        b, total = self.mask.shape
+        if s.n_heads:
+            raise IngestError(f"site {s.site!r} ({s.module}) is a per-head site of a model whose "
+                              "sites see different grids of positions; actdb does not place "
+                              "per-head rows on a grid")
+        x, y = as_rows(x, "btd", b), as_rows(y, "btd", b)  # [B, size, d]
+        if x.shape[1] != g.size:
+            raise IngestError(f"site {s.site!r} ({s.module}) sees {x.shape[1]} positions an "
+                              f"input in this batch, not the {g.size} it saw when probed")
+        n, d = b * g.size, s.d
+        rows = self._placed.get(s.site)
+        if rows is None or rows.norm.shape[0] != n:
+            rows = ActBatch(direction=np.empty((n, d), np.float16),
+                            norm=np.empty(n, np.float32), mean=np.empty(n, np.float32))
+            self._placed[s.site] = rows
+        x = self._x.view(n, d).copy_(x.reshape(n, d))
+        y = self._y.view(n, d).copy_(y.reshape(n, d))
+        worst = self._split(s, x, y, rows, 0, n)
+        group = self._groups[self._current]
+        assert group is not None
+        lo, hi = self._filled, self._filled + self._n
+        stored = group.fields[s.site]
+        at = slice(g.offset, g.offset + g.size)
+        for name, part in (("direction", rows.direction), ("norm", rows.norm),
+                           ("mean", rows.mean)):
+            whole = getattr(stored, name)[lo:hi].reshape(b, total, *part.shape[1:])
+            whole[:, : g.offset] = 0
+            whole[:, g.offset + g.size :] = 0
+            whole[:, at] = part.reshape(b, g.size, *part.shape[1:])
+        self._stored(s, worst, rows)
+        if self.on_site is not None:
+            self.on_site(s.site, stored.direction[:hi])
+
+    def _split(self, s: SiteRecord, x: torch.Tensor, y: torch.Tensor, stored: ActBatch,
+               lo: int, hi: int) -> float:
         if s.site in self.native and x.device.type == "cpu":
-            worst = self._split_native(s, x, y, stored, lo, hi)
-        else:
-            worst = self._split_torch(s, x, y, stored, lo, hi)
+            return self._split_native(s, x, y, stored, lo, hi)
+        return self._split_torch(s, x, y, stored, lo, hi)
+
+    def _stored(self, s: SiteRecord, worst: float, rows: ActBatch) -> None:
+        """A site's rows of the batch are stored and checked: the check's verdict."""
         if not worst <= FAITHFULNESS_LIMIT:
             raise IngestError(
                 f"site {s.site!r} ({s.module}, kind {s.kind}): the output recomputed from the "
@@ -244,10 +315,7 @@ class SiteSink:
                 f"more than {FAITHFULNESS_LIMIT}; actdb's maths for this norm is wrong"
             )
         self.errors[s.site] = worst
-        self.out[s.site] = ActBatch(direction=stored.direction[lo:hi], norm=stored.norm[lo:hi],
-                                    mean=stored.mean[lo:hi])
-        if self.on_site is not None:
-            self.on_site(s.site, stored.direction[:hi])
+        self.out[s.site] = rows
 
     def _split_native(self, s: SiteRecord, x: torch.Tensor, y: torch.Tensor, stored: ActBatch,
                       lo: int, hi: int) -> float:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .capture import output_tensor
+from .grids import FEATURE_MAPS, as_rows
 from .logits import model_logits
 from .sites import FoundSite
 
@@ -83,10 +84,12 @@ def prove_classifier(model: nn.Module, head: nn.Linear, final: FoundSite,
     finally:
         handle.remove()
     labels = label_names(model, head.out_features)
-    if not kept or kept[0].dim() != 3 or real.dim() != 2:
+    if not kept or real.dim() != 2 or final.layout not in ("btd", *FEATURE_MAPS) or (
+            kept[0].shape[0] % real.shape[0]):
         return None, ("its logits are not one row an input read from the final norm "
                       f"{final.record.module!r}")
-    y = kept[0][:, 0].double().cpu()  # [B, d], the class token
+    # [B, d]: the class token, or the one vector of a norm of a pooled output
+    y = as_rows(kept[0], final.layout, real.shape[0])[:, 0].double().cpu()
     if head.in_features != y.shape[-1]:
         return None, (f"its head reads vectors of width {head.in_features}, not the final "
                       f"norm's {y.shape[-1]} (it pools several positions together)")

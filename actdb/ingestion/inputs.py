@@ -187,13 +187,15 @@ def prepare_inputs(processor: Any, batch: Sequence[Prompt], name: str) -> dict[s
 
 @dataclass(frozen=True, kw_only=True)
 class Positions:
-    """What each position a norm sees is: a label (`<cls>`, `<reg>`, `<patch>`), and a
-    patch's row, column and frame (None where a position is no patch)."""
+    """What each position a norm sees is: a label (`<cls>`, `<reg>`, `<patch>`), a patch's
+    row, column and frame (None where a position is no patch), and the grid it is on where
+    sites see different grids (grids.py; None where every site sees every position)."""
 
     tokens: list[str]
     patch_row: list[int | None]
     patch_col: list[int | None]
     frame: list[int | None]
+    grid: list[int | None] | None = None
 
 
 def positions(model: nn.Module, inputs: dict[str, torch.Tensor], n: int) -> Positions:

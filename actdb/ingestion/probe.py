@@ -58,14 +58,18 @@ def declared_eps(module: nn.Module) -> float | None:
 def _runner(module: nn.Module, width: int, heads: int, layout: str, dtype: torch.dtype,
             device: torch.device) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype]:
     """A float64 function of [n, heads, d] inputs that calls the module in its own layout
-    (`btd`, `bthd` or `bhtd`): a float64 copy of the module when that works, else the module
-    itself in its dtype and on its device."""
+    (`btd`, `bthd`, `bhtd`, or a feature map `bhwc` / `bchw`): a float64 copy of the module
+    when that works, else the module itself in its dtype and on its device."""
 
     def call(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layout == "bthd":
             inp = x.unsqueeze(0)  # [1, n, H, d]
         elif layout == "bhtd":
             inp = x.transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+        elif layout == "bhwc":
+            inp = x[:, 0].reshape(1, -1, 1, x.shape[-1])  # [1, n, 1, d]: a column of positions
+        elif layout == "bchw":
+            inp = x[:, 0].T.reshape(1, x.shape[-1], -1, 1)  # [1, d, n, 1]
         else:
             inp = x[:, 0].unsqueeze(0)  # [1, n, d]
         y = output_tensor(m(inp))
@@ -73,6 +77,10 @@ def _runner(module: nn.Module, width: int, heads: int, layout: str, dtype: torch
             raise ModelLoadError("it returned no tensor of its input's shape")
         if layout == "bhtd":
             return y[0].transpose(0, 1)
+        if layout == "bhwc":
+            return y[0, :, 0].unsqueeze(1)
+        if layout == "bchw":
+            return y[0, :, :, 0].T.unsqueeze(1)
         return y[0] if layout == "bthd" else y[0].unsqueeze(1)
 
     try:

@@ -17,8 +17,9 @@ from ..store.records import ModelRecord, SiteRecord
 from ..store.shard_catalogs import mark_finished, pending_shards, shard_name
 from ..store.store import Store
 from .batches import cycled, length_limit, plan_batches, probe_batch, to_device, tokenize
+from .grids import GridPlan, grid_positions, plan_grids
 from .heads import ClassifierHead, find_classifier, prove_classifier
-from .inputs import Positions, check_inputs, positions, prepare_inputs, read_inputs
+from .inputs import Positions, check_inputs, prepare_inputs, read_inputs
 from .load import LoadedModel, load
 from .logits import LogitCheck, LogitFit, LogitTransform, measure_logits
 from .options import IngestOptions, IngestPlan, IngestSummary
@@ -47,6 +48,7 @@ class ModelSetup:
     final: FoundSite | None  # the final site the LM head reads
     classifier: ClassifierHead | None = None  # an image classifier's head, proven
     labels: Positions | None = None  # what each position of a media input is
+    grids: GridPlan | None = None  # where each site's rows lie among a media input's
     towers: dict[str, int] = dataclasses.field(default_factory=dict)  # each tower's depth
     warnings: list[str] = dataclasses.field(default_factory=list)
 
@@ -115,6 +117,17 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
     towers: dict[str, int] = {}
     found, n_layers = find_sites(loaded.model, sample, sample_alt, sites_glob=opts.sites,
                                  final_probe=fit, depths=towers)
+    labels = None
+    grids = None
+    if media:
+        # Sites that see different numbers of positions (stages, a pooled head's norm) each
+        # store their rows on their own grid of an input's rows (grids.py).
+        grids = plan_grids([(f.record.site, f.positions, f.shape) for f in found], name)
+        if grids.several:
+            found = [dataclasses.replace(f, record=dataclasses.replace(
+                f.record, grid=grids.of_site[f.record.site])) for f in found]
+        labels = grid_positions(loaded.model, sample, grids)
+        ids = [[-1] * grids.per_input for _ in prompts]
     # The final site whose output the LM head reads: the last of them (sites._final_path).
     final = next((f for f in reversed(found) if f.record.role == "final"), None)
     warnings: list[str] = []
@@ -123,11 +136,6 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
         classifier, why = prove_classifier(loaded.model, classifier_module, final, sample)
         if classifier is None:
             warnings.append(f"model {name!r}: {why}; stored without the 'classifier' anchors")
-    labels = None
-    if media:
-        per_input = positions_per_input(found, name)
-        labels = positions(loaded.model, sample, per_input)
-        ids = [[-1] * per_input for _ in prompts]
     transform = None
     if fit is not None and final is not None:
         if fit.ready and fit.path == final.record.module:
@@ -147,7 +155,7 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
     return ModelSetup(loaded=loaded, name=name, prompts=prompts, ids=ids, truncated=truncated,
                       limit=limit, found=found, n_layers=n_layers, head=head,
                       transform=transform, final=final, classifier=classifier, labels=labels,
-                      towers=towers, warnings=warnings)
+                      towers=towers, warnings=warnings, grids=grids)
 
 
 def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
@@ -199,7 +207,7 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
             opts.on_plan(plan)
         errors = BatchRunner(st, m.loaded, reg, found, batches, batch_size=opts.batch_size,
                              progress=opts.progress, check=_logit_check(m, reg.record),
-                             first_recorded=first_recorded).run()
+                             first_recorded=first_recorded, grids=m.grids).run()
         if shard_of is not None:
             with st.backend.writing("the shard catalog"):
                 mark_finished(st.commits)
@@ -225,22 +233,6 @@ def _logit_check(m: ModelSetup, record: ModelRecord) -> LogitCheck | None:
         return None
     recorded = LogitTransform(scale=record.logit_scale, softcap=record.logit_softcap, error=0.0)
     return LogitCheck(final, m.head, recorded, m.loaded.device)
-
-
-def positions_per_input(found: list[FoundSite], model: str) -> int:
-    """The positions every site sees for one input (its rows); one sentence where sites see
-    different numbers (a model whose stages pool positions, or a pooled head's norm)."""
-    counts = {f.record.site: f.positions for f in found}
-    distinct = sorted({c for c in counts.values() if c is not None})
-    if len(distinct) == 1 and None not in counts.values():
-        return distinct[0]
-    most = max(distinct, key=lambda c: sum(1 for v in counts.values() if v == c))
-    odd = next(site for site, c in counts.items() if c != most)
-    raise IngestError(
-        f"model {model!r}: its norm sites see different numbers of positions for one input "
-        f"({counts[odd]} at site {odd!r}, {most} at most others; a model whose stages pool "
-        "positions, or a norm of a pooled output): actdb stores one row a position for every "
-        "site; leave such sites out with --sites")
 
 
 def _device_of(model: nn.Module) -> torch.device | None:

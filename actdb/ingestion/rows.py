@@ -46,7 +46,7 @@ def batch_tables(
     runs: list[tuple[int, int, int, bool]] = []
     tok_rows: dict[str, list[Any]] = {k: [] for k in ("prompt_id", "position", "token_id",
                                                       "token", "row", "patch_row",
-                                                      "patch_col", "frame")}
+                                                      "patch_col", "frame", "grid")}
     row = start
     for w in batch:
         runs.append((w.prompt_id, row, len(w.ids), w.truncated))
@@ -62,6 +62,8 @@ def batch_tables(
                 tok_rows["token"].append(token_str[tid] if tid < len(token_str) else None)
             for k in ("patch_row", "patch_col", "frame"):
                 tok_rows[k].append(getattr(labels, k)[pos] if labels is not None else None)
+            tok_rows["grid"].append(labels.grid[pos] if labels is not None and labels.grid
+                                    else None)
             tok_rows["row"].append(row)
             row += 1
     prompt_runs = pa.table({
@@ -76,6 +78,7 @@ def batch_tables(
         "token_id": pa.array(tok_rows["token_id"], pa.int32()),
         "token": pa.array(tok_rows["token"], pa.string()),
         "row": pa.array(tok_rows["row"], pa.int64()),
-        **{k: pa.array(tok_rows[k], pa.int32()) for k in ("patch_row", "patch_col", "frame")},
+        **{k: pa.array(tok_rows[k], pa.int32()) for k in ("patch_row", "patch_col", "frame",
+                                                          "grid")},
     })
     return pa.table(prompts), prompt_runs, tokens

@@ -20,6 +20,7 @@ from ..store.store import ActBatch, Store
 from .batches import Batch, pad, to_device
 from .capture import on_norm_io
 from .fields import SiteSink
+from .grids import GridPlan
 from .inputs import prepare_inputs
 from .load import LoadedModel
 from .logits import LOGIT_LIMIT, LogitCheck, model_logits
@@ -91,7 +92,8 @@ class BatchRunner:
 
     def __init__(self, st: Store, loaded: LoadedModel, reg: Registration,
                  found: list[FoundSite], batches: list[Batch], *, batch_size: int,
-                 progress: bool, check: LogitCheck | None, first_recorded: bool) -> None:
+                 progress: bool, check: LogitCheck | None, first_recorded: bool,
+                 grids: GridPlan | None = None) -> None:
         self.st, self.loaded, self.reg, self.found = st, loaded, reg, found
         self.batches, self.batch_size, self.progress = batches, batch_size, progress
         self.check, self.first_recorded = check, first_recorded
@@ -102,7 +104,7 @@ class BatchRunner:
         self.group_rows = max(self.record.chunk_tokens, FLUSH_TOKENS)
         # A group is flushed once it holds group_rows rows: at most group_rows - 1 and a batch.
         largest = max((sum(len(w.ids) for w in b) for b in batches), default=0)
-        self.sink = SiteSink(found, loaded.device,
+        self.sink = SiteSink(found, loaded.device, grids=grids,
                              rows=min(self.group_rows - 1 + largest, self.total))
         self.worst: dict[str, float] = {}
         self.pending: list[tuple[list[Work], dict[str, float], float | None]] = []
@@ -195,7 +197,8 @@ class BatchRunner:
         if missing:
             raise IngestError(f"sites {missing} did not run in the forward pass")
         if check is not None and checked:
-            logit_error = check.error(real, sink.out[check.final.record.site], mask, positions)
+            final = check.final.record.site
+            logit_error = check.error(real, sink.out[final], sink.mask_of(final), positions)
             if not logit_error <= LOGIT_LIMIT:
                 raise IngestError(
                     f"model {record.model!r}: logits recomputed from the stored final-site "

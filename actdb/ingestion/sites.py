@@ -35,6 +35,7 @@ from .blocks import (
 from .blocks import block_sublayers as block_sublayers  # weights.py imports it from here
 from .blocks import is_projection as is_projection  # weights.py imports it from here
 from .capture import Call, record_calls
+from .grids import feature_layout, width_of
 from .inputs import takes
 from .probe import measure_norm
 from .towers import Tower, find_towers, main_tower, site_prefix
@@ -50,8 +51,9 @@ class FoundSite:
     """A site with the live modules it hooks (one, or one per head) and its measured affine.
 
     `layout` says where tokens and heads sit in the hooked input: `btd` ([B, T, d] or its
-    [B*T, d] flattening), `bthd`, `bhtd`, or `list` (one module per head, each laid out as
-    `member_layout`, e.g. [B, T, d], or [B, 1, T, d] for StableLM's per-head LayerNorms).
+    [B*T, d] flattening), `bthd`, `bhtd`, `list` (one module per head, each laid out as
+    `member_layout`, e.g. [B, T, d], or [B, 1, T, d] for StableLM's per-head LayerNorms), or
+    a feature map of an image's positions, `bhwc` or `bchw` (grids.py).
     """
 
     record: SiteRecord
@@ -63,6 +65,7 @@ class FoundSite:
     # positions an input gives it where that is fixed by the input's size (an image's
     # patches and class token), not by a token count; None for token sequences
     positions: int | None = None
+    shape: tuple[int, int] | None = None  # a feature map's (H, W): layouts bhwc and bchw
 
     @property
     def module(self) -> nn.Module:
@@ -283,9 +286,18 @@ def find_sites(
         shape2 = tuple(alt[0].input.shape) if alt and alt[0].input is not None else ()
         site_path = in_list.get(path, path)
         fixed = None
+        shape: tuple[int, int] | None = None
         layout: tuple[str, int | None] | None
         if t1 is None or t2 is None:
             fixed = fixed_layout(tuple(call.input.shape), shape2, b, b2)
+            if fixed is None and not any(p.search(site_path.rsplit(".", 1)[-1])
+                                         for p in (_Q, _K)):
+                # a feature map (not a per-head norm's [B, heads, T, d]): which axis it
+                # normalizes is measured by a change to one element
+                found_map = feature_layout(norm_modules[path], call.input, shape2, b, b2)
+                if found_map is not None:
+                    shape = found_map[1:]
+                    fixed = (found_map[0], shape[0] * shape[1])
             layout = None if fixed is None else (fixed[0], None)
         else:
             layout = token_layout(tuple(call.input.shape), shape2, b, t1, t2)
@@ -318,8 +330,8 @@ def find_sites(
             raise ModelLoadError(
                 f"norm module {path!r} sees inputs of shape {tuple(call.input.shape)} for a "
                 f"batch of {b} inputs (and {shape2} for {b2}); for images actdb knows the "
-                "layouts [B, T, d] and [B*T, d] (not a feature map [B, C, H, W] or "
-                "[B, H, W, C]): leave it out with --sites")
+                "layouts [B, T, d], [B*T, d] and feature maps [B, H, W, C] and [B, C, H, W] "
+                "normalized over C: leave it out with --sites")
         if layout is None:
             raise ModelLoadError(
                 f"norm module {path!r} sees inputs of shape {tuple(call.input.shape)} for a "
@@ -337,7 +349,7 @@ def find_sites(
         while name in used:
             name, k = f"{base}_{k}", k + 1
         used.add(name)
-        width = int(call.input.shape[-1])
+        width = width_of(call.input, kind_layout)
         fits = [measure_norm(norm_modules[m], width, dtype=call.input.dtype,
                              device=call.input.device, name=m,
                              heads=heads if kind_layout != "list" else None,
@@ -369,7 +381,8 @@ def find_sites(
         found.append((call.start, rec, FoundSite(record=rec, hooks=hooks, layout=kind_layout,
                                                  member_layout=member_layout, gain=gain,
                                                  bias=bias,
-                                                 positions=fixed[1] if fixed else None)))
+                                                 positions=fixed[1] if fixed else None,
+                                                 shape=shape)))
 
     found.sort(key=lambda t: t[0])
     # The norm the LM head reads, the last final site in call order, is `final`; norms before
@@ -395,7 +408,7 @@ def find_sites(
         rec = SiteRecord(**{**rec.__dict__, "site_id": len(out)})
         out.append(FoundSite(record=rec, hooks=f.hooks, layout=f.layout,
                              member_layout=f.member_layout, gain=f.gain, bias=f.bias,
-                             positions=f.positions))
+                             positions=f.positions, shape=f.shape))
     if not out:
         raise ModelLoadError(f"no norm site matches --sites {sites_glob!r}")
     runs = {f.record.site: max(len(log.calls.get(p, ())) for p, _ in f.hooks) for f in out}

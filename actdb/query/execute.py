@@ -372,6 +372,12 @@ class Functions:
         have = {r[0] for r in con.execute("SELECT * FROM tokens LIMIT 0").description or []}
         patch = ", ".join(f"t.{c}" if c in have else f"NULL::INTEGER AS {c}"
                           for c in ("patch_row", "patch_col", "frame"))
+        # Where a model's sites see different grids of positions (grids.py), a site's rows
+        # are its grid's tokens; elsewhere both are NULL and every site has every token.
+        site_cols = {r[0] for r in con.execute("SELECT * FROM sites LIMIT 0").description
+                     or []}
+        on_grid = (" AND s.grid IS NOT DISTINCT FROM t.grid"
+                   if "grid" in have and "grid" in site_cols else "")
         con.execute(f"""
             CREATE OR REPLACE TEMP VIEW acts AS
             SELECT model, prompt_id, position, token_id, token, site, layer, role, head,
@@ -384,7 +390,7 @@ class Functions:
                        s.site, s.layer, s.role, h.head, {fields} AS _fields, r.n_tokens, {patch}
                 FROM tokens t
                 JOIN prompt_runs r ON r.model = t.model AND r.prompt_id = t.prompt_id
-                JOIN sites s ON s.model = t.model
+                JOIN sites s ON s.model = t.model{on_grid}
                 JOIN _actdb_streams h ON h.model = s.model AND h.site = s.site
             )
         """)

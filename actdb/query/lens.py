@@ -180,7 +180,7 @@ def next_residual_site(src: VectorSource, model: Any, site: Any) -> Any:
         return None
     chain = sorted((s for (mid, _), s in src.sites.items()
                     if mid == model.model_id and s.role in RESIDUAL_ROLES
-                    and s.d == site.d and s.n_heads is None),
+                    and s.d == site.d and s.n_heads is None and s.grid == site.grid),
                    key=lambda s: (s.layer if s.layer is not None else 1 << 30, s.site_id))
     at = next(i for i, s in enumerate(chain) if s.site_id == site.site_id)
     return chain[at + 1] if at + 1 < len(chain) else None

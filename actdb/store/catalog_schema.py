@@ -42,12 +42,12 @@ CREATE TABLE prompt_runs (
 );
 CREATE TABLE tokens (
     model VARCHAR, prompt_id BIGINT, position INTEGER, token_id INTEGER, token VARCHAR,
-    "row" BIGINT, patch_row INTEGER, patch_col INTEGER, frame INTEGER
+    "row" BIGINT, patch_row INTEGER, patch_col INTEGER, frame INTEGER, grid INTEGER
 );
 CREATE TABLE sites (
     model VARCHAR, site VARCHAR, site_id INTEGER, layer INTEGER, role VARCHAR, kind VARCHAR,
     d INTEGER, n_heads INTEGER, eps DOUBLE, module VARCHAR, has_gain BOOLEAN, has_bias BOOLEAN,
-    max_rel_error DOUBLE, centered BOOLEAN, tower VARCHAR, layout VARCHAR
+    max_rel_error DOUBLE, centered BOOLEAN, tower VARCHAR, layout VARCHAR, grid INTEGER
 );
 CREATE TABLE vocab (model VARCHAR, token_id INTEGER, token VARCHAR, piece VARCHAR);
 """ + digests.SCHEMA + ";\n"
@@ -59,8 +59,10 @@ _ADDED_COLUMNS = {"models": {"logit_scale": "DOUBLE", "logit_max_rel_error": "DO
                              "params_digest": "VARCHAR", "has_embed": "BOOLEAN",
                              "head_kind": "VARCHAR", "head_position": "INTEGER",
                              "towers": "JSON"},
-                  "sites": {"centered": "BOOLEAN", "tower": "VARCHAR", "layout": "VARCHAR"},
-                  "tokens": {"patch_row": "INTEGER", "patch_col": "INTEGER", "frame": "INTEGER"}}
+                  "sites": {"centered": "BOOLEAN", "tower": "VARCHAR", "layout": "VARCHAR",
+                            "grid": "INTEGER"},
+                  "tokens": {"patch_row": "INTEGER", "patch_col": "INTEGER", "frame": "INTEGER",
+                             "grid": "INTEGER"}}
 TABLES = ("meta", "models", "prompts", "prompt_runs", "tokens", "sites", "vocab", digests.TABLE)
 
 

@@ -1,0 +1,133 @@
+"""Norms whose input is a feature map ([B, H, W, C]: ConvNeXt's channels-last LayerNorm; [B, C, H,
+W]: its channels-first one) and models whose stages see different numbers of positions (Swin
+merges patches; ConvNeXt's head norms the pooled vector): every site's rows are its own grid's
+positions. The references are each norm module's input captured with plain forward hooks and
+laid out by the model's own `data_format`, and the model's own logits, never actdb's code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support.vision_families import build_classifier, random_images
+
+import actdb
+
+N_IMAGES = 3
+
+
+def _reference(model: torch.nn.Module, processor: object, images: list[object]
+               ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, tuple[int, int] | None,
+                                                    str]]]:
+    """The model's logits [N, L], and per norm module its input as [N, P, d] float64 rows,
+    the feature map's (H, W) where it is one, and the layout its `data_format` says."""
+    pixels = processor(images=images, return_tensors="pt")["pixel_values"]  # type: ignore
+    inputs: dict[str, tuple[torch.Tensor, tuple[int, int] | None, str]] = {}
+
+    def keep(name: str, module: torch.nn.Module) -> object:
+        def hook(m: torch.nn.Module, args: tuple[torch.Tensor, ...], out: object) -> None:
+            x = args[0].detach().double()
+            if x.dim() == 4 and getattr(module, "data_format", "") == "channels_first":
+                hw = (x.shape[2], x.shape[3])
+                x, layout = x.permute(0, 2, 3, 1).reshape(x.shape[0], -1, x.shape[1]), "bchw"
+            elif x.dim() == 4:
+                hw = (x.shape[1], x.shape[2])
+                x, layout = x.reshape(x.shape[0], -1, x.shape[3]), "bhwc"
+            else:
+                hw, layout = None, "btd"
+                x = x.reshape(pixels.shape[0], -1, x.shape[-1])
+            inputs[name] = (x, hw, layout)
+
+        return hook
+
+    handles = [m.register_forward_hook(keep(name, m)) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.LayerNorm)]
+    try:
+        with torch.no_grad():
+            logits = model(pixel_values=pixels).logits.double()
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, inputs
+
+
+@pytest.fixture(scope="module", params=["swin", "convnext"])
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> tuple[str, Path, torch.Tensor, dict[str, tuple[torch.Tensor, object, str]]]:
+    mt = request.param
+    model, processor = build_classifier(mt)
+    images = random_images(N_IMAGES)
+    store = tmp_path_factory.mktemp(mt) / "s.actdb"
+    # two batches: the second input's rows start after the first batch's, on every grid
+    actdb.ingest(store, model=model, processor=processor, inputs=[{"image": i} for i in images],
+                 batch_size=2)
+    logits, inputs = _reference(model, processor, images)
+    return mt, store, logits, inputs
+
+
+def test_every_site_stores_its_grid_of_positions(family: tuple) -> None:
+    mt, store, _, inputs = family
+    db = actdb.connect(store)
+    sites = {r[0]: r[1:] for r in db.sql(
+        "SELECT module, site, layout, grid FROM sites").fetchall()}
+    assert set(sites) == set(inputs)  # every LayerNorm of the model is a site
+    layouts = {layout for _, layout, _ in sites.values()}
+    assert layouts == ({"bchw", "bhwc", "btd"} if mt == "convnext" else {"btd"})
+    sizes = {x.shape[1] for x, _, _ in inputs.values()}
+    assert len(sizes) > 1  # the stages see different numbers of positions
+    assert len({g for _, _, g in sites.values()}) == len(sizes)  # one grid a number
+    for module, (x, hw, layout) in inputs.items():
+        site, stored_layout, _ = sites[module]
+        assert stored_layout == layout, module
+        n, p, d = x.shape
+        got = db.sql("SELECT prompt_id, position, norm, mean, to_list(vec), patch_row, "
+                     "patch_col, token FROM acts WHERE site = ? ORDER BY prompt_id, position",
+                     params=[site]).fetchall()
+        assert len(got) == n * p, site  # its own grid's positions, no other
+        energy = torch.linalg.vector_norm(x, dim=-1).reshape(-1).numpy()
+        np.testing.assert_allclose([r[2] for r in got], energy, rtol=1e-6)
+        np.testing.assert_allclose([r[3] for r in got], x.mean(-1).reshape(-1).numpy(),
+                                   rtol=1e-5, atol=1e-6)
+        vec = np.array([r[4] for r in got])
+        np.testing.assert_allclose(vec, x.reshape(n * p, d).numpy(), rtol=2e-3,
+                                   atol=2e-3 * energy.max() / np.sqrt(d))
+        if p == 1:  # the head's norm of the pooled feature map
+            assert {(r[5], r[6], r[7]) for r in got} == {(None, None, "<pooled>")}
+            continue
+        rows, cols = hw or (int(np.sqrt(p)),) * 2  # Swin's stages: square, as the image is
+        assert rows * cols == p
+        first = [(r[5], r[6]) for r in got[:p]]
+        assert first == [(k // cols, k % cols) for k in range(p)], site  # row by row
+
+
+def test_grids_are_consistent_in_the_catalog(family: tuple) -> None:
+    _, store, _, inputs = family
+    db = actdb.connect(store)
+    # an input's rows are its grids' positions one after the other, each grid once
+    per_input = sum({x.shape[1] for x, _, _ in inputs.values()})
+    assert db.sql("SELECT DISTINCT n_tokens FROM prompts").fetchall() == [(per_input,)]
+    spans = db.sql("SELECT grid, min(position), max(position), count(*) FROM tokens "
+                   "WHERE prompt_id = 1 GROUP BY grid ORDER BY grid").fetchall()
+    at = 0
+    for _, lo, hi, n in spans:
+        assert (lo, hi) == (at, at + n - 1)
+        at += n
+    assert at == per_input
+    assert db.sql("SELECT count(*) FROM sites WHERE grid IS NULL").fetchall() == [(0,)]
+
+
+def test_pooled_head_is_proven_and_reads_the_model(family: tuple) -> None:
+    mt, store, logits, _ = family
+    db = actdb.connect(store)
+    head = db.sql("SELECT head_kind FROM models").fetchall()[0][0]
+    if mt == "swin":  # its head averages the final norm's positions: not one row's product
+        assert head is None
+        return
+    assert head == "classifier"
+    rows = db.sql("SELECT top_logits(vec, 1)[1].token_id, top_logits(vec, 1)[1].logit "
+                  "FROM acts WHERE site = 'final' ORDER BY prompt_id").fetchall()
+    assert [r[0] for r in rows] == logits.argmax(-1).tolist()
+    np.testing.assert_allclose([r[1] for r in rows], logits.max(-1).values.numpy(),
+                               rtol=2e-3, atol=2e-3)
