@@ -292,7 +292,7 @@ class Catalog:
             # Older stores are migrated in the same transaction: their new columns were added
             # above (NULL in older rows, read as before); the version is raised where the
             # model needs it, so that an older actdb refuses the store instead of misreading.
-            needed = version_needed(model)
+            needed = version_needed(model, sites)
             if needed:
                 self.con.execute(
                     "UPDATE meta SET value = ? WHERE key = 'format_version' "

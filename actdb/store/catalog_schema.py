@@ -4,23 +4,32 @@ columns a store has (an older store's records keep their defaults for the others
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from . import digests
 from .catalog_connection import CatalogConnection
-from .records import ModelRecord
+from .records import ModelRecord, SiteRecord
 
-# The newest format this actdb reads and writes, and the one new stores are created with,
-# local or on object storage: 5, the catalog records each chunk's digest under its place
-# (digests.py). Versions 2 (local), 3 (object storage) and 4 (a store holding an image
-# model) are upgraded to it by the first writer that opens them (upgrade.py); FORMAT.md.
-FORMAT_VERSION = digests.DIGESTS_VERSION
-LOCAL_FORMAT_VERSION = FORMAT_VERSION
+# The format new stores are created with, local or on object storage: 5, the catalog records
+# each chunk's digest under its place (digests.py). Versions 2 (local), 3 (object storage) and
+# 4 (a store holding an image model) are upgraded to it by the first writer that opens them
+# (upgrade.py); FORMAT.md.
+LOCAL_FORMAT_VERSION = digests.DIGESTS_VERSION
 # A model without a token embedding, or whose head is a classifier (an image model): an actdb
 # reading version 3 or less would call its missing embedding damage and its labels tokens.
 IMAGE_FORMAT_VERSION = 4
+# A model whose sites see different grids of positions (sites.grid, tokens.grid): an actdb
+# reading version 5 or less would give every site every grid's rows.
+GRID_FORMAT_VERSION = 6
+# The newest format this actdb reads and writes (a store is raised to it by the model that
+# needs it, `version_needed`).
+FORMAT_VERSION = GRID_FORMAT_VERSION
 
 
-def version_needed(model: ModelRecord) -> int:
-    """The format version a store must have to hold `model` (0: any)."""
+def version_needed(model: ModelRecord, sites: Sequence[SiteRecord] = ()) -> int:
+    """The format version a store must have to hold `model` and its `sites` (0: any)."""
+    if any(s.grid is not None for s in sites):
+        return GRID_FORMAT_VERSION
     if model.has_embed is False or model.head_kind == "classifier":
         return IMAGE_FORMAT_VERSION
     return 0
@@ -114,5 +123,5 @@ class CatalogSchema:
         self._complete = True
 
 
-__all__ = ["FORMAT_VERSION", "IMAGE_FORMAT_VERSION", "LOCAL_FORMAT_VERSION", "SCHEMA", "TABLES",
+__all__ = ["FORMAT_VERSION", "GRID_FORMAT_VERSION", "IMAGE_FORMAT_VERSION", "LOCAL_FORMAT_VERSION", "SCHEMA", "TABLES",
            "CatalogSchema", "version_needed"]

@@ -18,7 +18,7 @@ from ..errors import StoreBusyError
 from . import published
 from .arrays import Arrays
 from .backend import CATALOG_NAME, SHARDS_NAME, TENSORS_NAME, TOKENIZERS_NAME
-from .catalog import FORMAT_VERSION, Catalog
+from .catalog import FORMAT_VERSION, LOCAL_FORMAT_VERSION, Catalog
 from .durable import full_disk_as_error
 from .faults import fault
 from .lease import LEASE_KEY, Lease, live_holder
@@ -26,7 +26,7 @@ from .objects import Objects, parse_url
 from .pids import alive
 
 # Stores on object storage are created at the newest format, as local ones (docs/FORMAT.md).
-REMOTE_FORMAT_VERSION = FORMAT_VERSION
+REMOTE_FORMAT_VERSION = LOCAL_FORMAT_VERSION
 SHARD_LEASE = "shard.lease"  # each running shard ingest's own lease, beside its catalog
 REGISTER_LEASE = "register.lease"  # one shard ingest at a time registers and plans
 

@@ -131,3 +131,16 @@ def test_pooled_head_is_proven_and_reads_the_model(family: tuple) -> None:
     assert [r[0] for r in rows] == logits.argmax(-1).tolist()
     np.testing.assert_allclose([r[1] for r in rows], logits.max(-1).values.numpy(),
                                rtol=2e-3, atol=2e-3)
+
+
+def test_a_store_with_grids_is_format_6(family: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An actdb reading up to version 5 would give every site every grid's rows: it refuses
+    the store instead."""
+    from actdb.errors import StoreFormatError
+    from actdb.store import store as store_module
+
+    _, store, _, _ = family
+    assert actdb.connect(store).info().format_version == 6
+    monkeypatch.setattr(store_module, "FORMAT_VERSION", 5)
+    with pytest.raises(StoreFormatError, match="format version 6"):
+        actdb.connect(store)

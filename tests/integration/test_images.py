@@ -382,6 +382,7 @@ def test_an_image_model_raises_the_format_version_and_migrates_an_older_store(
     con.execute("UPDATE meta SET value = '2' WHERE key = 'format_version'")
     for table, column in (("tokens", "patch_row"), ("tokens", "patch_col"), ("tokens", "frame"),
                           ("sites", "tower"), ("sites", "layout"), ("models", "towers"),
+                          ("tokens", "grid"), ("sites", "grid"),
                           ("models", "has_embed"), ("models", "head_kind"),
                           ("models", "head_position")):
         con.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
@@ -401,4 +402,4 @@ def test_an_image_model_raises_the_format_version_and_migrates_an_older_store(
     monkeypatch.setattr(store_module, "FORMAT_VERSION", 3)  # an actdb from before images
     with pytest.raises(StoreFormatError, match="format version 5"):
         actdb.connect(store)
-    assert catalog.FORMAT_VERSION == 5
+    assert catalog.LOCAL_FORMAT_VERSION == 5
