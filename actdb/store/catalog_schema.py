@@ -123,5 +123,5 @@ class CatalogSchema:
         self._complete = True
 
 
-__all__ = ["FORMAT_VERSION", "GRID_FORMAT_VERSION", "IMAGE_FORMAT_VERSION", "LOCAL_FORMAT_VERSION", "SCHEMA", "TABLES",
-           "CatalogSchema", "version_needed"]
+__all__ = ["FORMAT_VERSION", "GRID_FORMAT_VERSION", "IMAGE_FORMAT_VERSION",
+           "LOCAL_FORMAT_VERSION", "SCHEMA", "TABLES", "CatalogSchema", "version_needed"]
