@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .capture import first_tensor, output_tensor
+from .rotary import attention_scale
 from .weight_probes import (
     Stop,
     Unmapped,
@@ -178,4 +179,4 @@ def find_attention(model: nn.Module, target: nn.Module, layer: int, path: str,
     return AttentionWeights(
         layer=layer, module=path, w_q=w_q, w_k=w_k, w_v=w_v,
         w_o=w_o.t().reshape(n_heads, dh, -1), b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
-        kv_of_head=kv_of_head), x
+        kv_of_head=kv_of_head, scale=attention_scale(attn)), x

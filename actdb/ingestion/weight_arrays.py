@@ -43,6 +43,9 @@ def weight_arrays(weights: ModelWeights, gains: Mapping[str, np.ndarray | None]
         "refused": [{"layer": r.layer, "part": r.part, "module": r.module, "reason": r.reason}
                     for r in weights.refused],
         "svd_bound": SVD_BOUND,
+        "rotary": None if weights.rotary is None else {
+            "inv_freq": list(weights.rotary.inv_freq), "scaling": weights.rotary.scaling,
+            "dims": weights.rotary.dims, "reason": weights.rotary.reason},
         "bytes": int(sum(v.nbytes for v in arrays.values())),
     }
     return arrays, manifest
@@ -69,7 +72,7 @@ def _attention(a: AttentionWeights, gains: Mapping[str, np.ndarray | None],
         arrays[array_name(a.layer, part, "v")] = v.reshape(-1, v.shape[-1]).astype(np.float32)
     return {"module": a.module, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,
             "d_head": a.d_head, "kv_of_head": list(a.kv_of_head), "reads": a.reads,
-            "gain_folded": gain is not None, "arrays": names}
+            "gain_folded": gain is not None, "scale": a.scale, "arrays": names}
 
 
 def _mlp(m: MlpWeights, arrays: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -30,6 +30,9 @@ class AttentionWeights:
     b_o: torch.Tensor | None  # [d]
     kv_of_head: tuple[int, ...]
     reads: str | None = None  # the site whose output the attention reads (its gain folds in)
+    # what the model multiplies q . k by before the softmax (its module's `scaling`); None:
+    # the module states none
+    scale: float | None = None
 
     @property
     def n_heads(self) -> int:
@@ -74,7 +77,24 @@ class Refusal:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Rotary:
+    """The model's rotary position embedding, as its rotary module computes it (rotary.py):
+    at position p, dims i and i + dims/2 of a query or key (i < dims/2) turn by the angle
+    p * inv_freq[i], cos and sin scaled by `scaling`; dims past `dims` are left as they are.
+    `reason`: why it cannot be applied from these (then the rest is empty)."""
+
+    inv_freq: tuple[float, ...] = ()
+    scaling: float = 1.0
+    reason: str | None = None
+
+    @property
+    def dims(self) -> int:
+        return 2 * len(self.inv_freq)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelWeights:
     attention: list[AttentionWeights]
     mlps: list[MlpWeights]
     refused: list[Refusal]
+    rotary: Rotary | None = None  # None: no rotary position embedding

@@ -38,6 +38,7 @@ from torch import nn
 from .attention_weights import find_attention
 from .capture import record_calls
 from .mlp_weights import find_mlp
+from .rotary import find_rotary
 from .sites import FoundSite, block_sublayers, forward_module, is_norm_module
 from .weight_probes import (
     Unmapped,
@@ -95,7 +96,7 @@ def extract(model: nn.Module, found: list[FoundSite], tokens: list[int], *,
         return next((site for p, site in site_of.items() for c in every.get(p, ())
                      if same(c.output, x)), None)
 
-    out = ModelWeights(attention=[], mlps=[], refused=[])
+    out = ModelWeights(attention=[], mlps=[], refused=[], rotary=find_rotary(model))
     for i in range(blocks.n):
         mine = {p: k for p, (k, j) in sublayers.items() if j == i}
         attn_path = next((p for p, k in mine.items() if k == "attn" and p in calls), None)

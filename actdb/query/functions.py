@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import aggregates, kernels, lens
+from . import aggregates, head_kernels, kernels, lens
 from . import handles as H
 
 # Argument kinds: a vec handle, a list of handles (`list(vec)`), a token (string or id), an
@@ -29,6 +29,7 @@ class Param:
     name: str
     kind: str  # vec, vecs, token, int, anchors, direction
     optional: bool = False
+    missing: str = "0::BIGINT"  # an optional int's value when not given (0: the default)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +86,7 @@ class TensorFunction:
                     elif p.kind == DIRECTION:  # its id (aggregates.DirectionTable)
                         args.append(f"{direction_udf(session)}(CAST({p.name} AS FLOAT[]))")
                     elif p.kind == INT and not given:
-                        args.append("0::BIGINT")  # 0: the kernel's default
+                        args.append(p.missing)
                     else:
                         args.append(p.name)
                 body = f"{self.udf_name(session)}({', '.join(args)})"
@@ -107,8 +108,11 @@ def token_sql(name: str) -> str:
     return f"(typeof({name}) || chr({ord(kernels.TOKEN_SEP)}) || CAST({name} AS VARCHAR))"
 
 
-def _p(name: str, kind: str, optional: bool = False) -> Param:
-    return Param(name=name, kind=kind, optional=optional)
+def _p(name: str, kind: str, optional: bool = False, missing: str = "0::BIGINT") -> Param:
+    return Param(name=name, kind=kind, optional=optional, missing=missing)
+
+
+_NO_POSITION = f"({head_kernels.NO_POSITION})::BIGINT"
 
 
 V = _p("v", VEC)
@@ -279,6 +283,33 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
         name="project", params=(V, _p("direction", DIRECTION)), returns="DOUBLE",
         kernel=aggregates.project,
         doc="v . direction / ||direction||: the length of v along a FLOAT[] direction",
+    ),
+    # Activations read through a head's stored weights (head_kernels.py).
+    TensorFunction(
+        name="head_write", params=(V, _p("layer", INT), _p("head", INT)), returns="FLOAT[]",
+        kernel=head_kernels.head_write,
+        doc="what head `head` of `layer` writes to the residual stream through its OV circuit "
+            "for a query attending with weight 1 to v: (W_V y + b_V) W_O, y = normed(v), v a "
+            "row of the site the attention reads (its pre-attention norm); grouped-query heads "
+            "read their shared W_V; the value bias b_V is included, the output bias b_O (added "
+            "once for all heads) is not; float16 error: ||error|| <= 2^-9 sqrt(d) sigma_1 "
+            "(the head's top OV singular value, circuits), divided by sin(uniform_angle(v)) at "
+            "a LayerNorm",
+    ),
+    TensorFunction(
+        name="qk_score",
+        params=(_p("v_query", VEC), _p("v_key", VEC), _p("layer", INT), _p("head", INT),
+                _p("q_pos", INT, True, _NO_POSITION), _p("k_pos", INT, True, _NO_POSITION)),
+        returns="DOUBLE", kernel=head_kernels.qk_score,
+        doc="the attention logit of head `head` of `layer` for a query row and a key row (rows "
+            "of the site the attention reads): scale * q . k, q = W_Q y_q + b_Q, k = W_K y_k + "
+            "b_K, y = normed(v), scale the model's own (its attention's `scaling`, usually "
+            "d_head^-0.5), before the causal mask and any ALiBi bias; for a rotary model q and "
+            "k are turned to positions q_pos and k_pos (the rows' `position`) as the model does, "
+            "and without them the score is NULL, since it depends on the positions; an error "
+            "where queries and keys are normed per head (q_norm, k_norm); float16 error: "
+            "|error| <= 2^-9 sqrt(d) scale (||W_Q,h diag(g)||_2 ||k|| + ||W_K,h diag(g)||_2 "
+            "||q||), g the norm's gain, divided by sin(uniform_angle) at a LayerNorm",
     ),
 )
 

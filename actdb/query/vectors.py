@@ -23,6 +23,7 @@ from ..store.store import Store
 from . import handles as H
 from . import runs
 from .chunk_cache import ChunkCache
+from .head_weights import HeadWeights
 from .model_weights import ModelWeights
 from .runs import FieldReader
 from .threads import READAHEAD_CHUNKS
@@ -128,6 +129,7 @@ class VectorSource:
         self.reader = FieldReader(store, self.cache, self.segment_end)
         self.weights = ModelWeights(store, self.sites, lambda: self.device)
         self.tokens = Vocabulary(store, self.models)
+        self.heads = HeadWeights(store, lambda: self.device)  # head_kernels.py
 
     def clear(self) -> None:
         """Forget every chunk read (the next query reads from the store again)."""
