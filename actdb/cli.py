@@ -67,6 +67,12 @@ def cli(ctx: click.Context, debug: bool) -> None:
                    "and audio per line (paths relative to the file), plus extra fields.")
 @click.option("--processor", default=None, metavar="PATH",
               help="A processor folder that prepares the images (default: the model's own).")
+@click.option("--labels", "labels", default=None, metavar="FILE",
+              help="A contrastive model's (CLIP, SigLIP) labels, one a line: the anchor set "
+                   "'labels', embedded by its text tower, a zero-shot lens on the images.")
+@click.option("--label-template", "label_template", default=None, metavar="TEXT",
+              help="How each label is said to the text tower, {} for the label (default: "
+                   "'a photo of a {}').")
 @click.option("--prompts-format", type=click.Choice(["txt", "jsonl"]), default=None,
               help="Read --prompts in this format, whatever its suffix (default: from the "
                    "suffix; stdin is JSONL when its first line starts with '{').")
@@ -120,6 +126,7 @@ def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
       actdb ingest runs.actdb --model gpt2 --prompts examples/prompts.txt --shard 0/2
       actdb ingest runs.actdb --model gpt2 --prompts examples/prompts.txt --cluster local:2
       actdb ingest vision.actdb --model ./vit-digits --images ./digits
+      actdb ingest clip.actdb --model ./clip --images ./photos --labels labels.txt
     """
     from .ingestion import IngestPlan
     from .ingestion import ingest as run_ingest
@@ -324,9 +331,7 @@ def info(ctx: click.Context, store: str) -> None:
         click.echo(
             f"\nmodel {m['model']!r}: {m['architecture']}, d={m['d_model']}, "
             f"{m['n_layers']} layers, vocab {m['vocab_size']}, "
-            + ("classifier head (its labels are the vocabulary), "
-               if m.get("head_kind") == "classifier" else
-               f"LM head {'yes' if m['has_lm_head'] else 'no'}, ")
+            + _head_text(m)
             + f"{m['prompts']} prompts, "
             f"{m['tokens']} tokens, {m['n_sites']} sites, {m['dtype']}, from {m['source']}"
         )
@@ -364,10 +369,28 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+def _head_text(m: dict[str, object]) -> str:
+    """What the model's head is, in the words of `info`'s model line."""
+    kind = m.get("head_kind")
+    if kind == "classifier":
+        return "classifier head (its labels are the vocabulary), "
+    if kind == "labels":
+        lens = ("a zero-shot lens on the class token" if _number(m.get("head_position"))
+                is not None else "no lens: its image embedding pools every position")
+        return f"contrastive, labels as anchors ({lens}), "
+    if kind == "contrastive":
+        return "contrastive, no labels (no anchors: ingest with --labels FILE), "
+    return f"LM head {'yes' if m['has_lm_head'] else 'no'}, "
+
+
 def _logit_text(m: dict[str, object]) -> str:
     """How the model's logits are made, and how well the store reproduces them."""
     scale, cap = _number(m.get("logit_scale")), _number(m.get("logit_softcap"))
     pre = "W_U . final_norm(x) + b_U"
+    if m.get("head_kind") == "labels":  # labels.py: a cosine with each label's embedding
+        pre = ("W . y / ||P y|| + b (y = final_norm(x), W = the labels read through P)"
+               if _number(m.get("head_position")) is not None else
+               "cos(image embedding, label) + b (the model's own pooled embedding: no site)")
     if scale is None and cap is None:
         formula = pre
     else:

@@ -57,12 +57,13 @@ def label_names(model: nn.Module, n: int) -> list[str]:
     return [str(labels.get(i, labels.get(str(i), f"LABEL_{i}"))) for i in range(n)]
 
 
-def vocab_of(labels: list[str]) -> pa.Table:
-    """The vocabulary table of a classifier: its label names."""
+def vocab_of(labels: list[str], *, pieces: list[str] | None = None) -> pa.Table:
+    """The vocabulary table of a classifier (its label names) or of a contrastive model's
+    labels (`pieces`: each label as the text tower read it, in its template)."""
     return pa.table({
         "token_id": pa.array(range(len(labels)), pa.int32()),
         "token": pa.array(labels, pa.string()),
-        "piece": pa.array(labels, pa.string()),
+        "piece": pa.array(labels if pieces is None else pieces, pa.string()),
     })
 
 

@@ -12,7 +12,7 @@ serve to snap a measured number to the checkpoint's exact one.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,10 +217,18 @@ class LogitCheck:
     the model's: the store proves its logits, as it proves each site's output."""
 
     def __init__(self, final: FoundSite, head: nn.Module, transform: LogitTransform,
-                 device: torch.device, *, position: int | None = None) -> None:
+                 device: torch.device, *, position: int | None = None,
+                 projection: torch.Tensor | None = None,
+                 inputs: Mapping[str, torch.Tensor] | None = None,
+                 read: Callable[[Any], torch.Tensor] | None = None) -> None:
         """`position`: a classifier's, the one position its logits read (else every one
-        may be checked)."""
+        may be checked). A contrastive model's labels (labels.py): `projection` P [p, d],
+        the head's products are divided by ||P y||; `inputs`, what its forward pass takes
+        beside the images (the labels' token ids); `read`, its logits from its output."""
         self.final = final
+        self.projection = None if projection is None else projection.float().to(device)
+        self.inputs = dict(inputs or {})
+        self.read = read or model_logits
         self.position = position
         self.head = head
         self.transform = transform
@@ -255,9 +263,14 @@ class LogitCheck:
         w = self.head.weight
         assert isinstance(w, torch.Tensor)
         hb = getattr(self.head, "bias", None)
+        # a contrastive model's image embedding is unit: y scaled by 1 / ||P y||
+        length = (torch.linalg.vector_norm(y @ self.projection.T, dim=-1, keepdim=True)
+                  if self.projection is not None else None)
         parts = []
         for lo in range(0, w.shape[0], _VOCAB_BLOCK):
             part = y @ w[lo : lo + _VOCAB_BLOCK].float().T
+            if length is not None:
+                part = part / length
             if isinstance(hb, torch.Tensor):
                 part = part + hb[lo : lo + _VOCAB_BLOCK].float()
             parts.append(part)

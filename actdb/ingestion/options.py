@@ -4,7 +4,7 @@ did (`IngestSummary`): the records passed between the ingest's modules."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +77,9 @@ class IngestOptions:
     chat_template: bool = False
     shard: tuple[int, int] | None = None
     weights: str = "all"
+    # a contrastive model's labels (a file, one a line, or a list) and their prompt template
+    labels: str | os.PathLike[str] | Sequence[str] | None = None
+    label_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.weights not in ("all", "none"):

@@ -8,7 +8,7 @@ commits), `shards` plans a sharded ingest, and `cluster` runs the shards on Dask
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -48,6 +48,8 @@ def ingest(
     shard: str | tuple[int, int] | None = None,
     cluster: Any = None,
     weights: str = "all",
+    labels: str | os.PathLike[str] | Sequence[str] | None = None,
+    label_template: str | None = None,
 ) -> IngestSummary:
     """Run `model` once over `prompts` and store every norm site's input in `store`.
 
@@ -84,10 +86,20 @@ def ingest(
     `weights` ('all', the default, or 'none'): whether a new model's blocks' attention and
     MLP matrices, and each head's OV and QK circuits, are stored beside its embedding and
     head (docs/FORMAT.md, "Layer weights").
+
+    `labels` (a file, one label a line, or a list of strings), for a contrastive model (CLIP,
+    SigLIP) over images: each label, put in `label_template` (default "a photo of a {}"),
+    is embedded by the model's own text tower; the anchor set 'labels' is those embeddings
+    read back through the vision tower's final norm and projection, and the logit functions
+    read the class token as the model's zero-shot classifier does (proven at ingest against
+    its logits_per_image).
     """
     if cluster is not None and (inputs is not None or images is not None):
         raise IngestError("a cluster ingest takes prompts only; ingest images and other "
                           "inputs without --cluster")
+    if cluster is not None and labels is not None:
+        raise IngestError("a cluster ingest takes prompts only; ingest with labels without "
+                          "--cluster")
     if cluster is not None and shard is not None:
         raise IngestError("pass either shard or cluster, not both: a cluster ingest runs "
                           "the shards itself")
@@ -98,7 +110,8 @@ def ingest(
         dtype=dtype, sites=sites, name=name, revision=revision, device_map=device_map,
         chunk_tokens=chunk_tokens, progress=progress, on_plan=on_plan,
         storage_options=storage_options, chat_template=chat_template,
-        shard=parse_shard(shard) if shard is not None else None, weights=weights)
+        shard=parse_shard(shard) if shard is not None else None, weights=weights,
+        labels=labels, label_template=label_template)
     if cluster is not None:
         from .cluster import ingest_on_cluster  # dask: imported by cluster ingests alone
 

@@ -20,6 +20,16 @@ from .batches import cycled, length_limit, plan_batches, probe_batch, to_device,
 from .grids import GridPlan, grid_positions, plan_grids
 from .heads import ClassifierHead, find_classifier, prove_classifier
 from .inputs import Positions, check_inputs, prepare_inputs, read_inputs
+from .labels import (
+    DEFAULT_TEMPLATE,
+    Contrastive,
+    LabelsHead,
+    check_template,
+    find_contrastive,
+    labels_logits,
+    prove_labels,
+    read_labels,
+)
 from .load import LoadedModel, load
 from .logits import LogitCheck, LogitFit, LogitTransform, measure_logits
 from .options import IngestOptions, IngestPlan, IngestSummary
@@ -51,6 +61,8 @@ class ModelSetup:
     grids: GridPlan | None = None  # where each site's rows lie among a media input's
     towers: dict[str, int] = dataclasses.field(default_factory=dict)  # each tower's depth
     warnings: list[str] = dataclasses.field(default_factory=list)
+    contrastive: Contrastive | None = None  # a contrastive model over images: its vision tower
+    zero_shot: LabelsHead | None = None  # its labels' anchors, proven
 
 
 def ingest_here(opts: IngestOptions) -> IngestSummary:
@@ -109,15 +121,23 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
         ids, truncated = tokenize(loaded.tokenizer, [p.text for p in prompts], limit,
                                   special=not opts.chat_template)
         sample, sample_alt = probe_batch(loaded, ids, 11), probe_batch(loaded, ids, 7)
-    head = _lm_head(loaded.model)
+    # A contrastive model reads images with its vision tower alone (its text tower reads the
+    # labels, once): the tower is what runs, and its norms are the sites.
+    contrastive = find_contrastive(loaded.model) if media else None
+    labels, template = _labels_asked(opts, contrastive, media, loaded.model, name)
+    head = None if contrastive is not None else _lm_head(loaded.model)
     classifier_module = find_classifier(loaded.model) if head is None else None
     # The logit fit rides on the site-finding's second pass, hooked on the final norm.
     fit = None if head is None else LogitFit(
         head, sample_alt, forward_kwargs(loaded.model), getattr(loaded.model, "config", None))
     towers: dict[str, int] = {}
-    found, n_layers = find_sites(loaded.model, sample, sample_alt, sites_glob=opts.sites,
-                                 final_probe=fit, depths=towers)
-    labels = None
+    found, n_layers = find_sites(
+        loaded.model if contrastive is None else contrastive.vision, sample, sample_alt,
+        sites_glob=opts.sites, final_probe=fit, depths=towers)
+    if contrastive is not None:  # module paths from the model, as the model's other sites'
+        found = [dataclasses.replace(f, record=dataclasses.replace(
+            f.record, module=f"{contrastive.vision_path}.{f.record.module}")) for f in found]
+    media_positions = None
     grids = None
     if media:
         # Sites that see different numbers of positions (stages, a pooled head's norm) each
@@ -126,7 +146,7 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
         if grids.several:
             found = [dataclasses.replace(f, record=dataclasses.replace(
                 f.record, grid=grids.of_site[f.record.site])) for f in found]
-        labels = grid_positions(loaded.model, sample, grids)
+        media_positions = grid_positions(loaded.model, sample, grids)
         ids = [[-1] * grids.per_input for _ in prompts]
     # The final site whose output the LM head reads: the last of them (sites._final_path).
     final = next((f for f in reversed(found) if f.record.role == "final"), None)
@@ -136,6 +156,19 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
         classifier, why = prove_classifier(loaded.model, classifier_module, final, sample)
         if classifier is None:
             warnings.append(f"model {name!r}: {why}; stored without the 'classifier' anchors")
+    zero_shot = None
+    if contrastive is not None and labels is None:
+        warnings.append(f"model {name!r} is a contrastive model ingested without --labels: "
+                        "it has no anchors (give --labels FILE for a zero-shot lens)")
+    elif contrastive is not None and labels is not None:
+        tokenizer = loaded.tokenizer or getattr(loaded.processor, "tokenizer", None)
+        zero_shot = prove_labels(loaded.model, contrastive, final, sample, tokenizer, labels,
+                                 template, name)
+        if zero_shot.position is None:
+            warnings.append(
+                f"model {name!r} pools its image embedding from every position (an attention "
+                "head, as SigLIP's): its 'labels' anchors are stored, but no one position's "
+                "vector gives its logits, so the logit functions are refused on it")
     transform = None
     if fit is not None and final is not None:
         if fit.ready and fit.path == final.record.module:
@@ -154,8 +187,9 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
                     f"site kept: add {fit.path!r} to --sites") from e
     return ModelSetup(loaded=loaded, name=name, prompts=prompts, ids=ids, truncated=truncated,
                       limit=limit, found=found, n_layers=n_layers, head=head,
-                      transform=transform, final=final, classifier=classifier, labels=labels,
-                      towers=towers, warnings=warnings, grids=grids)
+                      transform=transform, final=final, classifier=classifier,
+                      labels=media_positions, towers=towers, warnings=warnings, grids=grids,
+                      contrastive=contrastive, zero_shot=zero_shot)
 
 
 def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
@@ -174,6 +208,7 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
             )
         reg = register(st, m.loaded, found, m.n_layers, m.name, opts.sites, m.limit,
                        opts.chunk_tokens, m.transform, m.classifier, m.towers,
+                       zero_shot=m.zero_shot, contrastive=m.contrastive is not None,
                        weights_from=[t for row in m.ids for t in row if t >= 0]
                        if opts.weights == "all" else None)
         # The model's very first batch is part of the recorded sample; a resumed run (its
@@ -207,7 +242,8 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
             opts.on_plan(plan)
         errors = BatchRunner(st, m.loaded, reg, found, batches, batch_size=opts.batch_size,
                              progress=opts.progress, check=_logit_check(m, reg.record),
-                             first_recorded=first_recorded, grids=m.grids).run()
+                             first_recorded=first_recorded, grids=m.grids,
+                             backbone=m.contrastive.vision if m.contrastive else None).run()
         if shard_of is not None:
             with st.backend.writing("the shard catalog"):
                 mark_finished(st.commits)
@@ -225,6 +261,14 @@ def _logit_check(m: ModelSetup, record: ModelRecord) -> LogitCheck | None:
     A model already in the store keeps the final site its logit transform was fitted on
     (stores written before the last final site was chosen may name an earlier one)."""
     final = next((f for f in m.found if f.record.site == record.final_site), m.final)
+    z = m.zero_shot
+    if z is not None and final is not None and record.head_kind == "labels":
+        if z.position is None:
+            return None  # no lens: the anchors were proven on the model's own embeddings
+        return LogitCheck(final, z.head(), LogitTransform(scale=z.scale, softcap=None,
+                                                          error=0.0),
+                          m.loaded.device, position=z.position, projection=z.projection,
+                          inputs=z.text_inputs, read=labels_logits)
     if m.classifier is not None and final is not None and record.head_kind == "classifier":
         return LogitCheck(final, m.classifier.module, LogitTransform(
             scale=None, softcap=None, error=0.0), m.loaded.device,
@@ -233,6 +277,24 @@ def _logit_check(m: ModelSetup, record: ModelRecord) -> LogitCheck | None:
         return None
     recorded = LogitTransform(scale=record.logit_scale, softcap=record.logit_softcap, error=0.0)
     return LogitCheck(final, m.head, recorded, m.loaded.device)
+
+
+def _labels_asked(opts: IngestOptions, contrastive: Contrastive | None, media: bool,
+                  model: nn.Module, name: str) -> tuple[list[str] | None, str]:
+    """The labels and template asked for, checked against what the model is."""
+    if opts.labels is None:
+        if opts.label_template is not None:
+            raise IngestError("a label template goes with labels (--labels FILE, labels=[...])")
+        return None, DEFAULT_TEMPLATE
+    if not media:
+        raise IngestError("labels are for a contrastive model's image inputs (--images DIR "
+                          "or --inputs FILE.jsonl with 'image'), not for text prompts")
+    if contrastive is None:
+        raise IngestError(
+            f"labels need a contrastive model (text and image towers and a logit scale, as "
+            f"CLIPModel and SiglipModel have); model {name!r} ({type(model).__name__}) is not "
+            "one")
+    return read_labels(opts.labels), check_template(opts.label_template or DEFAULT_TEMPLATE)
 
 
 def _device_of(model: nn.Module) -> torch.device | None:

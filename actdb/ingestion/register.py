@@ -19,6 +19,7 @@ from ..store.arrays import default_chunk_tokens
 from ..store.records import ModelRecord, SiteRecord
 from ..store.store import Store
 from .heads import ClassifierHead, find_classifier, label_names, vocab_of
+from .labels import LabelsHead
 from .load import LoadedModel
 from .logits import LogitTransform
 from .sites import FoundSite
@@ -123,6 +124,27 @@ def check_same_weights(st: Store, existing: ModelRecord, loaded: LoadedModel,
         raise refuse("a parameter beyond the embedding, head and norms")
 
 
+def _check_same_labels(st: Store, existing: ModelRecord, zero_shot: LabelsHead | None,
+                       known: list[str | None]) -> None:
+    """A contrastive model's rows go with its labels: a resume brings the same (and the same
+    template: the stored anchors are compared), or none where it was stored without."""
+    have = existing.head_kind == "labels"
+    if zero_shot is None and not have:
+        return
+    same = zero_shot is not None and have and known == zero_shot.labels
+    if same and zero_shot is not None:
+        stored = st.arrays.weight(existing.model_id, "lm_head", required=False)
+        same = stored is not None and stored.shape == tuple(zero_shot.weight.shape) and (
+            same_values(stored, zero_shot.weight.float().numpy()))
+    if not same:
+        told = ("with labels " + repr([k for k in known if k is not None])
+                if have else "without labels")
+        raise IngestError(
+            f"model {existing.model!r} is already in the store {told}, and these images "
+            "come with other labels (or another template): give the same --labels and "
+            "--label-template, or --name to store this one under another name")
+
+
 def params_digest(model: nn.Module) -> str:
     """A digest of every parameter's name, dtype, shape and bytes (a CRC-32C of each tensor's
     bytes, a tensor at a time on the host): what a resume under a stored name
@@ -177,10 +199,12 @@ def register(
     sites_glob: str | None, limit: int | None, chunk_tokens: int | None,
     transform: LogitTransform | None, classifier: ClassifierHead | None = None,
     towers: dict[str, int] | None = None, *, weights_from: list[int] | None = None,
+    zero_shot: LabelsHead | None = None, contrastive: bool = False,
 ) -> Registration:
     """The model's catalog record, and for a new model the work of registering it: that
     runs first on the commit thread, overlapping the first forward passes. `weights_from`:
-    token ids to find a new model's layer weights with (None: none stored)."""
+    token ids to find a new model's layer weights with (None: none stored). `contrastive`:
+    a contrastive model over images, whose head is `zero_shot`'s labels (or none)."""
     records = [f.record for f in found]
     # What the catalog says, read on one connection (each open of the file replays its
     # log); the comparisons below run with the file closed, since readers in other
@@ -210,15 +234,27 @@ def register(
             f.record, site=s.site, site_id=s.site_id, role=s.role, layer=s.layer))
             for f, s in zip(found, stored, strict=True)]
         check_same_weights(st, existing, loaded, found, stored)
+        if contrastive:
+            _check_same_labels(st, existing, zero_shot, known)
         return Registration(record=existing, token_str=known)
     model = loaded.model
     embed, lm_head, lm_bias, tied = _weights(model)
+    projection = None
+    if contrastive:  # its text tower's embedding is no anchor of the vision tower's sites
+        embed = lm_head = lm_bias = None
+        tied = False
+    if zero_shot is not None:
+        lm_head = zero_shot.weight.float().numpy()
+        head_bias = zero_shot.head().bias
+        lm_bias = None if head_bias is None else head_bias.detach().numpy()
+        if zero_shot.position is not None:
+            projection = zero_shot.projection.float().numpy()
     config = getattr(model, "config", None)
     d_model = int(getattr(config, "hidden_size", 0)
                   or (embed.shape[1] if embed is not None else records[-1].d))
     vocab_size = (lm_head.shape[0] if lm_head is not None
                   else embed.shape[0] if embed is not None else 0)
-    if lm_head is not None and embed is None and classifier is None:
+    if lm_head is not None and embed is None and classifier is None and zero_shot is None:
         lm_head = lm_bias = None  # a classification head not proven: no anchors of it
         vocab_size = 0
     final = next((s.site for s in reversed(records) if s.role == "final"), None)
@@ -230,15 +266,21 @@ def register(
         d_model=d_model, n_layers=n_layers, vocab_size=int(vocab_size), n_sites=len(records),
         has_lm_head=lm_head is not None or tied, has_lm_head_bias=lm_bias is not None,
         has_embed=embed is not None,
-        head_kind=("classifier" if classifier is not None
+        head_kind=("classifier" if classifier is not None else "labels" if zero_shot
+                   else "contrastive" if contrastive
                    else "lm" if lm_head is not None or tied else None),
-        head_position=classifier.position if classifier is not None else None,
+        head_position=(classifier.position if classifier is not None
+                       else zero_shot.position if zero_shot is not None else None),
         towers=dict(towers or {}),
         tied_embeddings=tied, final_site=final, dtype=str(loaded.dtype).removeprefix("torch."),
         max_length=limit, sites_glob=sites_glob,
         chunk_tokens=chunk_tokens or default_chunk_tokens(widest), n_rows=0,
         logit_softcap=transform.softcap if transform else None,
-        logit_scale=transform.scale if transform else None,
+        # labels without a lens: no batch is checked, the proof on the sample is the record
+        logit_max_rel_error=(zero_shot.error if zero_shot is not None
+                             and zero_shot.position is None else None),
+        logit_scale=(zero_shot.scale if zero_shot is not None
+                     else transform.scale if transform else None),
         config=config.to_dict() if config is not None and hasattr(config, "to_dict") else {},
     )
     params = {
@@ -255,19 +297,25 @@ def register(
     def write() -> None:
         if classifier is not None:  # the head's labels are its vocabulary
             vocab = vocab_of(label_names(model, vocab_size))
+        elif zero_shot is not None:  # the labels, each piece the text its tower read
+            vocab = vocab_of(zero_shot.labels, pieces=zero_shot.texts)
+        elif contrastive:
+            vocab = vocab_of([])
         elif loaded.tokenizer is None:
             vocab = vocab_of([])
         else:
             vocab = vocab_table(loaded.tokenizer, max(vocab_size, len(loaded.tokenizer)))
         token_str[:] = vocab.column("token").to_pylist() or [None]
-        if loaded.tokenizer is not None:
+        if loaded.tokenizer is not None and not contrastive:  # its labels are its tokens
             st.save_tokenizer(record.model_id, loaded.tokenizer.save_pretrained)
         digested = dataclasses.replace(record, params_digest=params_digest(model))
         st.register_model(digested, records, embed=embed, lm_head=lm_head,
                           lm_head_bias=lm_bias, site_params=params, vocab=vocab,
-                          layer_weights=layer_arrays, weights_manifest=manifest)
+                          layer_weights=layer_arrays, weights_manifest=manifest,
+                          projection=projection)
 
-    weight_bytes = sum(a.nbytes for a in (embed, lm_head, lm_bias) if a is not None)
+    weight_bytes = sum(a.nbytes for a in (embed, lm_head, lm_bias, projection)
+                       if a is not None)
     weight_bytes += sum(a.nbytes for pair in params.values() for a in pair if a is not None)
     weight_bytes += sum(a.nbytes for a in (layer_arrays or {}).values())
     return Registration(record=record, token_str=token_str,

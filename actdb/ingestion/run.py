@@ -23,7 +23,7 @@ from .fields import SiteSink
 from .grids import GridPlan
 from .inputs import prepare_inputs
 from .load import LoadedModel
-from .logits import LOGIT_LIMIT, LogitCheck, model_logits
+from .logits import LOGIT_LIMIT, LogitCheck
 from .progress import progress_bar
 from .register import Registration
 from .rows import Work, batch_tables
@@ -93,7 +93,10 @@ class BatchRunner:
     def __init__(self, st: Store, loaded: LoadedModel, reg: Registration,
                  found: list[FoundSite], batches: list[Batch], *, batch_size: int,
                  progress: bool, check: LogitCheck | None, first_recorded: bool,
-                 grids: GridPlan | None = None) -> None:
+                 grids: GridPlan | None = None,
+                 backbone: nn.Module | None = None) -> None:
+        """`backbone`: the module the batches run through where it is not the model's
+        base (a contrastive model's vision tower); the logit check runs the whole model."""
         self.st, self.loaded, self.reg, self.found = st, loaded, reg, found
         self.batches, self.batch_size, self.progress = batches, batch_size, progress
         self.check, self.first_recorded = check, first_recorded
@@ -114,7 +117,7 @@ class BatchRunner:
         # in the LM head (BERT- and RoBERTa-style causal LMs), whose norm must then see every
         # position.
         paths = [p for f in found for p, _ in f.hooks]
-        self.backbone = forward_module(loaded.model, paths)
+        self.backbone = backbone or forward_module(loaded.model, paths)
         self.extra = forward_kwargs(self.backbone)
         self.full_extra = forward_kwargs(loaded.model)
         # The checked batches' logits at their few positions only, unless a site's norm
@@ -185,8 +188,8 @@ class BatchRunner:
             if check is not None and checked:
                 positions = check.positions(mask.shape[1])
                 kw = {"logits_to_keep": positions.to(loaded.device)} if self.keeps else {}
-                out = loaded.model(**inputs, **self.full_extra, **kw)
-                real = model_logits(out)
+                out = loaded.model(**inputs, **check.inputs, **self.full_extra, **kw)
+                real = check.read(out)
                 if real.dim() == 2:  # a classifier's logits: one row an input
                     real = real.unsqueeze(1)
                 else:

@@ -68,10 +68,13 @@ def _check_dim(g: Group, dim: int) -> int:
 
 
 def _final_normed(src: VectorSource, g: Group) -> torch.Tensor:
-    """final_norm(v): the final norm applied to the group's vectors (a final_norm view is kept)."""
+    """What the head reads of the group's vectors: final_norm(v) (a final_norm view is kept),
+    for a contrastive model's labels divided by the length of its image embedding
+    (ModelWeights.head_input)."""
     if g.view == "final_norm":
-        return g.x
-    return src.apply_view(g.model, g.site, "final_norm", g.x, g.mean if g.view == "raw" else None)
+        return src.weights.head_input(g.model, g.x)
+    return src.weights.head_input(g.model, src.apply_view(
+        g.model, g.site, "final_norm", g.x, g.mean if g.view == "raw" else None))
 
 
 def _final_normed_blocks(src: VectorSource, g: Group) -> Iterator[tuple[int, int, torch.Tensor]]:
@@ -79,10 +82,10 @@ def _final_normed_blocks(src: VectorSource, g: Group) -> Iterator[tuple[int, int
     mean = g.mean if g.view == "raw" else None
     for a, b, x in g.x_blocks():
         if g.view == "final_norm":
-            yield a, b, x
+            yield a, b, src.weights.head_input(g.model, x)
         else:
-            yield a, b, src.apply_view(g.model, g.site, "final_norm", x,
-                                       mean[a:b] if mean is not None else None)
+            yield a, b, src.weights.head_input(g.model, src.apply_view(
+                g.model, g.site, "final_norm", x, mean[a:b] if mean is not None else None))
 
 
 def _block_rows(combos: dict[tuple[Any, ...], np.ndarray], a: int, b: int

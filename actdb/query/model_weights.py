@@ -20,8 +20,9 @@ else:
     torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
 ANCHOR_SETS = ("unembed", "embed", "unembed_folded")
-# The names an anchor set may be given by: a classifier's head rows are its 'unembed' set.
-ANCHOR_NAMES = (*ANCHOR_SETS, "classifier")
+# The names an anchor set may be given by: a classifier's head rows, and a contrastive model's
+# labels, are its 'unembed' set.
+ANCHOR_NAMES = (*ANCHOR_SETS, "classifier", "labels")
 _ANCHOR_BLOCK = 8192  # rows of the vocabulary normalized at a time (float64 scratch)
 # Rows of a weight a connection reads alone (a chunk each) before it reads the whole weight.
 _ROWS_ALONE = 4
@@ -79,9 +80,31 @@ class ModelWeights:
 
     def _head(self, model: ModelRecord) -> str:
         """The name of the weight that is the model's LM head (W_U), which it must have."""
+        if model.head_kind == "contrastive":
+            raise QueryError(f"model {model.model!r} is a contrastive model stored without "
+                             "labels, so no logits (ingest its images with --labels FILE)")
         if not model.has_lm_head:
             raise QueryError(f"model {model.model!r} has no LM head, so no logits")
         return "embed" if model.tied_embeddings else "lm_head"
+
+    def head_input(self, model: ModelRecord, hn: torch.Tensor) -> torch.Tensor:
+        """What the LM head is applied to, given final-normed rows hn [n, d]: hn itself; for a
+        contrastive model's labels, hn / ||P hn|| (its image embedding P hn is made unit
+        before the cosine with each label's), so that the logit is scale * (W . that + b).
+        Its logits read one position (the class token); a model that pools its positions
+        with an attention head (SigLIP) has no lens."""
+        if model.head_kind != "labels":
+            return hn
+        if model.head_position is None:
+            raise QueryError(
+                f"model {model.model!r} pools every position into its image embedding (an "
+                "attention head, as SigLIP's), so no one position's vector gives its label "
+                "logits: the logit functions are not defined on it; cosine_to_anchor(vec, "
+                "label, 'labels') compares with the labels' text embeddings")
+        p = self._weight(model.model_id, "projection")
+        assert p is not None
+        length = torch.linalg.vector_norm(hn @ p.to(hn.dtype).T, dim=-1, keepdim=True)
+        return hn / torch.where(length > 0, length, torch.ones_like(length))
 
     def unembed(self, model: ModelRecord) -> tuple[torch.Tensor, torch.Tensor | None]:
         """W_U [V, d] and b_U [V] (or None)."""
@@ -140,11 +163,18 @@ class ModelWeights:
             raise QueryError(f"unknown anchor set {name!r}; anchor sets are {list(ANCHOR_NAMES)}")
         # A classification head is stored where an LM head is, its labels as the vocabulary:
         # 'classifier' names its rows, and only a classifier's store has them.
+        if model.head_kind == "contrastive":
+            raise QueryError(f"model {model.model!r} is a contrastive model stored without "
+                             "labels: it has no anchors (ingest its images with --labels FILE "
+                             "for the anchor set 'labels')")
         classifier = model.head_kind == "classifier"
         if name == "classifier" and not classifier:
             raise QueryError(f"model {model.model!r} has no classification head: anchor set "
                              "'classifier' is for image classifiers")
-        if name == "classifier":
+        if name == "labels" and model.head_kind != "labels":
+            raise QueryError(f"model {model.model!r} has no labels: anchor set 'labels' is a "
+                             "contrastive model's (CLIP, SigLIP) ingested with --labels")
+        if name in ("classifier", "labels"):
             name = "unembed"
         if name == "embed" and model.has_embed is False:
             raise QueryError(f"model {model.model!r} has no token embedding (it reads images): "

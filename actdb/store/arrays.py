@@ -126,10 +126,12 @@ class Arrays:
                       lm_head_bias: np.ndarray | None, site_params: SiteParams,
                       layer_weights: Mapping[str, np.ndarray] | None = None,
                       weights_manifest: Mapping[str, Any] | None = None,
-                      pool: Executor | None = None) -> None:
+                      pool: Executor | None = None,
+                      projection: np.ndarray | None = None) -> None:
         self.weights.write(model_id, embed=embed, lm_head=lm_head, lm_head_bias=lm_head_bias,
                            site_params=site_params, layer_weights=layer_weights,
-                           weights_manifest=weights_manifest, pool=pool)
+                           weights_manifest=weights_manifest, pool=pool,
+                           projection=projection)
 
     def weight_digests(self, model_id: int, weights: dict[str, np.ndarray | None]
                        ) -> list[Digest]:

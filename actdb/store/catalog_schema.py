@@ -30,7 +30,7 @@ def version_needed(model: ModelRecord, sites: Sequence[SiteRecord] = ()) -> int:
     """The format version a store must have to hold `model` and its `sites` (0: any)."""
     if any(s.grid is not None for s in sites):
         return GRID_FORMAT_VERSION
-    if model.has_embed is False or model.head_kind == "classifier":
+    if model.has_embed is False or model.head_kind not in (None, "lm"):
         return IMAGE_FORMAT_VERSION
     return 0
 

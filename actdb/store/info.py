@@ -28,7 +28,8 @@ def describe(store: Store) -> StoreInfo:
     logit_cols = ", ".join(
         f"m.{c}" if c in have else f"NULL::DOUBLE AS {c}"
         for c in ("logit_scale", "logit_softcap", "logit_max_rel_error")
-    ) + (", m.head_kind" if "head_kind" in have else ", NULL::VARCHAR AS head_kind")
+    ) + (", m.head_kind" if "head_kind" in have else ", NULL::VARCHAR AS head_kind") + (
+        ", m.head_position" if "head_position" in have else ", NULL::INTEGER AS head_position")
     models = con.execute(
         "SELECT m.model, m.model_id, m.architecture, m.d_model, m.n_layers, m.vocab_size, "
         "m.n_sites, "

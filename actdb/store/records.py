@@ -75,9 +75,13 @@ class ModelRecord:
     # whether the model has a token embedding (an image model has none); None: older stores, all do
     has_embed: bool | None = None
     # what the head anchors are: 'lm' (an LM head over the vocabulary), 'classifier' (a
-    # classification head; the vocabulary is its label names), None: older stores ('lm')
+    # classification head; the vocabulary is its label names), 'labels' (a contrastive model's
+    # text embeddings of the labels given at ingest, read back through its projection; the
+    # vocabulary is the labels), 'contrastive' (a contrastive model ingested without labels:
+    # no anchors), None: older stores ('lm'), or a model without a head
     head_kind: str | None = None
-    # the position whose final-site vector a classifier reads (0: the class token)
+    # the position whose final-site vector a classifier or a contrastive model's projection
+    # reads (0: the class token); None for labels read from a pooled output no site holds
     head_position: int | None = None
     # each tower's depth in blocks ({'text': 4, 'vision': 6}); empty in older stores
     towers: dict[str, int] = field(default_factory=dict)

@@ -256,20 +256,23 @@ class Store:
         vocab: pa.Table,
         layer_weights: Mapping[str, np.ndarray] | None = None,
         weights_manifest: Mapping[str, Any] | None = None,
+        projection: np.ndarray | None = None,
     ) -> None:
         """Weights first, then the catalog rows: an interrupted registration leaves no model.
-        `layer_weights` and `weights_manifest`: the blocks' matrices (layer_weights.py)."""
+        `layer_weights` and `weights_manifest`: the blocks' matrices (layer_weights.py);
+        `projection`: a contrastive model's image projection (its labels lens)."""
         with self.backend.writing(f"the weights of model {model.model!r}"):
             self.arrays.write_weights(
                 model.model_id, embed=embed, lm_head=lm_head, lm_head_bias=lm_head_bias,
                 site_params=site_params, layer_weights=layer_weights,
-                weights_manifest=weights_manifest, pool=self._writers,
+                weights_manifest=weights_manifest, pool=self._writers, projection=projection,
             )
         fault("weights_written")
         digests = None
         if self.has_digests:
             weights: dict[str, np.ndarray | None] = {
-                "embed": embed, "lm_head": lm_head, "lm_head_bias": lm_head_bias}
+                "embed": embed, "lm_head": lm_head, "lm_head_bias": lm_head_bias,
+                "projection": projection}
             for site, (gain, bias) in site_params.items():
                 weights[f"sites/{site}/gain"] = gain
                 weights[f"sites/{site}/bias"] = bias

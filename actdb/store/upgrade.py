@@ -55,7 +55,7 @@ def to_digests(cat: Catalog, arrays: Arrays, version: int) -> int:
 
 def weight_digests(arrays: Arrays, m: ModelRecord, sites: list[SiteRecord]) -> list[Digest]:
     """The digests of a model's weight chunks as stored, each chunk's checksum checked."""
-    names = ["embed", "lm_head", "lm_head_bias"]
+    names = ["embed", "lm_head", "lm_head_bias", "projection"]
     names += [f"sites/{s.site}/{f}" for s in sites for f in ("gain", "bias")]
     names += manifest_arrays(read_manifest(arrays, m.model_id) or {})
     out = []

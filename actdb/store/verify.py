@@ -166,7 +166,9 @@ def _check_weights(store: Store, m: ModelRecord, sites: list[SiteRecord], where:
         return [f"{where}: no weights in the tensors (models/{m.model_id} is missing)"]
     wanted = [("embed", m.has_embed is not False),  # an image model has no token embedding
               ("lm_head", m.has_lm_head and not m.tied_embeddings),
-              ("lm_head_bias", m.has_lm_head_bias)]
+              ("lm_head_bias", m.has_lm_head_bias),
+              # a contrastive model's projection, where its labels lens reads the class token
+              ("projection", m.head_kind == "labels" and m.head_position is not None)]
     for s in sites:
         wanted += [(f"sites/{s.site}/gain", s.has_gain), (f"sites/{s.site}/bias", s.has_bias)]
     manifest = read_manifest(store.arrays, m.model_id)

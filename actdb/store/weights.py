@@ -33,6 +33,7 @@ else:
 # Zarr v3 dimension names, so xarray.open_zarr and other tools label the axes. Names are
 # unique within a group where sizes can differ (an LM head may have more rows than W_E).
 _WEIGHT_DIMS = {"embed": ("embed_token", "dim"), "lm_head": ("vocab", "dim"),
+                "projection": ("embed_dim", "dim"),
                 "lm_head_bias": ("vocab",), "gain": ("dim",), "bias": ("dim",)}
 SiteParams = dict[str, tuple[np.ndarray | None, np.ndarray | None]]
 
@@ -59,20 +60,24 @@ class Weights:
               lm_head_bias: np.ndarray | None, site_params: SiteParams,
               layer_weights: Mapping[str, np.ndarray] | None = None,
               weights_manifest: Mapping[str, Any] | None = None,
-              pool: Executor | None = None) -> None:
+              pool: Executor | None = None, projection: np.ndarray | None = None) -> None:
         """Write a model's weights, replacing any left by an interrupted earlier ingest,
         and make them durable before the catalog row that makes them visible.
         `layer_weights`: arrays named as layer_weights.array_name says, with the manifest
-        that describes them (layer_weights.py)."""
+        that describes them (layer_weights.py). `projection`: a contrastive model's projection
+        from the final norm's output to its image embedding (the labels lens divides by
+        the length of that embedding)."""
         path = self.group.path
         self.group.model_group(model_id)  # its parents exist, on object storage too
         self.group.forget(f"models/{model_id}/")
         fs = self.durability.file_system_sync()  # before the writes: syncfs reports theirs
         if path is not None:  # weights an interrupted registration left are replaced
-            for name in ("embed", "lm_head", "lm_head_bias", "sites", LAYER_WEIGHTS_GROUP):
+            for name in ("embed", "lm_head", "lm_head_bias", "projection", "sites",
+                         LAYER_WEIGHTS_GROUP):
                 shutil.rmtree(path / "models" / str(model_id) / name, ignore_errors=True)
         with self.group.staged(f"models/{model_id}", pool) as g:
-            named = {"embed": embed, "lm_head": lm_head, "lm_head_bias": lm_head_bias}
+            named = {"embed": embed, "lm_head": lm_head, "lm_head_bias": lm_head_bias,
+                     "projection": projection}
             for name, value in named.items():
                 if value is not None:
                     self._write_whole(g, name, value, pool)

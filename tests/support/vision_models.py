@@ -86,3 +86,41 @@ def train_digits(folder: Path, *, held_out: int = 48, epochs: int = 20, seed: in
         Image.fromarray(pixels[i]).save(images / f"{n:03d}.png")
     return Digits(model=out, images=images, labels=[int(data.target[i]) for i in kept],
                   accuracy=accuracy)
+
+
+def build_contrastive(kind: str, folder: Path, *, seed: int = 0) -> Path:
+    """A tiny random contrastive model (`clip` or `siglip`) from its config, saved in `folder`
+    with its processor (image processor and the tests' offline tokenizer): images of 8x8
+    pixels, 2x2 patches."""
+    import torch
+    import transformers as T
+
+    from .tiny_models import build_tokenizer
+
+    tok = build_tokenizer(kind="bpe")
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=8, patch_size=2)
+    text = dict(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
+                num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=32,
+                pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id)
+    out = folder / kind
+    if kind == "clip":
+        model = T.CLIPModel(T.CLIPConfig(text_config=text, vision_config=vision,
+                                         projection_dim=12))
+        images = T.CLIPImageProcessor(size={"shortest_edge": 8},
+                                      crop_size={"height": 8, "width": 8})
+        processor = T.CLIPProcessor(image_processor=images, tokenizer=tok)
+    else:
+        assert kind == "siglip", kind
+        model = T.SiglipModel(T.SiglipConfig(text_config=text, vision_config=vision))
+        with torch.no_grad():  # a logit scale and bias of a trained model's size
+            model.logit_scale.fill_(2.3)
+            model.logit_bias.fill_(-1.5)
+        processor = T.SiglipProcessor(
+            image_processor=T.SiglipImageProcessor(size={"height": 8, "width": 8}),
+            tokenizer=tok)
+    model.eval().save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
