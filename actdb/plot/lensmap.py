@@ -94,7 +94,7 @@ def lens_spec(db: Database, prompt_id: int, *, model: str | None = None, by: str
     params: dict[str, Any] = {"model": name, "prompt_id": int(prompt_id), "roles": roles}
     meta: dict[str, Any] = {"model": name, "prompt_id": int(prompt_id), "n_tokens": n,
                             "roles": roles, "by": by, "text": prompt_text(db, prompt_id),
-                            "classifier": head_kind(db, name) == "classifier"}
+                            "classifier": head_kind(db, name)}
     if by == "anchor":
         if anchors is not None:
             params["anchors"] = anchors
@@ -185,7 +185,10 @@ def lens_figure(spec: Spec, df: pd.DataFrame) -> Figure:
         cbar.set_label("probability of the top token (logit lens)")
         head = "Logit lens"
         what = ("Each cell: the label the classifier's distribution puts first at that "
-                "layer, coloured by its probability" if m.get("classifier") else
+                "layer, coloured by its probability" if m.get("classifier") == "classifier"
+                else "Each cell: the label the zero-shot distribution (softmax over the "
+                "labels) puts first at that layer, coloured by its probability"
+                if m.get("classifier") == "labels" else
                 "Each cell: the token the model's next-token distribution puts first at that "
                 "layer, coloured by its probability")
     else:

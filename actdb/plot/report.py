@@ -19,29 +19,24 @@ from .data import (
     OUTLIER_FACTOR,
     DbOrPath,
     Spec,
+    head_kind,
     model_roles,
     model_row,
     opened,
     profile_spec,
     store_models,
 )
-from .section import Section
+from .report_vision import VISION_SECTIONS, is_image_lens
+from .section import TOP_DIMS, Section, lens_roles, stays_from
 
 # An eigenvalue "vanishes" when it is this many times below the layer's median eigenvalue.
 VANISHING = 1e-3
-TOP_DIMS = 10
 
 
 def _residual_roles(db: Any, model: str) -> list[str]:
     roles = model_roles(db, model, full_width=True)
     chosen: list[str] = [r for r in ("pre_attn", "pre_mlp", "final") if r in roles]
     return chosen or roles
-
-
-def _lens_roles(db: Any, model: str) -> list[str]:
-    roles = model_roles(db, model)
-    base = "pre_attn" if "pre_attn" in roles else "post_mlp"
-    return [r for r in (base, "final") if r in roles]
 
 
 # -- the sections ------------------------------------------------------------------------------
@@ -128,7 +123,7 @@ def _spectrum(db: Any, model: str) -> Section:
     from .report_figures import spectrum_figure
 
     # One site per layer (as the lens shows them): a d x d eigendecomposition per site.
-    params = {"model": model, "roles": _lens_roles(db, model)}
+    params = {"model": model, "roles": lens_roles(db, model)}
     df = db.sql(SPECTRUM_SQL, params=params).df()
     counts = [vanishing(e, int(n)) for e, n in zip(df["eigenvalues"], df["n"], strict=True)]
     d = int(model_row(db, model)["d_model"])
@@ -164,22 +159,10 @@ GROUP BY layer, site
 ORDER BY layer, site"""
 
 
-def stays_from(layers: list[int], shares: list[float], at_least: float = 0.5) -> int | None:
-    """The first of `layers` (in order) from which every share is at least `at_least`: where
-    the answer stays the top token for half the prompts. The first layer where it is, once, can
-    be an early fluke (a prompt ending on its own answer), not where the answer appears."""
-    stays = None
-    for layer, share in zip(reversed(layers), reversed(shares), strict=True):
-        if share < at_least:
-            break
-        stays = int(layer)
-    return stays
-
-
 def _emergence(db: Any, model: str) -> Section:
     from .report_figures import emergence_figure
 
-    params = {"model": model, "roles": _lens_roles(db, model)}
+    params = {"model": model, "roles": lens_roles(db, model)}
     df = db.sql(EMERGENCE_SQL, params=params).df()
     inner = df[df["site"] != model_row(db, model)["final_site"]]
     stays = stays_from(list(inner["layer"]), list(inner["top1_share"]))
@@ -241,9 +224,14 @@ LM_SECTIONS: tuple[Callable[[Any, str], Section], ...] = (_emergence, _dims)
 
 
 def measure(db: Any, model: str) -> list[Section]:
-    """Every section that applies to the model (the lens ones need an LM head)."""
-    lm = bool(model_row(db, model)["has_lm_head"])
-    return [make(db, model) for make in SECTIONS + (LM_SECTIONS if lm else ())]
+    """Every section that applies to the model: the lens ones need a head; an image model's
+    read the class token its head reads (report_vision.py), a text model's the last token."""
+    if is_image_lens(db, model):
+        lens: tuple[Callable[[Any, str], Section], ...] = VISION_SECTIONS
+    else:
+        lm = bool(model_row(db, model)["has_lm_head"]) and head_kind(db, model) in (None, "lm")
+        lens = LM_SECTIONS if lm else ()
+    return [make(db, model) for make in SECTIONS + lens]
 
 
 def report(db_or_path: DbOrPath, output: str | os.PathLike[str] | None = None, *,
@@ -276,4 +264,4 @@ def report(db_or_path: DbOrPath, output: str | os.PathLike[str] | None = None, *
     return out
 
 
-__all__ = ["Section", "Spec", "measure", "report", "vanishing"]
+__all__ = ["Section", "Spec", "measure", "report", "stays_from", "vanishing"]

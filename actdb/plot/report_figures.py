@@ -38,7 +38,9 @@ def spectrum_figure(df: pd.DataFrame, model: str) -> Figure:
     return fig
 
 
-def emergence_figure(df: pd.DataFrame, model: str) -> Figure:
+def emergence_figure(df: pd.DataFrame, model: str, *,
+                     answer: str = "the model's top token at the last position of each prompt"
+                     ) -> Figure:
     """Per layer: the share of prompts whose final answer is the lens's top token, and the
     answer's median rank (log axis, right)."""
     fig = new_figure(8.0, 4.6)
@@ -59,7 +61,7 @@ def emergence_figure(df: pd.DataFrame, model: str) -> Figure:
     right.set_ylabel("median rank of the final answer (log)")
     ax.grid(True, alpha=0.3)
     ax.set_title(f"Where the final answer appears on the logit lens, model {model}\n"
-                 "answer = the model's top token at the last position of each prompt",
+                 f"answer = {answer}",
                  fontsize=11)
     fig.legend(loc="outside lower center", ncols=2, fontsize=9, frameon=False)
     return fig

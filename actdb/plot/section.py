@@ -8,6 +8,8 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
+from .data import model_roles
+
 
 @dataclass(frozen=True, kw_only=True)
 class Section:
@@ -22,3 +24,25 @@ class Section:
     claim: str
     finding: str  # with {name} fields filled from `numbers`
     numbers: dict[str, float | int | str] = field(default_factory=dict)
+
+
+TOP_DIMS = 10  # the dims a report's dims section shows
+
+
+def lens_roles(db: Any, model: str) -> list[str]:
+    """The roles a lens reads, one site a layer: pre_attn (else post_mlp), and final."""
+    roles = model_roles(db, model)
+    base = "pre_attn" if "pre_attn" in roles else "post_mlp"
+    return [r for r in (base, "final") if r in roles]
+
+
+def stays_from(layers: list[int], shares: list[float], at_least: float = 0.5) -> int | None:
+    """The first of `layers` (in order) from which every share is at least `at_least`: where
+    the answer stays the top token for half the prompts. The first layer where it is, once, can
+    be an early fluke (a prompt ending on its own answer), not where the answer appears."""
+    stays = None
+    for layer, share in zip(reversed(layers), reversed(shares), strict=True):
+        if share < at_least:
+            break
+        stays = int(layer)
+    return stays

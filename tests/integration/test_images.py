@@ -403,3 +403,66 @@ def test_an_image_model_raises_the_format_version_and_migrates_an_older_store(
     with pytest.raises(StoreFormatError, match="format version 5"):
         actdb.connect(store)
     assert catalog.LOCAL_FORMAT_VERSION == 5
+
+
+def test_report_and_pictures_on_an_image_classifier(digits: Digits, digits_store: Path,
+                                                    tmp_path: Path) -> None:
+    """The report's vision sections read the class token the head reads (not the last patch),
+    each number equal to the model's own outputs; `plot lens` and `plot angles` draw."""
+    from PIL import Image
+    from support.report_page import ReportPage
+    from transformers import AutoImageProcessor, ViTForImageClassification
+
+    out = tmp_path / "report.html"
+    result = CliRunner().invoke(cli, ["report", str(digits_store), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    page = ReportPage()
+    page.feed(out.read_text())
+    assert page.sections == ["angles", "norms", "rotation", "spectrum", "class_lens",
+                             "image_lens", "patches", "class_dims"]
+    assert all(src.startswith("data:image/png;base64,") for src in page.images)
+    # the reference: the model's prediction (float32, as ingested), and its class token at
+    # layer 1's input and its patches at the final norm read through its own final norm and
+    # classifier in float64
+    model = ViTForImageClassification.from_pretrained(digits.model).eval()
+    processor = AutoImageProcessor.from_pretrained(digits.model)
+    files = sorted(digits.images.iterdir())
+    pixels = processor(images=[Image.open(f).convert("RGB") for f in files],
+                       return_tensors="pt")["pixel_values"]
+    kept: dict[str, torch.Tensor] = {}
+    layer1 = model.vit.layers[1].layernorm_before
+
+    def keep(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: object) -> None:
+        kept["x"] = args[0].detach()
+
+    handle = layer1.register_forward_hook(keep)
+    try:
+        with torch.no_grad():
+            out_model = model(pixel_values=pixels, output_hidden_states=True)
+    finally:
+        handle.remove()
+    model = model.double()
+    with torch.no_grad():
+        seq = model.vit.layernorm(out_model.hidden_states[-1].double())  # [N, T, d]
+        lens1 = model.classifier(model.vit.layernorm(kept["x"][:, 0].double())).argmax(-1)
+        patches0 = model.classifier(seq[0, 1:]).argmax(-1)
+    predicted = out_model.logits.argmax(-1)
+    share = float((lens1 == predicted).double().mean())
+
+    def number(section: str, name: str) -> str:
+        return page.numbers[f"vit-digits/{section}/{name}"][0]
+
+    assert float(number("class_lens", "top1_last_inner")) == pytest.approx(share, abs=1e-9)
+    assert int(number("class_lens", "prompts")) == len(files)
+    probs = out_model.logits.softmax(-1)[0]
+    assert number("image_lens", "label") == f"digit {int(predicted[0])}"
+    assert float(number("image_lens", "prob")) == pytest.approx(float(probs.max()), abs=2e-3)
+    counts = torch.bincount(patches0, minlength=10)
+    assert float(number("patches", "share")) == pytest.approx(float(counts.max()) / 16, abs=1e-9)
+    # the lens and angles pictures on the image store
+    for kind, extra in (("lens", ["--prompt-id", "0"]), ("angles", [])):
+        picture = tmp_path / f"{kind}.png"
+        run = CliRunner().invoke(cli, ["plot", kind, str(digits_store), *extra,
+                                       "-o", str(picture)])
+        assert run.exit_code == 0, run.output
+        assert picture.stat().st_size > 1000
