@@ -13,8 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ATTN = re.compile(r"(^|_)(self_)?(attn|attention|self_attention)$")
-MLP = re.compile(r"^(mlp|feed_forward|ffn|intermediate|feedforward|block_sparse_moe)$")
+ATTN = re.compile(r"(^|_)(self_)?(attn|attention|self_attention)$|^SelfAttention$")
+# A decoder block's attention over the encoder's output (BART's, Whisper's, T5's).
+CROSS = re.compile(r"^(encoder_attn|EncDecAttention|cross_attn|cross_attention|crossattention)$")
+MLP = re.compile(r"^(mlp|feed_forward|ffn|intermediate|feedforward|block_sparse_moe"
+                 r"|DenseReluDense)$")
 
 
 def is_norm_module(module: nn.Module) -> bool:
@@ -65,10 +68,13 @@ def head_lists(norms_by_path: dict[str, nn.Module], model: nn.Module) -> dict[st
             for path in norm_lists(norms_by_path, model) if not layer_lists(model, path)}
 
 
-def batch_dims(sample: Mapping[str, torch.Tensor]) -> tuple[int, int | None]:
-    """(batch size, token count) of a probe batch; the count is None for inputs whose
-    positions are fixed by their size (images), which probe at two batch sizes instead."""
-    ids = sample.get("input_ids")
+def batch_dims(sample: Mapping[str, torch.Tensor], tower: str | None = None
+               ) -> tuple[int, int | None]:
+    """(batch size, token count) of a probe batch (`tower`: the decoder's of an
+    encoder-decoder, which reads its own tokens); the count is None for inputs whose
+    positions are fixed by their size (images, sounds), which probe at two batch sizes
+    instead."""
+    ids = sample.get("decoder_input_ids" if tower == "decoder" else "input_ids")
     if ids is not None:
         return int(ids.shape[0]), int(ids.shape[1])
     first = next(v for v in sample.values() if isinstance(v, torch.Tensor))
@@ -89,10 +95,17 @@ def fixed_layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b1: int, b2: 
     return None
 
 
-def token_layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b: int, t1: int, t2: int
-            ) -> tuple[str, int | None] | None:
-    """(layout, heads) from the input shapes at two sequence lengths: the axis that follows
-    the length is the token axis, so a head count equal to B or T cannot mislead."""
+def token_layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b: int, t1: int, t2: int,
+                 b2: int | None = None) -> tuple[str, int | None] | None:
+    """(layout, heads) from the input shapes at two sequence lengths (and batch sizes `b`,
+    `b2`; the same where `b2` is None): the axis that follows the length is the token axis,
+    so a head count equal to B or T cannot mislead."""
+    if b2 is not None and b2 != b:  # told apart by the lengths alone: [B, T, d] or [B*T, d]
+        if len(shape1) == 3 and shape1[:2] == (b, t1) and shape2[:2] == (b2, t2):
+            return "btd", None
+        if len(shape1) == 2 and shape1[0] == b * t1 and shape2[0] == b2 * t2:
+            return "btd", None
+        return None
     if len(shape1) != len(shape2) or shape1[-1] != shape2[-1]:
         return None
     if len(shape1) == 3 and shape1[:2] == (b, t1) and shape2[:2] == (b, t2):
@@ -125,7 +138,16 @@ class Blocks:
         `attention`, `ffns` -> `ffn`)."""
         if len(self.paths) == 1:
             path, block = self.parts(model, i)[0]
-            return [(name, f"{path}.{name}", c) for name, c in block.named_children()]
+            out = []
+            for name, c in block.named_children():
+                if isinstance(c, nn.ModuleList) and not is_norm_module(c):
+                    # T5 keeps a block's sublayers in a list (`layer.0`: a norm and the
+                    # SelfAttention, ...): their children are the block's parts
+                    out += [(sub, f"{path}.{name}.{j}.{sub}", m) for j, entry in enumerate(c)
+                            for sub, m in entry.named_children()]
+                else:
+                    out.append((name, f"{path}.{name}", c))
+            return out
         return [(p.rsplit(".", 1)[-1].removesuffix("s"), path, m)
                 for p, (path, m) in zip(self.paths, self.parts(model, i), strict=True)]
 
@@ -158,7 +180,8 @@ def block_list(model: nn.Module, norm_paths: list[str]) -> Blocks:
 
 @dataclass
 class Stack:
-    """A tower's blocks, their attention and MLP modules (path -> ("attn" / "mlp", block)),
+    """A tower's blocks, their attention and MLP modules (path -> ("attn" / "cross" / "mlp",
+    block)),
     the bare projections standing for an MLP that is no module of its own (OPT's fc1 and fc2
     are the block's own layers), and when its first block ran."""
 
@@ -175,9 +198,9 @@ def stack_of(model: nn.Module, norm_paths: list[str], watched: dict[str, nn.Modu
     sublayers: dict[str, tuple[str, int]] = {}
     for i in range(blocks.n):
         watched.update(blocks.parts(model, i))
-        for kind, pattern in (("attn", ATTN), ("mlp", MLP)):
+        for kind, pattern in (("cross", CROSS), ("attn", ATTN), ("mlp", MLP)):
             for name, child_path, child in blocks.children(model, i):
-                if not pattern.search(name) or is_norm_module(child):
+                if not pattern.search(name) or is_norm_module(child) or child_path in sublayers:
                     continue
                 sublayers[child_path] = (kind, i)
                 watched[child_path] = child

@@ -111,12 +111,29 @@ class _Work:
         return self.flat[:n].view(shape)
 
 
+class _Part:
+    """The rows of a batch that one tower's sites see (an encoder-decoder's encoder input,
+    then its decoder tokens; one part for every other model): its real tokens `mask` [B, T]
+    and where its rows start among the batch's."""
+
+    def __init__(self, tower: str | None, mask: torch.Tensor, offset: int) -> None:
+        self.tower, self.mask, self.offset = tower, mask, offset
+        self.no_padding = bool(mask.all())
+        lengths = mask.sum(dim=1)
+        t = mask.shape[1]
+        prefix = torch.arange(t, device=mask.device).unsqueeze(0) < lengths.unsqueeze(1)
+        # each row's real tokens, when they come first
+        self.lengths: list[int] | None = (lengths.tolist() if bool((prefix == mask).all())
+                                          else None)
+        self.n = int(lengths.sum())
+
+
 class SiteSink:
     """Turns each hooked (input, output) into stored fields and a faithfulness figure.
 
     Each batch's rows are appended to the current group (`start` begins a batch, `take`,
     after a batch has run, ends the group and hands over its rows). `out[site]` are the
-    current batch's rows."""
+    current batch's rows (of the site's tower)."""
 
     def __init__(self, found: list[FoundSite], device: torch.device, *, rows: int = 2048,
                  grids: GridPlan | None = None) -> None:
@@ -132,6 +149,7 @@ class SiteSink:
                 self.places[f.record.site] = place
         self._placed: dict[str, ActBatch] = {}  # a placed site's rows of a batch, compact
         self.by_module = {path: (f, i) for f in found for i, (path, _) in enumerate(f.hooks)}
+        self.records = {f.record.site: f.record for f in found}
         self.params = {
             f.record.site: (
                 f.gain.float().to(device) if f.gain is not None else None,
@@ -149,13 +167,12 @@ class SiteSink:
                         b"" if t is None else t.detach().contiguous().numpy().tobytes()
                         for t in (g, b))
         self.mask = torch.zeros(0, dtype=torch.bool)
-        self._lengths: list[int] | None = None  # each row's real tokens, when they come first
-        self._no_padding = False
+        self._parts: list[_Part] = []  # the batch's rows, by the tower that sees them
         self._rows = rows
         self._groups: list[_Group | None] = [None, None]
         self._current = 0
         self._filled = 0  # rows of the current group before this batch
-        self._n = 0  # real tokens in this batch
+        self._n = 0  # real tokens in this batch, of every part
         self._x, self._y, self._d = _Work(device), _Work(device), _Work(device)
         self._d16 = _Work(device, torch.float16)  # off the CPU: the direction, on its device
         self.out: dict[str, ActBatch] = {}
@@ -165,16 +182,20 @@ class SiteSink:
         # the batch are stored and checked; the ingest sets it for its last batch.
         self.on_site: Callable[[str, np.ndarray], None] | None = None
 
-    def start(self, mask: torch.Tensor) -> None:
-        """A new forward pass over a batch whose real tokens are `mask` [B, T]."""
+    def start(self, mask: torch.Tensor,
+              towers: list[tuple[str | None, torch.Tensor]] | None = None) -> None:
+        """A new forward pass over a batch whose real tokens are `mask` [B, T]; `towers`, for
+        a model whose towers read different sequences, each tower's mask instead, in the
+        order of their rows (an encoder-decoder's encoder, then decoder): a site stores its
+        tower's rows and zeros in the others'."""
         self._filled += self._n  # the previous batch (which ran) stays in the group
         self.mask = mask
-        self._no_padding = bool(mask.all())
-        lengths = mask.sum(dim=1)
-        t = mask.shape[1]
-        prefix = torch.arange(t, device=mask.device).unsqueeze(0) < lengths.unsqueeze(1)
-        self._lengths = lengths.tolist() if bool((prefix == mask).all()) else None
-        self._n = int(lengths.sum())
+        self._parts = []
+        at = 0
+        for tower, m in towers or [(None, mask)]:
+            self._parts.append(_Part(tower, m, at))
+            at += self._parts[-1].n
+        self._n = at
         self.out, self.errors, self._heads = {}, {}, {}
         group = self._groups[self._current]
         need = self._filled + self._n
@@ -197,24 +218,33 @@ class SiteSink:
         self.out = {}
         return taken
 
-    def _rows_of(self, v: torch.Tensor, work: _Work, tail: tuple[int, ...]) -> torch.Tensor:
+    def _part(self, s: SiteRecord) -> _Part:
+        """The part of the batch's rows a site sees: its tower's."""
+        part = next((p for p in self._parts if p.tower is None or p.tower == s.tower), None)
+        if part is None:
+            raise IngestError(f"site {s.site!r} is in tower {s.tower!r}, which reads none of "
+                              "this batch's sequences")
+        return part
+
+    def _rows_of(self, part: _Part, v: torch.Tensor, work: _Work, tail: tuple[int, ...]
+                 ) -> torch.Tensor:
         """The real tokens' rows of v [B, T, *tail] as float32 [n, *tail] on the mask's
         device: a view where v already is that, else copied into `work`."""
-        b, t = self.mask.shape
-        v = v.to(self.mask.device)  # under a device_map the module may live elsewhere
-        if self._no_padding and v.dtype == torch.float32 and v.is_contiguous():
+        b, t = part.mask.shape
+        v = v.to(part.mask.device)  # under a device_map the module may live elsewhere
+        if part.no_padding and v.dtype == torch.float32 and v.is_contiguous():
             return v.reshape(b * t, *tail)
         v = v.reshape(b, t, *tail)
-        rows = work.view(self._n, *tail)
-        if self._no_padding:
+        rows = work.view(part.n, *tail)
+        if part.no_padding:
             rows.view(b, t, *tail).copy_(v)
-        elif self._lengths is not None:  # each row's real tokens first: one copy a row
+        elif part.lengths is not None:  # each row's real tokens first: one copy a row
             at = 0
-            for i, length in enumerate(self._lengths):
+            for i, length in enumerate(part.lengths):
                 rows[at : at + length].copy_(v[i, :length])
                 at += length
         else:
-            rows.copy_(v[self.mask])
+            rows.copy_(v[part.mask])
         return rows
 
     @torch.no_grad()
@@ -241,24 +271,31 @@ class SiteSink:
             self._store_placed(f, x, y)
             return
         tail = tuple(x.shape[-(2 if s.n_heads else 1):])
-        x = self._rows_of(x, self._x, tail)
-        y = self._rows_of(y, self._y, tail)
+        part = self._part(s)
+        x = self._rows_of(part, x, self._x, tail)
+        y = self._rows_of(part, y, self._y, tail)
         group = self._groups[self._current]
         assert group is not None
-        lo, hi = self._filled, self._filled + self._n
+        lo = self._filled + part.offset
+        hi = lo + part.n
         stored = group.fields[s.site]
+        if part.n != self._n:  # the other towers' rows: never named by a token of this tower
+            for a, b in ((self._filled, lo), (hi, self._filled + self._n)):
+                stored.direction[a:b] = 0
+                stored.norm[a:b] = 0
+                stored.mean[a:b] = 0
         worst = self._split(s, x, y, stored, lo, hi)
         self._stored(s, worst, ActBatch(direction=stored.direction[lo:hi],
                                         norm=stored.norm[lo:hi], mean=stored.mean[lo:hi]))
         if self.on_site is not None:
-            self.on_site(s.site, stored.direction[:hi])
+            self.on_site(s.site, stored.direction[:self._filled + self._n])
 
     def mask_of(self, site: str) -> torch.Tensor:
         """The positions of the current batch that `site`'s rows in `out` are: [B, T], or a
         placed site's own grid's [B, size]."""
         g = self.places.get(site)
         if g is None:
-            return self.mask
+            return self._part(self.records[site]).mask
         return torch.ones((self.mask.shape[0], g.size), dtype=torch.bool,
                           device=self.mask.device)
 

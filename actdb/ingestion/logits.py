@@ -101,7 +101,10 @@ class LogitFit:
         self.head = head
         self.kwargs = kwargs
         self.hints = _config_numbers(config)
-        self.bsz, self.t = (int(n) for n in sample["input_ids"].shape)
+        # the LM head reads the decoder's tokens in an encoder-decoder
+        ids = sample.get("decoder_input_ids", sample.get("input_ids"))
+        assert ids is not None, "a logit fit needs token ids"
+        self.bsz, self.t = (int(n) for n in ids.shape)
         d = int(head.weight.shape[1])  # type: ignore[index]
         gen = torch.Generator().manual_seed(7)
         r = torch.randn(self.bsz * self.t, d, generator=gen, dtype=torch.float64)

@@ -36,6 +36,7 @@ from .options import IngestOptions, IngestPlan, IngestSummary
 from .prompts import Prompt, apply_chat_template
 from .register import register
 from .run import BatchRunner, forward_kwargs
+from .seq2seq import decoder_ids, is_encoder_decoder, probe_decoder, target_limit
 from .shards import enter_shard, nothing_to_do
 from .sites import FoundSite, find_sites, norm_modules_of
 from .work import fields_not_stored, plan_work
@@ -60,6 +61,8 @@ class ModelSetup:
     labels: Positions | None = None  # what each position of a media input is
     grids: GridPlan | None = None  # where each site's rows lie among a media input's
     towers: dict[str, int] = dataclasses.field(default_factory=dict)  # each tower's depth
+    # an encoder-decoder's: the tokens each prompt's decoder reads (`ids` its encoder's)
+    decoders: list[list[int]] | None = None
     warnings: list[str] = dataclasses.field(default_factory=list)
     contrastive: Contrastive | None = None  # a contrastive model over images: its vision tower
     zero_shot: LabelsHead | None = None  # its labels' anchors, proven
@@ -95,14 +98,7 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
     """Tokenize the prompts, find the model's norm sites and fit its logit transform."""
     name = opts.name or loaded.default_name
     norm_modules_of(loaded.model)  # a model without norms is said first, whatever it reads
-    config = getattr(loaded.model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        # Its decoder reads a target (or its own start token), not the prompt: rows labelled
-        # with the prompt's tokens would name tokens the decoder never read.
-        raise ModelLoadError(
-            f"model {name!r} ({type(loaded.model).__name__}) is an encoder-decoder: actdb "
-            "does not yet store its two stacks with the tokens each one read, and refuses it "
-            "rather than label decoder rows with prompt tokens")
+    seq2seq = is_encoder_decoder(loaded.model)
     check_inputs(prompts, loaded.model, name)
     media = any(p.media is not None for p in prompts)
     if media and (opts.chat_template or any(p.media is None for p in prompts)):
@@ -121,6 +117,15 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
         ids, truncated = tokenize(loaded.tokenizer, [p.text for p in prompts], limit,
                                   special=not opts.chat_template)
         sample, sample_alt = probe_batch(loaded, ids, 11), probe_batch(loaded, ids, 7)
+    decoders = None
+    if seq2seq:  # the decoder reads each input's target, shifted, or its start token
+        decoders, cut = decoder_ids(loaded.model, loaded.tokenizer, prompts,
+                                    target_limit(loaded.model) if opts.max_length is None
+                                    else opts.max_length, name)
+        truncated = [a or b for a, b in zip(truncated, cut, strict=True)]
+        pool = [t for row in decoders for t in row]
+        sample, sample_alt = (probe_decoder(loaded.model, s, pool, n, loaded.device, name)
+                              for s, n in ((sample, 11), (sample_alt, 7)))
     # A contrastive model reads images with its vision tower alone (its text tower reads the
     # labels, once): the tower is what runs, and its norms are the sites.
     contrastive = find_contrastive(loaded.model) if media else None
@@ -142,7 +147,10 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
     if media:
         # Sites that see different numbers of positions (stages, a pooled head's norm) each
         # store their rows on their own grid of an input's rows (grids.py).
-        grids = plan_grids([(f.record.site, f.positions, f.shape) for f in found], name)
+        # (an encoder-decoder's decoder rows are the tokens it read: the input's positions
+        # are its encoder's)
+        grids = plan_grids([(f.record.site, f.positions, f.shape) for f in found
+                            if not (seq2seq and f.record.tower == "decoder")], name)
         if grids.several:
             found = [dataclasses.replace(f, record=dataclasses.replace(
                 f.record, grid=grids.of_site[f.record.site])) for f in found]
@@ -189,7 +197,7 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
                       limit=limit, found=found, n_layers=n_layers, head=head,
                       transform=transform, final=final, classifier=classifier,
                       labels=media_positions, towers=towers, warnings=warnings, grids=grids,
-                      contrastive=contrastive, zero_shot=zero_shot)
+                      contrastive=contrastive, zero_shot=zero_shot, decoders=decoders)
 
 
 def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
@@ -215,7 +223,8 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
         # first batch committed, the error with it) or a later shard does not add its own.
         first_recorded = reg.record.logit_max_rel_error is None and (
             shard_of is None or shard_of[0] == 0)
-        work, known = plan_work(st, reg.record.model, m.prompts, m.ids, m.truncated, m.labels)
+        work, known = plan_work(st, reg.record.model, m.prompts, m.ids, m.truncated, m.labels,
+                                m.decoders)
         warnings = m.warnings + fields_not_stored(st, m.prompts, known)
         records = [f.record for f in found]
         # The plan: which prompts share a forward pass, the same for every shard and run.
@@ -230,7 +239,7 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
             reg, batches = enter_shard(st, reg, records, batches, shard_of)
             first_recorded = first_recorded and reg.record.logit_max_rel_error is None
         mine = [w for b in batches for w in b]
-        tokens_todo = sum(len(w.ids) for w in mine)
+        tokens_todo = sum(w.n_rows for w in mine)
         n_truncated = sum(w.truncated for w in mine)  # of the prompts this run stores
         plan = IngestPlan(
             model=reg.record.model, prompts_total=len(m.prompts), prompts_todo=len(mine),

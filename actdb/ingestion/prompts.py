@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import IngestError, PromptsError
+from ..store.records import prompt_key
 
 # The input fields that are no text: each is a path (a video may be a folder of frames).
 MEDIA = ("image", "video", "audio")
@@ -39,12 +40,17 @@ class Prompt:
     media: Media | None = None
 
     @property
+    def target(self) -> str | None:
+        """What an encoder-decoder's decoder reads (teacher forcing): the `target` field."""
+        value = self.extra.get("target")
+        return value if isinstance(value, str) else None
+
+    @property
     def key(self) -> str:
-        """What makes two inputs one prompt: the text, and the media paths where there are."""
-        if self.media is None:
-            return self.text
-        m = self.media
-        return "\0" + json.dumps([self.text, m.image, m.video, m.audio])
+        """What makes two inputs one prompt: the text, the media paths where there are, and
+        the target where there is one (records.prompt_key)."""
+        m = self.media or Media()
+        return prompt_key(self.text, m.image, m.video, m.audio, self.target)
 
 
 PromptsLike = str | os.PathLike[str] | Iterable[str | Mapping[str, Any]]

@@ -27,6 +27,7 @@ from .logits import LOGIT_LIMIT, LogitCheck
 from .progress import progress_bar
 from .register import Registration
 from .rows import Work, batch_tables
+from .seq2seq import decoder_batch
 from .sites import FoundSite, forward_module, outside_base
 
 # Batches are buffered to at least this many token rows before a write and commit: fewer
@@ -103,10 +104,10 @@ class BatchRunner:
         self.record = reg.record
         self.records = [f.record for f in found]
         self.start = self.record.n_rows  # the next group's first row
-        self.total = sum(len(w.ids) for b in batches for w in b)
+        self.total = sum(w.n_rows for b in batches for w in b)
         self.group_rows = max(self.record.chunk_tokens, FLUSH_TOKENS)
         # A group is flushed once it holds group_rows rows: at most group_rows - 1 and a batch.
-        largest = max((sum(len(w.ids) for w in b) for b in batches), default=0)
+        largest = max((sum(w.n_rows for w in b) for b in batches), default=0)
         self.sink = SiteSink(found, loaded.device, grids=grids,
                              rows=min(self.group_rows - 1 + largest, self.total))
         self.worst: dict[str, float] = {}
@@ -146,7 +147,7 @@ class BatchRunner:
                 ahead = {}
                 write_ahead = k > 0 and k == n_batches - 1 and buffered == 0
                 self._forward(k, batch, ahead if write_ahead else None)
-                n = sum(len(w.ids) for w in batch)
+                n = sum(w.n_rows for w in batch)
                 buffered += n
                 # Flushed before the last batch as well as after it: the last batch is a group
                 # of its own, since its commit is the one that nothing overlaps.
@@ -174,7 +175,17 @@ class BatchRunner:
         else:
             inputs = pad(loaded, [w.ids for w in batch])
             mask = inputs["attention_mask"].bool()
-        sink.start(mask)
+        towers: list[tuple[str | None, torch.Tensor]] | None = None
+        if batch[0].decoder is not None:  # an encoder-decoder: its encoder's rows, then its
+            # decoder's; the LM head reads the decoder's
+            config = getattr(loaded.model, "config", None)
+            decoder = decoder_batch([w.decoder or [] for w in batch],
+                                    int(getattr(config, "pad_token_id", None) or 0),
+                                    loaded.device)
+            inputs = {**inputs, **decoder}
+            towers = [("encoder", mask), ("decoder", decoder["decoder_attention_mask"].bool())]
+            mask = towers[1][1]
+        sink.start(mask, towers)
         sink.on_site = (None if ahead is None else
                         functools.partial(_write_ahead, self.st, record, self.start, ahead))
         logit_error = None
@@ -212,7 +223,8 @@ class BatchRunner:
 
     def _flush(self, ahead: Ahead) -> None:
         """Hand the pending batches' rows to the commit thread."""
-        works = [w for p in self.pending for w in p[0]]
+        batches = [p[0] for p in self.pending]
+        works = [w for b in batches for w in b]
         errors: dict[str, float] = {}
         logit_errors = [p[2] for p in self.pending if p[2] is not None]
         for p in self.pending:
@@ -227,18 +239,18 @@ class BatchRunner:
         if self.in_flight:
             self.in_flight.pop().result()
         self.in_flight.append(self.committer.submit(
-            self._commit, works, acts, errors, max(logit_errors) if logit_errors else None,
+            self._commit, batches, acts, errors, max(logit_errors) if logit_errors else None,
             self.start, ahead))
-        self.start += sum(len(w.ids) for w in works)
+        self.start += sum(w.n_rows for w in works)
 
-    def _commit(self, works: list[Work], acts: dict[str, ActBatch], errors: dict[str, float],
+    def _commit(self, batches: list[Batch], acts: dict[str, ActBatch], errors: dict[str, float],
                 logit_error: float | None, start: int, ahead: Ahead) -> None:
         """On the commit thread: the token strings of a new model are known there, once its
         registration (the first job) has decoded the vocabulary."""
         token_str = self.reg.token_str
         if not token_str:  # rows of missing token strings would be stored silently
             raise RuntimeError("a batch was committed before its model's vocabulary was read")
-        new_prompts, runs, tokens = batch_tables(works, start, token_str)
+        new_prompts, runs, tokens = batch_tables(batches, start, token_str)
         self.st.commit_batch(self.record, start=start, acts=acts, new_prompts=new_prompts,
                              prompt_runs=runs, tokens=tokens, site_errors=errors,
                              logit_error=logit_error, ahead=ahead)

@@ -100,7 +100,8 @@ def fingerprint(model: str, n_shards: int, base: int, align: int, batches: list[
         h.update(b"batch\n")
         for w in b:
             h.update(json.dumps([w.prompt_id, w.prompt.key, w.ids, w.truncated, w.new_prompt,
-                                 sorted(w.prompt.extra.items(), key=lambda kv: kv[0])],
+                                 sorted(w.prompt.extra.items(), key=lambda kv: kv[0])]
+                                + ([w.decoder] if w.decoder is not None else []),
                                 default=str).encode())
     return h.hexdigest()
 
@@ -121,7 +122,7 @@ def plan_shard(batches: list[Batch], *, model: str, shard: int, n_shards: int, b
     start, end = base, base
     ranges = []
     for k in range(n_shards):
-        tokens = sum(len(w.ids) for b in batches[cuts[k] : cuts[k + 1]] for w in b)
+        tokens = sum(w.n_rows for b in batches[cuts[k] : cuts[k + 1]] for w in b)
         if k:
             start = -(-end // align) * align
         end = start + tokens

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,11 +37,11 @@ from .capture import Call, record_calls
 from .grids import feature_layout, width_of
 from .inputs import takes
 from .probe import measure_norm
+from .roles import carried, decoder_role, feeds, place_role
 from .towers import Tower, find_towers, main_tower, site_prefix
 
-_Q = re.compile(r"(^|_)(q|query)_?(norm|layernorm|ln)s?$")
-_K = re.compile(r"(^|_)(k|key)_?(norm|layernorm|ln)s?$")
 _SHORT = {"pre_attn": "ln1", "pre_mlp": "ln2", "post_attn": "ln1_post", "post_mlp": "ln2_post",
+          "pre_cross": "ln_cross", "post_cross": "ln_cross_post",
           "q_norm": "attn.q_norm", "k_norm": "attn.k_norm"}
 
 
@@ -70,49 +69,6 @@ class FoundSite:
     @property
     def module(self) -> nn.Module:
         return self.hooks[0][1]
-
-
-def _role(leaf: str, call: Call, attn: Call | None, mlp: Call | None, sublayer: str | None,
-          feeds_inside: bool) -> str:
-    parts = leaf.split(".")
-    if any(_Q.search(p) for p in parts):
-        return "q_norm"
-    if any(_K.search(p) for p in parts):
-        return "k_norm"
-    if feeds_inside:
-        return "inner"  # its output feeds a projection of its own sublayer: never the residual
-    if sublayer == "attn":
-        return "post_attn"  # e.g. BERT's attention.output.LayerNorm(residual + attn)
-    if sublayer == "mlp":
-        return "post_mlp"
-    if attn is None:
-        return "other"
-    if call.start < attn.start:
-        # Parallel blocks (Falcon's new architecture) norm the MLP's input before attention.
-        if (mlp is not None and _same(call.output, mlp.input)
-                and not _same(call.output, attn.input)):
-            return "pre_mlp"
-        return "pre_attn"
-    if mlp is None or call.start < mlp.start:
-        # Between the sublayers: a norm whose output feeds the MLP is its pre-norm (whatever
-        # its name, e.g. Llama's post_attention_layernorm); one that does not, normalizes
-        # the attention output (Gemma 2, OLMo 2).
-        if mlp is not None and _same(call.output, mlp.input):
-            return "pre_mlp"
-        if mlp is None or mlp.input is None:
-            return "post_attn" if _same(call.input, attn.output) else "pre_mlp"
-        return "post_attn"
-    return "post_mlp"
-
-
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
-
-
-def _feeds(out: torch.Tensor | None, into: torch.Tensor | None) -> bool:
-    """`out` is what `into` received, up to a reshape (heads merged, tokens flattened)."""
-    return (out is not None and into is not None and out.numel() == into.numel()
-            and out.dtype == into.dtype and torch.equal(out.reshape(-1), into.reshape(-1)))
 
 
 def outside_base(model: nn.Module, paths: list[str]) -> bool:
@@ -168,20 +124,21 @@ def _probing(model: nn.Module, sample: Mapping[str, torch.Tensor]) -> Iterator[N
 
 
 def _final_path(log: dict[str, list[Call]], norm_paths: list[str], blocks: Blocks,
-                first_block: int) -> str | None:
+                first_block: int, *, last_block: bool = False) -> str | None:
     """The norm module whose output the LM head reads: the last to run outside the blocks,
     after the first block. `_place` calls every such norm a final site; where there are
     several (RoBERTa-PreLayerNorm: the base model's last LayerNorm, then one inside its LM
     head, after a dense layer), the logits come from the last, named `final` (the others
     `final_1`, `final_2`, ... in call order). A model whose blocks are sibling lists (XLM,
     post-norm) runs no norm after them: its head reads the last norm to run, when that is in
-    the last block."""
+    the last block; so does a post-norm encoder-decoder's decoder (BART, Marian:
+    `last_block`)."""
     ran = [(log[p][0].start, p) for p in norm_paths
            if log.get(p) and log[p][0].input is not None]
     outside = [(t, p) for t, p in ran if t >= first_block and blocks.place(p) is None]
     if outside:
         return max(outside)[1]
-    if len(blocks.paths) > 1 and ran:
+    if (len(blocks.paths) > 1 or last_block) and ran:
         last = max(ran)[1]
         at = blocks.place(last)
         if at is not None and at[0] == blocks.n - 1:
@@ -249,7 +206,7 @@ def find_sites(
                        for i in range(st.blocks.n) for path, _ in st.blocks.parts(model, i)]
         st.first_block = min((c.start for c in block_calls if c), default=0)
         finals[t] = _final_path(log.calls, [p for p in norm_modules if tower_of[p] == t],
-                                st.blocks, st.first_block)
+                                st.blocks, st.first_block, last_block=t.name == "decoder")
     main = main_tower(towers)
     final_path = finals[main]
     if depths is not None:
@@ -260,8 +217,6 @@ def find_sites(
             final_probe.run(model, norm_modules[final_path], final_path, sample_alt)
         else:
             target(**sample_alt)
-    b, t1 = batch_dims(sample)
-    b2, t2 = batch_dims(sample_alt)
 
     n_layers = stacks[main].blocks.n
     norm_calls = [c[0] for p, c in log.calls.items() if p in norm_modules and c]
@@ -288,6 +243,8 @@ def find_sites(
         fixed = None
         shape: tuple[int, int] | None = None
         layout: tuple[str, int | None] | None
+        b, t1 = batch_dims(sample, tower_of[path].name)
+        b2, t2 = batch_dims(sample_alt, tower_of[path].name)
         if t1 is None or t2 is None:
             fixed = fixed_layout(tuple(call.input.shape), shape2, b, b2)
             if fixed is None and not any(p.search(site_path.rsplit(".", 1)[-1])
@@ -300,7 +257,7 @@ def find_sites(
                     fixed = (found_map[0], shape[0] * shape[1])
             layout = None if fixed is None else (fixed[0], None)
         else:
-            layout = token_layout(tuple(call.input.shape), shape2, b, t1, t2)
+            layout = token_layout(tuple(call.input.shape), shape2, b, t1, t2, b2)
         if layout is None and alt and alt[0].input is not None and shape2 == shape_in and (
                 torch.equal(call.input, alt[0].input)):
             # the same input for both probe batches, whose tokens differ: no token in it
@@ -462,38 +419,25 @@ def _place(
         if after:  # from the first projection's input to the last one's output
             mlp = Call(start=after[0].start, end=after[-1].end, input=after[0].input,
                        output=after[-1].output)
-    inside = next((k for k in (attn_name, mlp_name) if k and path.startswith(k + ".")), None)
+    cross_name = next((k for k, (v, i) in sublayers.items() if v == "cross" and i == layer
+                       and k in calls), None)
+    inside = next((k for k in (attn_name, cross_name, mlp_name)
+                   if k and path.startswith(k + ".")), None)
+    if cross_name is not None and attn is not None and inside is None:
+        ran = calls.get(f"{blocks.paths[0]}.{layer}") if len(blocks.paths) == 1 else None
+        block = ran[0] if ran else None
+        return layer, decoder_role(call, attn, calls[cross_name][0], mlp, block, norm_calls)
     sublayer = sublayers[inside][0] if inside else None
+    if sublayer == "cross":
+        sublayer = "attn"  # a norm inside the cross-attention: its own output feeds it
     feeds_inside = inside is not None and any(
-        _feeds(call.output, c[0].input) for k, c in calls.items()
+        feeds(call.output, c[0].input) for k, c in calls.items()
         if k.startswith(inside + ".") and k not in sublayers and c
     )
-    role = _role(leaf, call, attn, mlp, sublayer, feeds_inside)
-    if role == "pre_mlp" and mlp is not None and norm_calls and _carried(
+    role = place_role(leaf, call, attn, mlp, sublayer, feeds_inside)
+    if role == "pre_mlp" and mlp is not None and norm_calls and carried(
             call, mlp, norm_calls):
         role = "post_attn"
     return layer, role
 
 
-def _carried(call: Call, mlp: Call, norm_calls: list[Call]) -> bool:
-    """Whether the residual the MLP's output is added to is this norm's output, not its
-    input: a post-norm block (DistilBERT's `sa_layer_norm(attn + x)`, whose output feeds the
-    MLP and is carried on) rather than a pre-MLP norm, whose output feeds the MLP while its
-    input is carried on. Read from the next norm's input, `residual + mlp(...)`; undecided
-    (False) unless the output explains it to its dtype's rounding, and far better than the
-    input does."""
-    nxt = min((c for c in norm_calls if c.start > mlp.end and c.input is not None),
-              key=lambda c: c.start, default=None)
-    x, y, m = call.input, call.output, mlp.output
-    if nxt is None or x is None or y is None or m is None or nxt.input is None:
-        return False
-    if not (x.shape == y.shape == m.shape == nxt.input.shape):
-        return False
-    rest = nxt.input.double() - m.double()
-    # Relative to the sum the next norm received, which was rounded to its dtype: in bfloat16
-    # the output explains it only to about 2^-8, in float32 to about 2^-24.
-    scale = float(torch.linalg.vector_norm(nxt.input.double())) or 1.0
-    off_out = float(torch.linalg.vector_norm(rest - y.double())) / scale
-    off_in = float(torch.linalg.vector_norm(rest - x.double())) / scale
-    eps = torch.finfo(nxt.input.dtype).eps if nxt.input.is_floating_point() else 1e-7
-    return off_out < max(1e-3, 8.0 * eps) and off_out * 4.0 < off_in

@@ -378,6 +378,13 @@ class Functions:
                      or []}
         on_grid = (" AND s.grid IS NOT DISTINCT FROM t.grid"
                    if "grid" in have and "grid" in site_cols else "")
+        # An encoder-decoder's rows each belong to one tower (its input's to the encoder, the
+        # tokens its decoder read to the decoder): a row meets that tower's sites only, and
+        # its run (n_tokens) is its tower's. NULL: a row every site sees.
+        runs = {r[0] for r in con.execute("SELECT * FROM prompt_runs LIMIT 0").description or []}
+        towers = "tower" in have and "tower" in runs and "tower" in site_cols
+        run_tower = " AND r.tower IS NOT DISTINCT FROM t.tower" if towers else ""
+        on_grid += " AND (t.tower IS NULL OR t.tower = s.tower)" if towers else ""
         con.execute(f"""
             CREATE OR REPLACE TEMP VIEW acts AS
             SELECT model, prompt_id, position, token_id, token, site, layer, role, head,
@@ -389,7 +396,7 @@ class Functions:
                 SELECT t.model, t.prompt_id, t.position, t.token_id, t.token,
                        s.site, s.layer, s.role, h.head, {fields} AS _fields, r.n_tokens, {patch}
                 FROM tokens t
-                JOIN prompt_runs r ON r.model = t.model AND r.prompt_id = t.prompt_id
+                JOIN prompt_runs r ON r.model = t.model AND r.prompt_id = t.prompt_id{run_tower}
                 JOIN sites s ON s.model = t.model{on_grid}
                 JOIN _actdb_streams h ON h.model = s.model AND h.site = s.site
             )

@@ -170,17 +170,20 @@ def logit_diff(src: VectorSource, h: np.ndarray, out: np.ndarray, t1: Arg, ty1: 
 # -- what a block wrote ---------------------------------------------------------------------
 
 # The roles whose input is the residual stream itself (pre-norm blocks and the final norm):
-# consecutive ones in forward order bracket one sublayer's write.
-RESIDUAL_ROLES = ("pre_attn", "pre_mlp", "final")
+# consecutive ones in forward order bracket one sublayer's write (a decoder block's
+# cross-attention between its self-attention and its MLP).
+RESIDUAL_ROLES = ("pre_attn", "pre_cross", "pre_mlp", "final")
 
 
 def next_residual_site(src: VectorSource, model: Any, site: Any) -> Any:
-    """The residual site after `site` in forward order, or None (not residual, or the last)."""
-    if site.role not in RESIDUAL_ROLES[:2]:
+    """The residual site after `site` in forward order within its tower, or None (not
+    residual, or the last)."""
+    if site.role not in RESIDUAL_ROLES[:3]:
         return None
     chain = sorted((s for (mid, _), s in src.sites.items()
                     if mid == model.model_id and s.role in RESIDUAL_ROLES
-                    and s.d == site.d and s.n_heads is None and s.grid == site.grid),
+                    and s.tower == site.tower and s.d == site.d and s.n_heads is None
+                    and s.grid == site.grid),
                    key=lambda s: (s.layer if s.layer is not None else 1 << 30, s.site_id))
     at = next(i for i, s in enumerate(chain) if s.site_id == site.site_id)
     return chain[at + 1] if at + 1 < len(chain) else None

@@ -27,7 +27,7 @@ from .catalog_schema import (
     CatalogSchema,
     version_needed,
 )
-from .records import ModelRecord, SiteRecord
+from .records import ModelRecord, SiteRecord, prompt_key
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -153,32 +153,39 @@ class Catalog:
         return [SiteRecord(**dict(zip(names, r, strict=True))) for r in rows]
 
     def prompt_ids(self, texts: Sequence[str]) -> dict[str, int]:
-        """The ids of those texts that already are prompts of the store."""
+        """The ids of those texts that already are prompts of the store (of text alone: no
+        media, no decoder target)."""
         if not texts:
             return {}
+        have = {c.lower() for c in self.prompt_columns()}
+        alone = " AND ".join(f"p.{c} IS NULL" for c in ("image", "video", "audio", "target")
+                             if c in have) or "true"
         wanted = pa.table({"text": pa.array(list(set(texts)), pa.string())})
         with self.connection.session() as con:
             con.register("_wanted", wanted)
             try:
                 rows = con.execute(
-                    "SELECT p.text, p.prompt_id FROM prompts p JOIN _wanted w USING (text)"
+                    "SELECT p.text, p.prompt_id FROM prompts p JOIN _wanted w USING (text) "
+                    f"WHERE {alone}"
                 ).fetchall()
             finally:
                 con.unregister("_wanted")
         return {t: int(i) for t, i in rows}
 
     def media_prompt_ids(self) -> dict[str, int]:
-        """The ids of the prompts with an image, video or audio, by their key (ingest's
-        `Prompt.key`: a NUL, then the JSON list [text, image, video, audio])."""
+        """The ids of the prompts with an image, video, audio or decoder target, by their key
+        (records.prompt_key, as the ingest's `Prompt.key`)."""
         have = {c.lower() for c in self.prompt_columns()}  # prompts gains columns: not cached
-        media = [c for c in ("image", "video", "audio") if c in have]
+        media = [c for c in ("image", "video", "audio", "target") if c in have]
         if not media:
             return {}
-        cols = ", ".join(f"p.{c}" if c in media else "NULL" for c in ("image", "video", "audio"))
+        cols = ", ".join(f"p.{c}" if c in media else "NULL"
+                         for c in ("image", "video", "audio", "target"))
+        # a target that is no string (a JSON value in a VARCHAR column) is no decoder's
         with self.connection.session() as con:
             rows = con.execute(f"SELECT p.prompt_id, coalesce(p.text, ''), {cols} FROM prompts p "
                                f"WHERE coalesce({', '.join(media)}) IS NOT NULL").fetchall()
-        return {"\0" + json.dumps(list(r[1:])): int(r[0]) for r in rows}
+        return {prompt_key(*r[1:]): int(r[0]) for r in rows}
 
     def next_prompt_id(self) -> int:
         row = self.one("SELECT coalesce(max(prompt_id) + 1, 0) FROM prompts")

@@ -18,8 +18,9 @@ LOCAL_FORMAT_VERSION = digests.DIGESTS_VERSION
 # A model without a token embedding, or whose head is a classifier (an image model): an actdb
 # reading version 3 or less would call its missing embedding damage and its labels tokens.
 IMAGE_FORMAT_VERSION = 4
-# A model whose sites see different grids of positions (sites.grid, tokens.grid): an actdb
-# reading version 5 or less would give every site every grid's rows.
+# A model whose sites see different grids of positions (sites.grid, tokens.grid), or an
+# encoder-decoder, whose rows each belong to one tower (tokens.tower, prompt_runs.tower): an
+# actdb reading version 5 or less would give every site every grid's and tower's rows.
 GRID_FORMAT_VERSION = 6
 # The newest format this actdb reads and writes (a store is raised to it by the model that
 # needs it, `version_needed`).
@@ -28,7 +29,7 @@ FORMAT_VERSION = GRID_FORMAT_VERSION
 
 def version_needed(model: ModelRecord, sites: Sequence[SiteRecord] = ()) -> int:
     """The format version a store must have to hold `model` and its `sites` (0: any)."""
-    if any(s.grid is not None for s in sites):
+    if model.row_towers or any(s.grid is not None for s in sites):
         return GRID_FORMAT_VERSION
     if model.has_embed is False or model.head_kind not in (None, "lm"):
         return IMAGE_FORMAT_VERSION
@@ -47,11 +48,13 @@ CREATE TABLE models (
 );
 CREATE TABLE prompts (prompt_id BIGINT, text VARCHAR, n_tokens INTEGER);
 CREATE TABLE prompt_runs (
-    model VARCHAR, prompt_id BIGINT, row_start BIGINT, n_tokens INTEGER, truncated BOOLEAN
+    model VARCHAR, prompt_id BIGINT, row_start BIGINT, n_tokens INTEGER, truncated BOOLEAN,
+    tower VARCHAR
 );
 CREATE TABLE tokens (
     model VARCHAR, prompt_id BIGINT, position INTEGER, token_id INTEGER, token VARCHAR,
-    "row" BIGINT, patch_row INTEGER, patch_col INTEGER, frame INTEGER, grid INTEGER
+    "row" BIGINT, patch_row INTEGER, patch_col INTEGER, frame INTEGER, grid INTEGER,
+    tower VARCHAR
 );
 CREATE TABLE sites (
     model VARCHAR, site VARCHAR, site_id INTEGER, layer INTEGER, role VARCHAR, kind VARCHAR,
@@ -71,7 +74,8 @@ _ADDED_COLUMNS = {"models": {"logit_scale": "DOUBLE", "logit_max_rel_error": "DO
                   "sites": {"centered": "BOOLEAN", "tower": "VARCHAR", "layout": "VARCHAR",
                             "grid": "INTEGER"},
                   "tokens": {"patch_row": "INTEGER", "patch_col": "INTEGER", "frame": "INTEGER",
-                             "grid": "INTEGER"}}
+                             "grid": "INTEGER", "tower": "VARCHAR"},
+                  "prompt_runs": {"tower": "VARCHAR"}}
 TABLES = ("meta", "models", "prompts", "prompt_runs", "tokens", "sites", "vocab", digests.TABLE)
 
 

@@ -33,7 +33,8 @@ def describe(store: Store) -> StoreInfo:
     models = con.execute(
         "SELECT m.model, m.model_id, m.architecture, m.d_model, m.n_layers, m.vocab_size, "
         "m.n_sites, "
-        "m.has_lm_head, (SELECT count(*) FROM prompt_runs r WHERE r.model = m.model) AS prompts, "
+        "m.has_lm_head, (SELECT count(DISTINCT r.prompt_id) FROM prompt_runs r "
+        "WHERE r.model = m.model) AS prompts, "
         # not n_rows: a merged sharded ingest leaves rows between shards unused
         "(SELECT count(*) FROM tokens t WHERE t.model = m.model) AS tokens, "
         f"m.dtype, m.source, {logit_cols} FROM models m ORDER BY m.model_id"

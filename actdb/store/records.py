@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,3 +86,20 @@ class ModelRecord:
     head_position: int | None = None
     # each tower's depth in blocks ({'text': 4, 'vision': 6}); empty in older stores
     towers: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def row_towers(self) -> bool:
+        """Whether its rows each belong to one tower (`tokens.tower`): an encoder-decoder's
+        encoder reads the input and its decoder other tokens, so no row is seen by both."""
+        return "encoder" in self.towers and "decoder" in self.towers
+
+
+def prompt_key(text: str, image: str | None = None, video: str | None = None,
+               audio: str | None = None, target: str | None = None) -> str:
+    """What makes two inputs one prompt: the text alone; with media, the text and the media
+    paths; with a decoder's target (an encoder-decoder's input), the target too."""
+    if target is not None:
+        return "\0" + json.dumps([text, image, video, audio, target])
+    if image is None and video is None and audio is None:
+        return text
+    return "\0" + json.dumps([text, image, video, audio])

@@ -62,7 +62,8 @@ def verify(store: Store, *, full: bool = False) -> list[str]:
                             f"table {n_tokens}")
         outside = cat.one(
             'SELECT count(*) FROM tokens t JOIN prompt_runs r USING (model, prompt_id) '
-            'WHERE t.model = ? AND t."row" <> r.row_start + t.position', [m.model])
+            'WHERE t.model = ? AND t."row" <> r.row_start + t.position'
+            + (' AND r.tower IS NOT DISTINCT FROM t.tower' if m.row_towers else ''), [m.model])
         if outside and outside[0]:
             problems.append(f"{where}: {outside[0]} token rows lie outside their prompt's run")
         orphans = cat.one(

@@ -601,52 +601,6 @@ def test_a_last_batch_that_fails_its_check_leaves_rows_a_rerun_replaces(
     _rows_are_the_models(store, model, tok)
 
 
-def test_an_encoder_decoder_model_is_refused_in_one_sentence(tmp_path: Path) -> None:
-    """T5 needs decoder inputs, which an ingest does not give (it runs a model on token ids
-    and an attention mask): its own ValueError came out as a traceback from the API and the
-    CLI (review finding); BART ran, its decoder rows labelled with prompt tokens its decoder
-    never read. Each is one sentence, exit 1, and nothing is written."""
-    import torch
-    from support.tiny_models import build_family_tokenizer
-    from transformers import (
-        BartConfig,
-        BartForConditionalGeneration,
-        T5Config,
-        T5ForConditionalGeneration,
-    )
-
-    from actdb.errors import ModelLoadError
-
-    tok = build_family_tokenizer("llama")
-    torch.manual_seed(0)
-    model = T5ForConditionalGeneration(T5Config(
-        d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, vocab_size=len(tok),
-        pad_token_id=0, eos_token_id=0, decoder_start_token_id=0)).eval()
-    with pytest.raises(ModelLoadError) as e:
-        actdb.ingest(tmp_path / "a.actdb", model=model, tokenizer=tok, prompts=["a b c"],
-                     device="cpu", name="t5")
-    assert str(e.value).startswith("model 't5' (T5ForConditionalGeneration) is an "
-                                   "encoder-decoder: actdb does not yet store its two stacks")
-    assert "\n" not in str(e.value)
-    assert not (tmp_path / "a.actdb").exists()
-    bart = BartForConditionalGeneration(BartConfig(
-        vocab_size=len(tok), d_model=32, encoder_layers=1, decoder_layers=1,
-        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-        decoder_ffn_dim=64, max_position_embeddings=64)).eval()
-    with pytest.raises(ModelLoadError, match="'bart' .* is an encoder-decoder"):
-        actdb.ingest(tmp_path / "c.actdb", model=bart, tokenizer=tok, prompts=["a b c"],
-                     device="cpu", name="bart")
-    assert not (tmp_path / "c.actdb").exists()
-    model.save_pretrained(tmp_path / "t5")
-    tok.save_pretrained(tmp_path / "t5")
-    res = CliRunner().invoke(cli, ["ingest", str(tmp_path / "b.actdb"), "--model",
-                                   str(tmp_path / "t5"), "--prompts", "-", "--device", "cpu"],
-                             input="a b c\n")
-    assert res.exit_code == 1, res.output
-    assert "Traceback" not in res.output and "is an encoder-decoder" in res.output
-    assert not (tmp_path / "b.actdb").exists()
-
-
 def test_a_norm_over_no_tokens_is_no_site_and_the_filter_leaves_out_unknown_layouts(
         tmp_path: Path) -> None:
     """DeBERTa-v3 (`norm_rel_ebd="layer_norm"`) normalizes its table of relative-position
