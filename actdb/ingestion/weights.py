@@ -55,6 +55,12 @@ def extract(model: nn.Module, found: list[FoundSite], tokens: list[int], *,
     """Every block's attention and MLP weights, or the reason one cannot be mapped.
 
     `tokens`: token ids to run probe passes on (the prompts' own)."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        # its blocks read two sequences (the decoder's tokens, the encoder's output): the
+        # probes here run one
+        return ModelWeights(attention=[], mlps=[], refused=[Refusal(
+            layer=-1, part="model", module="", reason="an encoder-decoder's layer weights are "
+            "not extracted: its decoder blocks read the encoder's output as well")])
     # The blocks of the tower the model's head reads (a multimodal model's text stack).
     # (the last site's, in a model without a final norm: BERT's encoder is post-norm)
     final = next((f for f in reversed(found) if f.record.role == "final"), found[-1])
