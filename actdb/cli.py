@@ -64,9 +64,11 @@ def cli(ctx: click.Context, debug: bool) -> None:
                    "--prompts.")
 @click.option("--inputs", "inputs", default=None, metavar="FILE.jsonl",
               help="JSON Lines with any of text, image, video (a file or a folder of frames) "
-                   "and audio per line (paths relative to the file), plus extra fields.")
+                   "and audio (a sound file) per line (paths relative to the file), target "
+                   "(what an encoder-decoder's decoder reads), plus extra fields.")
 @click.option("--processor", default=None, metavar="PATH",
-              help="A processor folder that prepares the images (default: the model's own).")
+              help="A processor folder that prepares the images or sounds (default: the "
+                   "model's own).")
 @click.option("--labels", "labels", default=None, metavar="FILE",
               help="A contrastive model's (CLIP, SigLIP) labels, one a line: the anchor set "
                    "'labels', embedded by its text tower, a zero-shot lens on the images.")

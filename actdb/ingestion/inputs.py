@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import IngestError, PromptsError
+from .audio import audio_inputs
 from .prompts import Media, Prompt, PromptsLike, read_prompts
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -84,6 +85,10 @@ def check_inputs(prompts: Sequence[Prompt], model: nn.Module, name: str) -> None
         if p.text:
             given.add("text")
         for what in sorted(given - kinds):
+            if what == "text" and "audio" in kinds:
+                raise IngestError(
+                    f"input {i} is text but model {name!r} reads {reads} only: pass --inputs "
+                    "FILE.jsonl with an 'audio' field (a sound file; inputs= in Python)")
             if what == "text":
                 raise IngestError(
                     f"input {i} is text but model {name!r} reads {reads} only: pass --images "
@@ -172,7 +177,11 @@ def prepare_inputs(processor: Any, batch: Sequence[Prompt], name: str) -> dict[s
         takes_videos = "videos" in inspect.signature(processor.__call__).parameters
         kw["videos" if takes_videos else "images"] = videos
     if "audio" in kinds:
-        raise IngestError(f"model {name!r}: audio inputs are not supported yet")
+        if kinds != {"audio"} or any(p.text for p in batch):
+            raise IngestError(f"model {name!r}: inputs of a sound and anything else together "
+                              "are not supported")
+        return {k: v for k, v in audio_inputs(processor, [p.media for p in batch if p.media],
+                                              name).items() if isinstance(v, torch.Tensor)}
     if any(p.text for p in batch):
         raise IngestError(f"model {name!r}: inputs of text and an image together are not "
                           "supported yet (a multimodal decoder sees image tokens inside its "
@@ -233,7 +242,9 @@ def positions(model: nn.Module, inputs: dict[str, torch.Tensor], n: int) -> Posi
                 pc.append(c)
                 fr.append(f if frames > 1 else None)
             return Positions(tokens=tokens, patch_row=pr, patch_col=pc, frame=fr)
-    return Positions(tokens=["<pos>"] * n, patch_row=[None] * n, patch_col=[None] * n,
+    # a sound's positions: the encoder's frames in time, each a stretch of the sound
+    label = "<audio>" if "input_features" in inputs or "input_values" in inputs else "<pos>"
+    return Positions(tokens=[label] * n, patch_row=[None] * n, patch_col=[None] * n,
                      frame=[None] * n)
 
 

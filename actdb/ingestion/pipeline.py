@@ -70,9 +70,12 @@ def ingest(
 
     Instead of `prompts`, `images` (a folder: its image files, sorted by name) or `inputs`
     (a JSON Lines file or a list of dicts with `text`, `image`, `video`, `audio` and extra
-    fields; an image may be a PIL image) give inputs that the model's processor prepares:
-    its own (saved with it), or `processor` (an object or a folder). Each norm's positions
-    (class token, registers, patches) are rows, with their patch row, column and frame.
+    fields; an image may be a PIL image, a sound an `(array, sampling rate)` pair) give
+    inputs that the model's processor prepares: its own (saved with it), or `processor` (an
+    object or a folder). Each norm's positions (class token, registers, patches, a sound's
+    frames) are rows, with their patch row, column and frame. An encoder-decoder's decoder
+    reads each input's `target` field (teacher forcing: shifted right by the model's own
+    function), or its start token alone; its rows are the tokens it read.
 
     With `shard=(i, N)` (or `"i/N"`), this is worker i (from 0) of N ingesting its share of
     the prompts into the same store, side by side with the others: its catalog rows go to

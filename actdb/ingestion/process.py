@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import IngestError, ModelLoadError
+from ..errors import IngestError
 from ..store.records import ModelRecord, SiteRecord
 from ..store.shard_catalogs import mark_finished, pending_shards, shard_name
 from ..store.store import Store

@@ -195,13 +195,30 @@ def _media(record: dict[str, Any], where: str, base: str | None) -> Media | None
             digest = hashlib.sha256(value.tobytes() + repr((value.mode, value.size)).encode())
             found[key] = f"<image sha256:{digest.hexdigest()[:16]}>"
             objects[key] = value
+        elif key == "audio" and _is_sound(value):
+            import hashlib
+
+            import numpy as np
+
+            samples = np.ascontiguousarray(np.asarray(value[0], dtype=np.float32))
+            digest = hashlib.sha256(samples.tobytes() + repr((samples.shape, int(value[1])))
+                                    .encode())
+            found[key] = f"<audio sha256:{digest.hexdigest()[:16]}>"
+            objects[key] = (samples, int(value[1]))
         else:
-            kinds = "a path or a PIL image" if key == "image" else "a path"
+            kinds = {"image": "a path or a PIL image",
+                     "audio": "a path or an (array, sampling rate) pair"}.get(key, "a path")
             raise PromptsError(f"{where}: field {key!r} is a {type(value).__name__}, not "
                                f"{kinds}")
     if not found:
         return None
     return Media(**found, base=base, objects=objects)
+
+
+def _is_sound(value: Any) -> bool:
+    """An (array of samples, sampling rate) pair: [samples] or [samples, channels]."""
+    return (isinstance(value, tuple) and len(value) == 2 and hasattr(value[0], "__len__")
+            and isinstance(value[1], int) and not isinstance(value[1], bool) and value[1] > 0)
 
 
 def _is_pil(value: Any) -> bool:

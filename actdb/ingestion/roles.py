@@ -10,16 +10,16 @@ import torch
 
 from .capture import Call
 
-_Q = re.compile(r"(^|_)(q|query)_?(norm|layernorm|ln)s?$")
-_K = re.compile(r"(^|_)(k|key)_?(norm|layernorm|ln)s?$")
+Q_NORM = re.compile(r"(^|_)(q|query)_?(norm|layernorm|ln)s?$")
+K_NORM = re.compile(r"(^|_)(k|key)_?(norm|layernorm|ln)s?$")
 
 
 def place_role(leaf: str, call: Call, attn: Call | None, mlp: Call | None, sublayer: str | None,
           feeds_inside: bool) -> str:
     parts = leaf.split(".")
-    if any(_Q.search(p) for p in parts):
+    if any(Q_NORM.search(p) for p in parts):
         return "q_norm"
-    if any(_K.search(p) for p in parts):
+    if any(K_NORM.search(p) for p in parts):
         return "k_norm"
     if feeds_inside:
         return "inner"  # its output feeds a projection of its own sublayer: never the residual

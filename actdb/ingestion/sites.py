@@ -37,7 +37,7 @@ from .capture import Call, record_calls
 from .grids import feature_layout, width_of
 from .inputs import takes
 from .probe import measure_norm
-from .roles import carried, decoder_role, feeds, place_role
+from .roles import K_NORM, Q_NORM, carried, decoder_role, feeds, place_role
 from .towers import Tower, find_towers, main_tower, site_prefix
 
 _SHORT = {"pre_attn": "ln1", "pre_mlp": "ln2", "post_attn": "ln1_post", "post_mlp": "ln2_post",
@@ -248,7 +248,7 @@ def find_sites(
         if t1 is None or t2 is None:
             fixed = fixed_layout(tuple(call.input.shape), shape2, b, b2)
             if fixed is None and not any(p.search(site_path.rsplit(".", 1)[-1])
-                                         for p in (_Q, _K)):
+                                         for p in (Q_NORM, K_NORM)):
                 # a feature map (not a per-head norm's [B, heads, T, d]): which axis it
                 # normalizes is measured by a change to one element
                 found_map = feature_layout(norm_modules[path], call.input, shape2, b, b2)

@@ -115,7 +115,7 @@ def test_both_stacks_are_the_models_own(built: tuple[Path, dict[str, torch.nn.Mo
                          "AND tower = $t ORDER BY position",
                          params={"m": name, "p": pid, "t": tower}).fetchall()
             assert [g[0] for g in got] == want, (tower, item)
-        for site, module, tower, _ in sites:
+        for site, module, _, _ in sites:
             vec = db.vectors("SELECT vec FROM acts WHERE model = $m AND prompt_id = $p AND "
                              "site = $s ORDER BY position",
                              params={"m": name, "p": pid, "s": site}).double()
