@@ -37,12 +37,10 @@ def load_audio(media: Media, rate: int) -> np.ndarray:
             raise IngestError("reading sound files needs the soundfile package: pip install "
                               "'actdb[audio]'") from None
 
-        from .inputs import resolve
-
         assert media.audio is not None
         where = media.audio
         try:
-            data, given = soundfile.read(str(resolve(media, media.audio)), dtype="float32",
+            data, given = soundfile.read(str(media.path(media.audio)), dtype="float32",
                                          always_2d=True)
         except (soundfile.LibsndfileError, RuntimeError, OSError, ValueError) as e:
             raise IngestError(f"audio {media.audio!r} cannot be read as a sound file "

@@ -114,10 +114,7 @@ def check_inputs(prompts: Sequence[Prompt], model: nn.Module, name: str) -> None
 
 def resolve(media: Media, value: str) -> Path:
     """A media path as given, read relative to the folder of the file that named it."""
-    path = Path(value).expanduser()
-    if media.base and not path.is_absolute():
-        return Path(media.base) / path
-    return path
+    return media.path(value)
 
 
 def load_image(media: Media) -> Any:

@@ -32,6 +32,13 @@ class Media:
     def fields(self) -> dict[str, str]:
         return {k: v for k in MEDIA if (v := getattr(self, k)) is not None}
 
+    def path(self, value: str) -> Path:
+        """A media path as given, read relative to the folder of the file that named it."""
+        path = Path(value).expanduser()
+        if self.base and not path.is_absolute():
+            return Path(self.base) / path
+        return path
+
 
 @dataclass(frozen=True, kw_only=True)
 class Prompt:

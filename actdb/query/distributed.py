@@ -46,32 +46,44 @@ class Partition:
     model: str
     lo: int
     hi: int
+    # an encoder-decoder's: a prompt's position is in both towers, its rows in either
+    towers: bool = False
 
     def table(self) -> exp.Select:
         """This partition's rows of acts, as a subquery: the rows of its model's tokens in
         [lo, hi) (a handle's row is `tokens.row`, so none is made to choose them)."""
         model = exp.Literal.string(self.model).sql(dialect="duckdb")
-        select = sqlglot.parse_one(
-            f"SELECT * FROM acts WHERE model = {model} AND (prompt_id, position) IN "
-            f'(SELECT prompt_id, position FROM tokens WHERE model = {model} '
-            f'AND "row" >= {int(self.lo)} AND "row" < {int(self.hi)})', read="duckdb")
+        rows = f'"row" >= {int(self.lo)} AND "row" < {int(self.hi)}'
+        if self.towers:  # a row is its tower's sites' only
+            select = sqlglot.parse_one(
+                f"SELECT * FROM acts WHERE model = {model} AND (prompt_id, position, site) IN "
+                "(SELECT t.prompt_id, t.position, s.site FROM tokens t JOIN sites s ON "
+                f"s.model = t.model AND s.tower = t.tower WHERE t.model = {model} AND "
+                f"t.{rows})", read="duckdb")
+        else:
+            select = sqlglot.parse_one(
+                f"SELECT * FROM acts WHERE model = {model} AND (prompt_id, position) IN "
+                f"(SELECT prompt_id, position FROM tokens WHERE model = {model} AND {rows})",
+                read="duckdb")
         assert isinstance(select, exp.Select)
         return select
 
 
-def partitions(models: list[tuple[str, int, int]], target: int) -> list[Partition]:
+def partitions(models: list[tuple[str, int, int]], target: int, *,
+               towers: frozenset[str] = frozenset()) -> list[Partition]:
     """Cut every model's rows into about `target` ranges in all, each whole chunks.
 
     Args:
         models: (name, committed rows, rows per direction chunk), in model_id order.
         target: how many partitions to aim for.
+        towers: the models whose rows each belong to one tower (encoder-decoders).
     """
     total = sum(n for _, n, _ in models)
     out: list[Partition] = []
     for name, n_rows, chunk in models:
         size = max(chunk, math.ceil(max(total, 1) / max(target, 1) / chunk) * chunk)
-        out += [Partition(model=name, lo=lo, hi=min(lo + size, n_rows))
-                for lo in range(0, n_rows, size)]
+        out += [Partition(model=name, lo=lo, hi=min(lo + size, n_rows),
+                          towers=name in towers) for lo in range(0, n_rows, size)]
     return out
 
 
@@ -155,7 +167,9 @@ def run(db: Connection, cluster: Cluster, query: str, runnable: str, params: Any
         plan = split(tree, _aggregates(db))
         parts = partitions([(m.model, m.n_rows, m.chunk_tokens)
                             for _, m in sorted(db.source.models.items())],
-                           cluster.threads() * PARTITIONS_PER_THREAD)
+                           cluster.threads() * PARTITIONS_PER_THREAD,
+                           towers=frozenset(m.model for m in db.source.models.values()
+                                            if m.row_towers))
         if not parts:
             raise Unsplittable("the store holds no rows to partition")
     except Unsplittable as why:

@@ -169,6 +169,27 @@ def test_rows_meet_their_own_tower(built: tuple[Path, dict[str, torch.nn.Module]
     assert CliRunner().invoke(cli, ["verify", str(store), "--full"]).exit_code == 0
 
 
+def test_a_rerun_resumes_and_another_target_is_another_prompt(
+        built: tuple[Path, dict[str, torch.nn.Module]], tok: Any) -> None:
+    """Inputs are keyed by text and target: the same inputs again are all done; the same text
+    with another target is a new prompt, whose decoder reads that target."""
+    store, models = built
+    again = actdb.ingest(store, model=models["t5"], tokenizer=tok, inputs=INPUTS,
+                         device="cpu", name="t5", weights="none")
+    assert again.prompts_new == 0 and again.prompts_skipped == len(INPUTS)
+    other = {"text": INPUTS[0]["text"], "target": "a bird"}
+    more = actdb.ingest(store, model=models["t5"], tokenizer=tok, inputs=[other],
+                        device="cpu", name="t5", weights="none")
+    assert more.prompts_new == 1
+    db = actdb.connect(store)
+    pid = db.sql("SELECT prompt_id FROM prompts WHERE target = 'a bird'").fetchall()[0][0]
+    assert pid == len(INPUTS)
+    _, read, _ = _own_pass(models["t5"], tok, other)
+    assert [r[0] for r in db.sql("SELECT token_id FROM tokens WHERE model = 't5' AND "
+                                  "prompt_id = $p AND tower = 'decoder' ORDER BY position",
+                                  params={"p": pid}).fetchall()] == read.tolist()
+
+
 def test_a_missing_logit_scale_fails_the_proof(tok: Any, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The logit proof compares logits recomputed from the stored decoder's final site with
@@ -236,3 +257,22 @@ def test_cli_reads_targets_and_says_bad_input_in_one_sentence(
     assert res.exit_code == 1 and "Traceback" not in res.output
     assert "gives an audio" in res.output and len(res.output.strip().splitlines()) == 1
     assert actdb.connect(store).sql("SELECT count(*) FROM tokens").fetchall() == before
+
+
+def test_a_cluster_partition_holds_each_row_once(
+        built: tuple[Path, dict[str, torch.nn.Module]]) -> None:
+    """A distributed query's partitions (row ranges) of an encoder-decoder give each acts row
+    once: a prompt's position is in both towers, its two rows in different ranges."""
+    from actdb.query.distributed import partitions
+
+    store, _ = built
+    db = actdb.connect(store)
+    models = [(m, n, 4) for m, n in db.sql("SELECT model, n_rows FROM models").fetchall()]
+    parts = partitions(models, 8, towers=frozenset({"t5", "bart"}))
+    assert len({p.model for p in parts}) == 2 and len(parts) > 4
+    seen: list[tuple[Any, ...]] = []
+    for p in parts:
+        seen += db.sql(p.table().select("site", "prompt_id", "position", "model", append=False)
+                       .sql(dialect="duckdb")).fetchall()
+    every = db.sql("SELECT site, prompt_id, position, model FROM acts").fetchall()
+    assert sorted(seen) == sorted(every)
