@@ -74,10 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", type=Path, default=Path("bench-data"))
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
-    ap.add_argument("--only", choices=["full-scan", "ingest", "start-up", "memory", "images"],
+    ap.add_argument("--only", choices=["full-scan", "ingest", "start-up", "memory", "images",
+                                       "recompute"],
                     default=None, help="run only the full scan and its checksum cost, only the "
                                        "ingest, only the start-up, only the memory workload, "
-                                       "or only the image ingest")
+                                       "only the image ingest, or only the stored-vs-recompute "
+                                       "questions")
     ap.add_argument("--device", default="cpu",
                     help="where queries, the ingest and the torch baselines run: cpu or cuda")
     ap.add_argument("--keep-going", action="store_true",
@@ -119,11 +121,16 @@ def main(argv: list[str] | None = None) -> None:
         if only in (None, "ingest"):
             step("1. Ingest overhead",
                  lambda: ingest_cost.ingest_overhead(scale, work, repeats))
+        if only in (None, "recompute"):
+            import stored_vs_recompute as svr
+
+            ingested = svr.Ingested.build(scale, work)
+            step("17. Stored vs recompute", lambda: svr.angle_query(ingested, repeats))
         if only in (None, "images"):
             import images
 
             step("15. Image ingest", lambda: images.image_ingest(work, repeats, scale.name))
-        if only not in ("ingest", "images"):
+        if only not in ("ingest", "images", "recompute"):
             scan = ScanData.build(scale, work)
             if only in (None, "full-scan"):
                 step("2. Full scan", lambda: scans.full_scan(scan, repeats))

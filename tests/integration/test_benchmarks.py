@@ -21,7 +21,7 @@ def test_tiny_benchmark_writes_every_workload(tmp_path: Path) -> None:
     for title in ("1. Ingest overhead", "2. Full scan", "3. Selective query",
                   "4. Nearest anchors", "5. Storage", "6. Memory", "7. Checksum cost",
                   "12. Other functions over a full scan", "13. Vector aggregates",
-                  "15. Image ingest",
+                  "15. Image ingest", "17. Stored vs recompute",
                   "## Machine"):
         assert title in text
     # Every baseline and ratio is reported, and actdb's answer agrees with the baselines'.
@@ -36,5 +36,5 @@ def test_tiny_benchmark_writes_every_workload(tmp_path: Path) -> None:
         lo, hi = (float(x) for x in spread.split(".."))
         assert lo <= median <= hi and int(rounds) >= 3, (median, spread, rounds)
     spreads = [float(part.split(")")[0]) for part in text.split("(spread ")[1:]]
-    assert len(spreads) == 5 and max(spreads) < 1e-3, spreads
+    assert len(spreads) >= 6 and max(spreads) < 1e-2, spreads
     assert not (tmp_path / "work").exists()
