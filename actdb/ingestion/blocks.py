@@ -1,8 +1,9 @@
 """A model's structure as modules: which modules are norms, where the transformer blocks
-are (one ModuleList of blocks, or XLM's sibling lists whose i-th entries are block i), which
-lists of norms are one per-head site each, a block's attention and MLP modules, and a site's
-tensor layout (token and head axes) from its input shapes at two sizes. sites.py places and
-names the sites in it."""
+are (one ModuleList of blocks, XLM's sibling lists whose i-th entries are block i, or a
+hierarchical model's stages' lists one after the other), which lists of norms are one per-head
+site each, a block's attention and MLP modules, and a site's token layout (token and head
+axes) from its input shapes at two sizes. sites.py places and names the sites in it
+(layouts.py reads where an image's positions sit in a site's input)."""
 
 from __future__ import annotations
 
@@ -81,20 +82,6 @@ def batch_dims(sample: Mapping[str, torch.Tensor], tower: str | None = None
     return int(first.shape[0]), None
 
 
-def fixed_layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b1: int, b2: int
-                  ) -> tuple[str, int] | None:
-    """(layout, positions an input) from the input shapes at two batch sizes, for inputs
-    whose positions do not follow a token count: [B, T, d] or its [B*T, d] flattening."""
-    if len(shape1) != len(shape2) or shape1[-1] != shape2[-1]:
-        return None
-    if len(shape1) == 3 and (shape1[0], shape2[0]) == (b1, b2) and shape1[1] == shape2[1]:
-        return "btd", int(shape1[1])
-    if (len(shape1) == 2 and shape1[0] % b1 == 0 and shape2[0] % b2 == 0
-            and shape1[0] // b1 == shape2[0] // b2):
-        return "btd", int(shape1[0] // b1)
-    return None
-
-
 def token_layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b: int, t1: int, t2: int,
                  b2: int | None = None) -> tuple[str, int | None] | None:
     """(layout, heads) from the input shapes at two sequence lengths (and batch sizes `b`,
@@ -122,21 +109,38 @@ def token_layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b: int, t1: i
 
 @dataclass(frozen=True)
 class Blocks:
-    """The transformer blocks: one ModuleList of block modules (`paths` has one entry), or
-    sibling ModuleLists whose i-th entries together are block i (XLM, `layer_lists`)."""
+    """The transformer blocks: one ModuleList of block modules (`paths` has one entry),
+    sibling ModuleLists whose i-th entries together are block i (XLM, `layer_lists`), or, with
+    `lengths`, the block lists of a hierarchical model's stages one after the other (Swin's
+    `layers.{s}.blocks`, ConvNeXt's `stages.{s}.layers`: block i counts across stages)."""
 
     paths: tuple[str, ...]
     n: int
+    lengths: tuple[int, ...] = ()  # each stage's list's length, where paths are stages'
+
+    @property
+    def siblings(self) -> bool:
+        return len(self.paths) > 1 and not self.lengths
+
+    def block_paths(self, i: int) -> list[str]:
+        """The module paths of block i (one, or its entry of each sibling list)."""
+        if self.lengths:
+            for p, n in zip(self.paths, self.lengths, strict=True):
+                if i < n:
+                    return [f"{p}.{i}"]
+                i -= n
+            raise IndexError(i)
+        return [f"{p}.{i}" for p in self.paths]
 
     def parts(self, model: nn.Module, i: int) -> list[tuple[str, nn.Module]]:
         """Block i's modules: the block itself, or its entry of each sibling list."""
-        return [(f"{p}.{i}", list_at(model, p)[i]) for p in self.paths]
+        return [(path, model.get_submodule(path)) for path in self.block_paths(i)]
 
     def children(self, model: nn.Module, i: int) -> list[tuple[str, str, nn.Module]]:
         """(name, path, module) of block i's children: a block module's own children, or
         the sibling lists' entries, each named by its list in the singular (`attentions` ->
         `attention`, `ffns` -> `ffn`)."""
-        if len(self.paths) == 1:
+        if not self.siblings:
             path, block = self.parts(model, i)[0]
             out = []
             for name, c in block.named_children():
@@ -154,10 +158,13 @@ class Blocks:
     def place(self, path: str) -> tuple[int, str] | None:
         """(i, what follows block i in `path`) where `path` is in block i (or is one of a
         sibling list's entries: then the rest is empty)."""
-        for p in self.paths:
+        before = 0
+        for k, p in enumerate(self.paths):
             m = re.match(re.escape(p) + r"\.(\d+)(?:\.(.*))?$", path)
-            if m and (len(self.paths) > 1 or m.group(2)):
-                return int(m.group(1)), m.group(2) or ""
+            if m and (self.siblings or m.group(2)):
+                return before + int(m.group(1)), m.group(2) or ""
+            if self.lengths:
+                before += self.lengths[k]
         return None
 
 
@@ -175,7 +182,32 @@ def block_list(model: nn.Module, norm_paths: list[str]) -> Blocks:
     found = list_at(model, best)
     if all(is_norm_module(m) for m in found):  # a block's norm, kept beside its other parts
         return Blocks(tuple(layer_lists(model, best) or [best]), len(found))
+    stages = stage_lists(model, best, norm_paths)
+    if stages:
+        lengths = tuple(len(list_at(model, p)) for p in stages)
+        return Blocks(tuple(stages), sum(lengths), lengths)
     return Blocks((best,), len(found))
+
+
+def stage_lists(model: nn.Module, path: str, norm_paths: list[str]) -> list[str]:
+    """Where the entries of the list at `path` are stages, each holding a list of blocks (a
+    ModuleList of modules that are no norms, holding norms of its own): those lists, one a
+    stage in order; empty where any entry holds none."""
+    found = []
+    for i in range(len(list_at(model, path))):
+        prefix = f"{path}.{i}."
+        best, count = "", 0
+        for sub, m in model.get_submodule(f"{path}.{i}").named_modules():
+            if not sub or not isinstance(m, nn.ModuleList) or not len(m) or any(
+                    is_norm_module(c) for c in m):
+                continue
+            held = sum(1 for n in norm_paths if n.startswith(prefix + sub + "."))
+            if held > count:
+                best, count = prefix + sub, held
+        if not count:
+            return []
+        found.append(best)
+    return found
 
 
 @dataclass

@@ -23,7 +23,8 @@ from .. import norms
 from ..errors import IngestError
 from ..store.records import SiteRecord
 from ..store.store import ActBatch
-from .grids import FEATURE_MAPS, Grid, GridPlan, as_rows
+from .grids import Grid, GridPlan
+from .layouts import FEATURE_MAPS, as_rows
 from .sites import FoundSite
 
 try:  # the compiled kernels (actdb/_native.c), built at install when a C compiler is there

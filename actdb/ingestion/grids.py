@@ -1,14 +1,7 @@
-"""Feature maps and grids: norms of an image model whose input is a feature map (`[B, H, W, C]`,
-Swin-style and ConvNeXt's channels-last LayerNorm, or `[B, C, H, W]`, ConvNeXt's channels-first
-one) are stored as rows of positions like token rows; and a model whose stages see different
-numbers of positions (Swin merges patches, a pooled head's norm sees one vector an input) has
-one grid of positions per count, each site's rows on its own grid.
-
-Which axis is the channel axis is measured, not read from a class: one element of the hooked
-input is changed and the output moves along the normalized axis only (`feature_layout`).
-GroupNorm and BatchNorm are no sites (a GroupNorm normalizes a group of channels over every
-position at once, a BatchNorm in eval mode is a per-channel affine: neither is a direction a
-position), so their layouts never reach here.
+"""Grids of positions: where a model's sites see different numbers of positions for one input
+(Swin merges patches between stages, a pooled head's norm sees one vector an input), the sites
+that see the same number share a grid, an input's rows are its grids' positions one after the
+other, and each site's rows are its own grid's (docs/FORMAT.md, "Grids").
 """
 
 from __future__ import annotations
@@ -21,59 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import IngestError
-from .capture import output_tensor
 from .inputs import Positions, positions
-
-FEATURE_MAPS = ("bhwc", "bchw")
-
-
-@torch.no_grad()
-def feature_layout(module: nn.Module, x: torch.Tensor, shape2: tuple[int, ...], b1: int,
-                   b2: int) -> tuple[str, int, int] | None:
-    """(`bhwc` or `bchw`, H, W) for a 4-D input `x` of b1 inputs whose shape at b2 inputs is
-    `shape2`: the axis the module normalizes over is the one along which a change to one
-    element moves the output (every other axis is a position). None where neither the last
-    axis nor axis 1 alone is (not a feature-map norm)."""
-    shape = tuple(x.shape)
-    if len(shape) != 4 or len(shape2) != 4 or (shape[0], shape2[0]) != (b1, b2) or (
-            shape[1:] != shape2[1:]):
-        return None
-    one = x[:1].detach().clone()
-    base = output_tensor(module(one))
-    if base is None or base.shape != one.shape:
-        return None
-    at = tuple(n // 2 for n in one.shape[1:])
-    poked = one.clone()
-    scale = float(one.abs().max()) or 1.0
-    poked[(0, *at)] += scale
-    moved = output_tensor(module(poked))
-    if moved is None:
-        return None
-    changed = (moved != base)[0]  # [a1, a2, a3]
-    where = changed.nonzero()
-    if len(where) < 2:  # a change that moves one element only: nothing normalized
-        return None
-    fixed = [bool((where[:, k] == at[k]).all()) for k in range(3)]
-    if fixed == [True, True, False]:  # moves along the last axis only
-        return "bhwc", shape[1], shape[2]
-    if fixed == [False, True, True]:  # along axis 1 only
-        return "bchw", shape[2], shape[3]
-    return None
-
-
-def as_rows(x: torch.Tensor, layout: str, batch: int) -> torch.Tensor:
-    """A norm's input or output as [B, P, d] for a layout of positions: `btd` ([B, T, d] or
-    its [B*T, d] flattening), `bhwc` (positions row by row) or `bchw` (permuted, a copy)."""
-    if layout == "bhwc":
-        return x.reshape(batch, -1, x.shape[-1])
-    if layout == "bchw":
-        return x.permute(0, 2, 3, 1).reshape(batch, -1, x.shape[1])
-    return x.reshape(batch, -1, x.shape[-1])
-
-
-def width_of(x: torch.Tensor, layout: str) -> int:
-    """The width of one stored vector: the channel axis's length."""
-    return int(x.shape[1] if layout == "bchw" else x.shape[-1])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +27,7 @@ class Grid:
     size: int
     offset: int
     shape: tuple[int, int] | None = None
+    plain: bool = False  # its positions' order is not known (a `bktd` site's): not patches
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,29 +53,33 @@ class GridPlan:
         return self.grids[self.of_site[site]] if self.several else None
 
 
-def plan_grids(sites: Sequence[tuple[str, int | None, tuple[int, int] | None]], model: str
-               ) -> GridPlan:
-    """The grids of (site, positions an input, feature-map shape) in call order: sites that see
-    the same number of positions share a grid (one grid a count). One sentence where a site's
-    positions are not known (a layout that does not fix them)."""
-    unknown = next((s for s, n, _ in sites if n is None), None)
+def plan_grids(sites: Sequence[tuple[str, int | None, tuple[int, int] | None, str]],
+               model: str) -> GridPlan:
+    """The grids of (site, positions an input, feature-map shape, layout) in call order: sites
+    that see the same number of positions share a grid (one grid a count). One sentence where a
+    site's positions are not known (a layout that does not fix them)."""
+    unknown = next((s for s, n, _, _ in sites if n is None), None)
     if unknown is not None:
         raise IngestError(f"model {model!r}: site {unknown!r} sees a number of positions that "
                           "does not follow from the input's size; actdb cannot place its rows")
     counts: dict[int, int] = {}
     shapes: dict[int, tuple[int, int] | None] = {}
     of_site: dict[str, int] = {}
-    for site, n, shape in sites:
+    plain: set[int] = set()
+    for site, n, shape, layout in sites:
         assert n is not None
         if n not in counts:
             counts[n] = len(counts)
             shapes[n] = shape
         elif shapes[n] is None:
             shapes[n] = shape
+        if layout == "bktd":
+            plain.add(n)
         of_site[site] = counts[n]
     grids, offset = [], 0
     for n, index in counts.items():
-        grids.append(Grid(index=index, size=n, offset=offset, shape=shapes[n]))
+        grids.append(Grid(index=index, size=n, offset=offset, shape=shapes[n],
+                          plain=n in plain))
         offset += n
     return GridPlan(of_site=of_site, grids=tuple(grids))
 
@@ -163,12 +109,12 @@ def grid_positions(model: nn.Module, inputs: dict[str, torch.Tensor], plan: Grid
     out = Positions(tokens=[], patch_row=[], patch_col=[], frame=[], grid=[])
     assert out.grid is not None
     for g in plan.grids:
-        one = positions(model, inputs, g.size)
+        one = positions(model, {} if g.plain else inputs, g.size)
         plain = one.patch_row.count(None) == g.size  # no patch grid accounts for it
         if plan.several and g.shape is None and g.size == 1 and plain:
             one = Positions(tokens=["<pooled>"], patch_row=[None], patch_col=[None],
                             frame=[None])
-        elif plain and (shape := g.shape or (
+        elif plain and not g.plain and (shape := g.shape or (
                 downsampled(g.size, *size) if size is not None else None)) is not None:
             cols = shape[1]
             one = Positions(tokens=["<patch>"] * g.size,

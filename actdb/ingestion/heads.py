@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .capture import output_tensor
-from .grids import FEATURE_MAPS, as_rows
+from .layouts import FEATURE_MAPS, as_rows
 from .logits import model_logits
 from .sites import FoundSite
 
@@ -85,7 +85,7 @@ def prove_classifier(model: nn.Module, head: nn.Linear, final: FoundSite,
     finally:
         handle.remove()
     labels = label_names(model, head.out_features)
-    if not kept or real.dim() != 2 or final.layout not in ("btd", *FEATURE_MAPS) or (
+    if not kept or real.dim() != 2 or final.layout not in ("btd", "bktd", *FEATURE_MAPS) or (
             kept[0].shape[0] % real.shape[0]):
         return None, ("its logits are not one row an input read from the final norm "
                       f"{final.record.module!r}")

@@ -64,14 +64,16 @@ def read_image_folder(folder: str | os.PathLike[str]) -> list[Prompt]:
 
 
 def takes(model: nn.Module) -> set[str]:
-    """The kinds of input (text, image, video, audio) the model's forward takes: a video
-    model's `pixel_values` are frames (its config counts them), an image model's one image."""
+    """The kinds of input (text, image, video, audio) the model's forward takes: `pixel_values`
+    are an image's, or a video's frames where the config counts frames (VideoMAE's; a
+    Perceiver's config counts them too, and it reads an image: both kinds are let through,
+    and the model's processor and forward pass tell)."""
     params = set(inspect.signature(model.forward).parameters)
     kinds = {kind for kind, names in _TAKES.items() if params & set(names)}
     config = getattr(model, "config", None)
     frames = getattr(getattr(config, "vision_config", None) or config, "num_frames", None)
-    if "pixel_values_videos" not in params and "video" in kinds:
-        kinds.discard("video" if frames is None else "image")
+    if "pixel_values_videos" not in params and "video" in kinds and frames is None:
+        kinds.discard("video")
     return kinds
 
 
@@ -158,8 +160,11 @@ def load_video(media: Media) -> list[Any]:
     return frames
 
 
-def prepare_inputs(processor: Any, batch: Sequence[Prompt], name: str) -> dict[str, torch.Tensor]:
-    """The model's inputs for a batch of image (or video) inputs, made by its processor."""
+def prepare_inputs(processor: Any, batch: Sequence[Prompt], name: str,
+                   model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """The model's inputs for a batch of image (or video) inputs, made by its processor; the
+    pixels go to the `model`'s main input where that is another argument (a Perceiver reads
+    its `inputs`, and ignores `pixel_values`)."""
     if processor is None:
         raise IngestError(f"model {name!r} has no processor saved with it (no "
                           "preprocessor_config.json): pass --processor PATH (processor=...)")
@@ -188,7 +193,13 @@ def prepare_inputs(processor: Any, batch: Sequence[Prompt], name: str) -> dict[s
     except Exception as e:  # noqa: BLE001 - a processor's own failure, said in one sentence
         raise IngestError(f"the processor of model {name!r} failed on these inputs "
                           f"({type(e).__name__}: {_first_line(e)})") from None
-    return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+    made = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+    main = getattr(model, "main_input_name", None)
+    if (model is not None and isinstance(main, str) and main not in made
+            and "pixel_values" in made and "input_ids" not in made
+            and main in inspect.signature(model.forward).parameters):
+        made[main] = made.pop("pixel_values")
+    return made
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,13 +222,16 @@ def positions(model: nn.Module, inputs: dict[str, torch.Tensor], n: int) -> Posi
     config = getattr(model, "config", None)
     vision = getattr(config, "vision_config", None) or config
     patch = getattr(vision, "patch_size", None)
-    pixels = inputs.get("pixel_values")
+    pixels = inputs.get("pixel_values", inputs.get("pixel_values_videos"))
     if isinstance(patch, list | tuple):
         patch = patch[0]
-    frames, tubelet = 1, 1
+    frames = 1
     if pixels is not None and pixels.dim() == 5:  # [B, F, C, H, W] video
-        tubelet = int(getattr(vision, "tubelet_size", 1) or 1)
-        frames = int(pixels.shape[1]) // tubelet
+        tubelet = getattr(vision, "tubelet_size", 1) or 1
+        if isinstance(tubelet, list | tuple):  # (frames, height, width): ViViT's patches
+            patch = patch if patch is not None else int(tubelet[1])
+            tubelet = tubelet[0]
+        frames = int(pixels.shape[1]) // int(tubelet)
     if isinstance(patch, int) and patch > 0 and pixels is not None and pixels.dim() >= 4:
         rows, cols = int(pixels.shape[-2]) // patch, int(pixels.shape[-1]) // patch
         grid = frames * rows * cols

@@ -111,7 +111,8 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
         ids: list[list[int]] = []
         truncated = [False] * len(prompts)
         sample, sample_alt = (
-            to_device(loaded, prepare_inputs(loaded.processor, cycled(prompts, n), name))
+            to_device(loaded, prepare_inputs(loaded.processor, cycled(prompts, n), name,
+                                             loaded.model))
             for n in (3, 2))
     else:
         ids, truncated = tokenize(loaded.tokenizer, [p.text for p in prompts], limit,
@@ -149,7 +150,7 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
         # store their rows on their own grid of an input's rows (grids.py).
         # (an encoder-decoder's decoder rows are the tokens it read: the input's positions
         # are its encoder's)
-        grids = plan_grids([(f.record.site, f.positions, f.shape) for f in found
+        grids = plan_grids([(f.record.site, f.positions, f.shape, f.layout) for f in found
                             if not (seq2seq and f.record.tower == "decoder")], name)
         if grids.several:
             found = [dataclasses.replace(f, record=dataclasses.replace(

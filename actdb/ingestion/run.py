@@ -169,7 +169,8 @@ class BatchRunner:
         loaded, sink, check, record = self.loaded, self.sink, self.check, self.record
         if batch[0].positions is not None:  # media: every input gives as many positions
             inputs = to_device(loaded, prepare_inputs(
-                loaded.processor, [w.prompt for w in batch], self.reg.record.model))
+                loaded.processor, [w.prompt for w in batch], self.reg.record.model,
+                loaded.model))
             mask = torch.ones((len(batch), len(batch[0].ids)), dtype=torch.bool,
                               device=loaded.device)
         else:

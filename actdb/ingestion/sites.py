@@ -22,20 +22,12 @@ from torch import nn
 
 from ..errors import ActdbError, ModelLoadError
 from ..store.records import SiteRecord
-from .blocks import (
-    Blocks,
-    batch_dims,
-    fixed_layout,
-    head_lists,
-    is_norm_module,
-    stack_of,
-    token_layout,
-)
+from .blocks import Blocks, batch_dims, head_lists, is_norm_module, stack_of, token_layout
 from .blocks import block_sublayers as block_sublayers  # weights.py imports it from here
 from .blocks import is_projection as is_projection  # weights.py imports it from here
 from .capture import Call, record_calls
-from .grids import feature_layout, width_of
 from .inputs import takes
+from .layouts import check_repeatable, image_layout, width_of
 from .probe import measure_norm
 from .roles import K_NORM, Q_NORM, carried, decoder_role, feeds, place_role
 from .towers import Tower, find_towers, main_tower, site_prefix
@@ -138,7 +130,7 @@ def _final_path(log: dict[str, list[Call]], norm_paths: list[str], blocks: Block
     outside = [(t, p) for t, p in ran if t >= first_block and blocks.place(p) is None]
     if outside:
         return max(outside)[1]
-    if (len(blocks.paths) > 1 or last_block) and ran:
+    if (blocks.siblings or last_block) and ran:
         last = max(ran)[1]
         at = blocks.place(last)
         if at is not None and at[0] == blocks.n - 1:
@@ -246,16 +238,14 @@ def find_sites(
         b, t1 = batch_dims(sample, tower_of[path].name)
         b2, t2 = batch_dims(sample_alt, tower_of[path].name)
         if t1 is None or t2 is None:
-            fixed = fixed_layout(tuple(call.input.shape), shape2, b, b2)
-            if fixed is None and not any(p.search(site_path.rsplit(".", 1)[-1])
-                                         for p in (Q_NORM, K_NORM)):
-                # a feature map (not a per-head norm's [B, heads, T, d]): which axis it
-                # normalizes is measured by a change to one element
-                found_map = feature_layout(norm_modules[path], call.input, shape2, b, b2)
-                if found_map is not None:
-                    shape = found_map[1:]
-                    fixed = (found_map[0], shape[0] * shape[1])
+            # a feature map is measured, where it is not a per-head norm's [B, heads, T, d]
+            fixed, shape = image_layout(
+                norm_modules[path], call.input, shape2, b, b2,
+                maps=not any(p.search(site_path.rsplit(".", 1)[-1]) for p in (Q_NORM, K_NORM)))
             layout = None if fixed is None else (fixed[0], None)
+            if fixed is not None:
+                check_repeatable(model, path, call.input, alt[0].input if alt else None,
+                                 fixed[0], b, b2)
         else:
             layout = token_layout(tuple(call.input.shape), shape2, b, t1, t2, b2)
         if layout is None and alt and alt[0].input is not None and shape2 == shape_in and (
@@ -402,6 +392,14 @@ def _place(
     each block's own projections, where its MLP is no module (they stand for it when called
     after its attention)."""
     at = blocks.place(path)
+    if at is None and not final and blocks.lengths and call.start > first_block:
+        # between a hierarchical model's stages (Swin's patch merging, ConvNeXt's
+        # downsampling): no block's and no final norm, at the layer of the block after it
+        following = next((i for i in range(blocks.n) if any(
+            calls.get(p) and calls[p][0].start > call.start for p in blocks.block_paths(i))),
+            None)
+        if following is not None:
+            return following, "other"
     if at is None or final:
         if at is None and call.start < first_block:
             return -1, "embed"

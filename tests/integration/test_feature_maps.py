@@ -144,3 +144,34 @@ def test_a_store_with_grids_is_format_6(family: tuple, monkeypatch: pytest.Monke
     monkeypatch.setattr(store_module, "FORMAT_VERSION", 5)
     with pytest.raises(StoreFormatError, match="format version 6"):
         actdb.connect(store)
+
+
+def test_hierarchical_blocks_count_across_stages(tmp_path: Path) -> None:
+    """Swin's blocks are its stages' lists one after the other: block j of stage s is layer
+    depths[0] + ... + depths[s-1] + j, with its pre-attention and pre-MLP norms; a patch
+    merging norm between stages is `other` at the layer of the block after it. The reference
+    is each module's own path in the model."""
+    from support.vision_families import image_processor
+    from transformers import SwinConfig, SwinForImageClassification
+
+    depths = [2, 1]
+    torch.manual_seed(0)
+    model = SwinForImageClassification(SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=depths, num_heads=[2, 2],
+        window_size=2, num_labels=3)).eval()
+    store = tmp_path / "s.actdb"
+    actdb.ingest(store, model=model, processor=image_processor(),
+                 inputs=[{"image": i} for i in random_images(1)])
+    db = actdb.connect(store)
+    got = {r[0]: r[1:] for r in db.sql("SELECT module, layer, role FROM sites").fetchall()}
+    want: dict[str, tuple[int, str]] = {"swin.embeddings.norm": (-1, "embed"),
+                                        "swin.layernorm": (sum(depths), "final")}
+    for s, depth in enumerate(depths):
+        for j in range(depth):
+            block = f"swin.encoder.layers.{s}.blocks.{j}"
+            want[f"{block}.layernorm_before"] = (sum(depths[:s]) + j, "pre_attn")
+            want[f"{block}.layernorm_after"] = (sum(depths[:s]) + j, "pre_mlp")
+        if s + 1 < len(depths):
+            want[f"swin.encoder.layers.{s}.downsample.norm"] = (sum(depths[:s + 1]), "other")
+    assert got == want
+    assert db.sql("SELECT n_layers FROM models").fetchall() == [(sum(depths),)]

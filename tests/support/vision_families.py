@@ -1,36 +1,155 @@
 """Tiny vision, video and multimodal models of the families `transformers` ships, built from
-configs for the survey (tests/support/vision_scan.py) and the tests: the common small sizes,
-and, per family, the sizes its config needs beside them (a survey config's, not actdb's)."""
+configs for the survey (tests/support/vision_scan.py) and the tests.
+
+Each family's config gets the common small sizes below where it has a field of that name and
+kind (a list for a list, a number for a number), in its own config and in each of its
+sub-configs (a multimodal model's `vision_config` and `text_config`, ...), passed to the
+constructors so that fields derived from them (per-layer lists) follow; `OVERRIDES` holds
+what a family's config needs beside them (a survey config's needs, not actdb's).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+IMAGE = 32  # pixels a side
+FRAMES = 4  # a video's frames
 
 # Sizes a tiny model of most families accepts; hierarchical ones read their own names.
 SIZES: dict[str, Any] = dict(
-    image_size=32, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+    image_size=IMAGE, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
     num_attention_heads=2, intermediate_size=64, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
     hidden_sizes=[16, 32], num_labels=3, window_size=2, embed_dims=[16, 32],
-    num_encoder_blocks=2, sr_ratios=[2, 1], mlp_ratios=[2, 2], num_stages=2, dims=[16, 32])
+    num_encoder_blocks=2, sr_ratios=[2, 1], mlp_ratios=[2, 2], num_stages=2, dims=[16, 32],
+    num_key_value_heads=2, head_dim=16, num_frames=FRAMES, tubelet_size=2, depth=2,
+    num_layers=2, max_position_embeddings=128, vision_feature_layer=-1,
+    # DETR-style models' convolutional backbone from transformers, not timm's (not installed)
+    use_timm_backbone=False, use_pretrained_backbone=False)
+# A text decoder's, besides (the vocabulary is the survey tokenizer's).
+TEXT: dict[str, Any] = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                            shared_expert_intermediate_size=32, tie_word_embeddings=False)
 
-# What a family's config needs beside SIZES (or instead of them) to build tiny and run on
-# 32 x 32 images.
-OVERRIDES: dict[str, dict[str, Any]] = {}
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "bit": dict(num_groups=2, embedding_size=16),
+    # its stage s reads drop-path rate s of a list as long as its depth: depth[s] > s
+    "cvt": dict(embed_dim=[16, 32, 48], num_heads=[1, 2, 2], depth=[1, 2, 3]),
+    "levit": dict(hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 2], depths=[1, 1, 1],
+                  key_dim=[8, 8, 8], patch_size=16,
+                  down_ops=[["Subsample", 8, 1, 4, 2, 2], ["Subsample", 8, 2, 4, 2, 2]]),
+    "hiera": dict(image_size=[IMAGE, IMAGE], embed_dim=16, depths=[1, 1], num_heads=[1, 2],
+                  masked_unit_attention=[True, False], num_query_pool=1,
+                  patch_size=[3, 3], patch_stride=[2, 2], patch_padding=[1, 1],
+                  masked_unit_size=[4, 4], stage_names=["stem", "stage1", "stage2"],
+                  out_features=None, out_indices=None),
+    "pvt": dict(num_encoder_blocks=2, depths=[1, 1], sequence_reduction_ratios=[2, 1],
+                hidden_sizes=[16, 32], patch_sizes=[4, 2], strides=[4, 2],
+                num_attention_heads=[1, 2], mlp_ratios=[2, 2]),
+    "pvt_v2": dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                   patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
+                   mlp_ratios=[2, 2], image_size=[IMAGE, IMAGE], stage_names=["stage1", "stage2"],
+                   out_features=None, out_indices=None),
+    "segformer": dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                      hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
+                      num_attention_heads=[1, 2], mlp_ratios=[2, 2]),
+    "mobilevit": dict(hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64],
+                      image_size=64, patch_size=2),
+    "mobilevitv2": dict(image_size=64, patch_size=2, base_attn_unit_dims=[16, 24, 32],
+                        n_attn_blocks=[1, 1, 1], width_multiplier=0.25),
+    "hgnet_v2": dict(hidden_sizes=[128, 512, 1024, 2048], depths=[3, 4, 6, 3]),
+    "textnet": dict(hidden_sizes=[64, 64, 128, 256, 512], depths=[3, 4, 4, 4]),
+    "swin2sr": dict(patch_size=1),  # a super-resolution model: one pixel a position
+    "vivit": dict(tubelet_size=[2, 4, 4]),
+    "perceiver": dict(num_latents=16, d_latents=32, d_model=32, num_self_attends_per_block=2,
+                      num_self_attention_heads=2, num_cross_attention_heads=1,
+                      image_size=IMAGE),
+}
 
 
-def config_for(model_type: str) -> Any:
-    """The family's config at the survey's sizes."""
-    from transformers import AutoConfig
+@dataclass(frozen=True)
+class Family:
+    """A model type and how the survey runs it: `image` (an image classifier on images),
+    `backbone` (a vision model without a head, on images), `video` (a video classifier on
+    frames), `multimodal` (an image-text-to-text model on text alone)."""
 
-    config = AutoConfig.for_model(model_type)
-    sizes = {**SIZES, **OVERRIDES.get(model_type, {})}
-    for k, v in sizes.items():
-        if hasattr(config, k):
-            setattr(config, k, v)
+    model_type: str
+    kind: str
+
+
+def families() -> list[Family]:
+    """Every vision, video and multimodal model type `transformers` knows, once, under the
+    first kind that names it (a classifier before its backbone)."""
+    from transformers.models.auto import modeling_auto as m
+
+    kinds = (("image", m.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES),
+             ("video", m.MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES),
+             ("multimodal", {**m.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+                             **m.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES}),
+             ("backbone", m.MODEL_FOR_IMAGE_MAPPING_NAMES))
+    seen: set[str] = set()
+    out = []
+    for kind, names in kinds:
+        for mt in sorted(names):
+            if mt not in seen:
+                seen.add(mt)
+                out.append(Family(mt, kind))
+    return out
+
+
+def _fits(default: Any, value: Any) -> bool:
+    """Whether `value` is of the kind of the field's default (a list for a list, ...)."""
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, int | float):
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if isinstance(default, list | tuple):
+        return isinstance(value, list | tuple)
+    return default is None
+
+
+def _sized(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
+    """The sizes `config` has a field of that kind for."""
+    have = config.to_dict()
+    return {k: v for k, v in sizes.items() if k in have and _fits(have[k], v)}
+
+
+def _resized(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
+    """A sub-config's fields with `sizes` applied, less its per-layer lists (one entry a
+    layer of its default depth), which its constructor derives again for the new depth."""
+    have = config.to_dict()
+    sized = _sized(config, sizes)
+    depth = have.get("num_hidden_layers")
+    if "num_hidden_layers" in sized and isinstance(depth, int):
+        have = {k: v for k, v in have.items()
+                if not (isinstance(v, list) and len(v) == depth and k not in sized)}
+    return {**have, **sized}
+
+
+def config_for(model_type: str, *, vocab_size: int | None = None) -> Any:
+    """The family's config at the survey's sizes (sub-configs too)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    default = AutoConfig.for_model(model_type)
+    kwargs = _sized(default, SIZES)
+    for name in list(default.to_dict()):
+        sub = getattr(default, name, None)
+        if not isinstance(sub, PretrainedConfig):
+            continue
+        sizes = dict(SIZES)
+        if vocab_size is not None and "vocab_size" in sub.to_dict():
+            sizes.update(TEXT, vocab_size=vocab_size)
+        kwargs[name] = _resized(sub, sizes)
+    if vocab_size is not None and "vocab_size" in default.to_dict():
+        kwargs.update(_sized(default, {**TEXT, "vocab_size": vocab_size}))
+    kwargs.update(OVERRIDES.get(model_type, {}))
+    config = AutoConfig.for_model(model_type, **kwargs)
+    if config.architectures is None:  # auto classes iterate it where a type has several
+        config.architectures = []
     return config
 
 
-def image_processor(size: int = 32) -> Any:
+def image_processor(size: int = IMAGE) -> Any:
     """A plain image processor: resize to `size` x `size`, rescale, normalize."""
     from transformers import ViTImageProcessor
 
@@ -44,10 +163,35 @@ def build_classifier(model_type: str, *, seed: int = 0) -> tuple[Any, Any]:
 
     torch.manual_seed(seed)
     model = AutoModelForImageClassification.from_config(config_for(model_type)).eval()
-    return model, image_processor()
+    return model, image_processor(_image_size(model.config))
 
 
-def random_images(n: int, *, size: int = 32, seed: int = 0) -> list[Any]:
+def _image_size(config: Any) -> int:
+    size = getattr(getattr(config, "vision_config", None) or config, "image_size", IMAGE)
+    return int(size[0] if isinstance(size, list | tuple) else size)
+
+
+def build(family: Family, *, vocab_size: int | None = None, seed: int = 0) -> tuple[Any, int]:
+    """(the family's model in eval mode, the image size it reads) for its kind."""
+    import torch
+    import transformers as T
+
+    auto = {"image": T.AutoModelForImageClassification,
+            "video": T.AutoModelForVideoClassification, "backbone": T.AutoModel,
+            "multimodal": T.AutoModelForImageTextToText}[family.kind]
+    config = config_for(family.model_type,
+                        vocab_size=vocab_size if family.kind == "multimodal" else None)
+    torch.manual_seed(seed)
+    try:
+        model = auto.from_config(config)
+    except ValueError:
+        if family.kind != "multimodal":
+            raise
+        model = T.AutoModelForMultimodalLM.from_config(config)  # an audio-text model
+    return model.float().eval(), _image_size(model.config)
+
+
+def random_images(n: int, *, size: int = IMAGE, seed: int = 0) -> list[Any]:
     """`n` RGB PIL images of random pixels."""
     import numpy as np
     from PIL import Image
