@@ -191,15 +191,16 @@ def block_list(model: nn.Module, norm_paths: list[str]) -> Blocks:
 
 def stage_lists(model: nn.Module, path: str, norm_paths: list[str]) -> list[str]:
     """Where the entries of the list at `path` are stages, each holding a list of blocks (a
-    ModuleList of modules that are no norms, holding norms of its own): those lists, one a
-    stage in order; empty where any entry holds none."""
+    ModuleList of modules of one class that are no norms, holding norms of their own): those
+    lists, one a stage in order; empty where any entry holds none. (T5 keeps a block's
+    sublayers in a list too, of different classes: its blocks are no stages.)"""
     found = []
     for i in range(len(list_at(model, path))):
         prefix = f"{path}.{i}."
         best, count = "", 0
         for sub, m in model.get_submodule(f"{path}.{i}").named_modules():
             if not sub or not isinstance(m, nn.ModuleList) or not len(m) or any(
-                    is_norm_module(c) for c in m):
+                    is_norm_module(c) for c in m) or len({type(c) for c in m}) > 1:
                 continue
             held = sum(1 for n in norm_paths if n.startswith(prefix + sub + "."))
             if held > count:

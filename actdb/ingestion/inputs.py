@@ -22,6 +22,8 @@ from ..errors import IngestError, PromptsError
 from .audio import audio_inputs
 from .prompts import Media, Prompt, PromptsLike, read_prompts
 
+# Main inputs that are not an image's pixels under another name.
+_OTHER_MAIN = ("input_ids", "inputs_embeds", "input_features", "input_values", "pixel_values")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 # The forward arguments that take each kind of input.
@@ -195,8 +197,9 @@ def prepare_inputs(processor: Any, batch: Sequence[Prompt], name: str,
                           f"({type(e).__name__}: {_first_line(e)})") from None
     made = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
     main = getattr(model, "main_input_name", None)
+    # only where the main input is no other kind's (a contrastive model's is its text's)
     if (model is not None and isinstance(main, str) and main not in made
-            and "pixel_values" in made and "input_ids" not in made
+            and main not in _OTHER_MAIN and "pixel_values" in made
             and main in inspect.signature(model.forward).parameters):
         made[main] = made.pop("pixel_values")
     return made
