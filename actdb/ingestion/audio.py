@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..errors import IngestError
 from .prompts import Media
@@ -81,7 +82,29 @@ def audio_inputs(processor: Any, media: Sequence[Media], name: str) -> dict[str,
             f"{rate} Hz, and its feature extractor ({type(fe).__name__}) gives each as many "
             "positions as it lasts: actdb stores as many rows for every sound of an ingest; "
             "give sounds of one length")
-    return dict(fe(sounds, sampling_rate=rate, return_tensors="pt"))
+    out = dict(fe(sounds, sampling_rate=rate, return_tensors="pt"))
+    for key, value in out.items():
+        if (isinstance(value, torch.Tensor) and value.is_floating_point()
+                and not bool(value.isfinite().all())):
+            # (a pure tone through a per-utterance normalization divides by a zero deviation)
+            raise IngestError(f"model {name!r}: its feature extractor made {key} that are not "
+                              "all finite numbers from these sounds, which the model cannot "
+                              "read faithfully")
+    return out
+
+
+def spectrogram_grid(model: Any) -> tuple[int, int] | None:
+    """(frequency bands, time steps) of the patches of a model that cuts its spectrogram into
+    patches (AST: `embeddings.get_shape`), in the order its sequence holds them (frequency
+    major); None for a model whose positions are frames in time."""
+    base = getattr(model, "base_model", model)
+    embeddings = getattr(base, "embeddings", None)
+    shape = getattr(embeddings, "get_shape", None)
+    config = getattr(embeddings, "config", None)
+    if not callable(shape) or config is None:
+        return None
+    f, t = shape(config)
+    return int(f), int(t)
 
 
 def _pads_to_fixed_length(fe: Any) -> bool:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import IngestError, PromptsError
-from .audio import audio_inputs
+from .audio import audio_inputs, spectrogram_grid
 from .prompts import Media, Prompt, PromptsLike, read_prompts
 
 # Main inputs that are not an image's pixels under another name.
@@ -256,8 +256,19 @@ def positions(model: nn.Module, inputs: dict[str, torch.Tensor], n: int) -> Posi
                 pc.append(c)
                 fr.append(f if frames > 1 else None)
             return Positions(tokens=tokens, patch_row=pr, patch_col=pc, frame=fr)
+    sound = "input_features" in inputs or "input_values" in inputs
+    bands = spectrogram_grid(model) if sound else None
+    if bands is not None and 0 <= n - bands[0] * bands[1] <= 8:
+        # a spectrogram's patches (AST), frequency band by time step, after the class and
+        # distillation tokens
+        prefix = n - bands[0] * bands[1]
+        cells = [divmod(k, bands[1]) for k in range(bands[0] * bands[1])]
+        return Positions(tokens=["<cls>"] * prefix + ["<patch>"] * len(cells),
+                         patch_row=[None] * prefix + [r for r, _ in cells],
+                         patch_col=[None] * prefix + [c for _, c in cells],
+                         frame=[None] * n)
     # a sound's positions: the encoder's frames in time, each a stretch of the sound
-    label = "<audio>" if "input_features" in inputs or "input_values" in inputs else "<pos>"
+    label = "<audio>" if sound else "<pos>"
     return Positions(tokens=[label] * n, patch_row=[None] * n, patch_col=[None] * n,
                      frame=[None] * n)
 

@@ -11,6 +11,7 @@ start token alone. The decoder's rows are the tokens it read, the shifted sequen
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +24,10 @@ from .prompts import Prompt
 
 
 def is_encoder_decoder(model: nn.Module) -> bool:
-    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    """A model with a decoder of its own that reads decoder inputs (WhisperForAudioClassification
+    keeps its config's `is_encoder_decoder` but only the encoder)."""
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False)) and (
+        "decoder_input_ids" in inspect.signature(model.forward).parameters)
 
 
 def decoder_start(model: nn.Module, name: str) -> int:

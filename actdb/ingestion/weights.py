@@ -39,6 +39,7 @@ from .attention_weights import find_attention
 from .capture import record_calls
 from .mlp_weights import find_mlp
 from .rotary import find_rotary
+from .seq2seq import is_encoder_decoder
 from .sites import FoundSite, block_sublayers, forward_module, is_norm_module
 from .weight_probes import (
     Unmapped,
@@ -55,7 +56,7 @@ def extract(model: nn.Module, found: list[FoundSite], tokens: list[int], *,
     """Every block's attention and MLP weights, or the reason one cannot be mapped.
 
     `tokens`: token ids to run probe passes on (the prompts' own)."""
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+    if is_encoder_decoder(model):
         # its blocks read two sequences (the decoder's tokens, the encoder's output): the
         # probes here run one
         return ModelWeights(attention=[], mlps=[], refused=[Refusal(

@@ -162,3 +162,108 @@ def test_bad_sound_input_is_one_sentence(whisper: dict[str, Any], tmp_path: Path
         assert said in res.output and "Traceback" not in res.output, res.output
         assert len(res.output.strip().splitlines()) == 1, res.output
         assert actdb.connect(store).sql("SELECT count(*) FROM tokens").fetchall() == before
+
+
+def _noisy(rate: int, hz: float, seconds: float) -> np.ndarray:
+    """A tone with a little noise (a pure tone leaves some mel bands without variance)."""
+    noise = np.random.default_rng(int(hz)).standard_normal(int(rate * seconds)) * 0.01
+    return (_sine(rate, seconds, hz) + noise).astype(np.float32)
+
+
+def _hooked(model: torch.nn.Module, inputs: dict[str, torch.Tensor]
+            ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Every norm module's input of one batch, [B, positions, d], and the model's logits."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(path: str) -> Any:
+        def hook(mod: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            x = args[0].detach().double()
+            seen.setdefault(path, x.reshape(x.shape[0], -1, x.shape[-1]))
+        return hook
+
+    handles = [m.register_forward_hook(keep(p)) for p, m in model.named_modules()
+               if isinstance(m, torch.nn.LayerNorm)]
+    try:
+        with torch.no_grad():
+            out = model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, getattr(out, "logits", torch.empty(0)).double()
+
+
+def _same_as_hooked(store: Path, name: str, seen: dict[str, torch.Tensor]) -> None:
+    db = actdb.connect(store)
+    for site, module in db.sql("SELECT site, module FROM sites WHERE model = $m",
+                               params={"m": name}).fetchall():
+        for pid in range(seen[module].shape[0]):
+            vec = db.vectors("SELECT vec FROM acts WHERE model = $m AND prompt_id = $p AND "
+                             "site = $s ORDER BY position",
+                             params={"m": name, "p": pid, "s": site}).double()
+            ref = seen[module][pid]
+            assert vec.shape == ref.shape, (site, vec.shape, ref.shape)
+            # (AST's class and distillation tokens start as zeros: stored as zeros)
+            err = (vec - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)
+            assert float(err.max()) < 2e-3, (site, float(err.max()))
+
+
+def test_an_audio_classifiers_head_is_the_classifier_anchor_set(tmp_path: Path) -> None:
+    """AST (a spectrogram cut into patches, a head of its own: a LayerNorm of the class and
+    distillation tokens' mean, then a dense layer): every site's rows are the model's own norm
+    inputs, its patches labelled by frequency band and time step, and `top_logits` at its final
+    site (the head's norm, one pooled vector an input) are the model's own logits."""
+    torch.manual_seed(0)
+    model = T.ASTForAudioClassification(T.ASTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_length=64, num_mel_bins=32, patch_size=16, frequency_stride=16, time_stride=16,
+        num_labels=3, id2label={0: "hum", 1: "beep", 2: "hiss"},
+        label2id={"hum": 0, "beep": 1, "hiss": 2}))
+    randomize_norms(model, seed=3)
+    model.eval()
+    fe = T.ASTFeatureExtractor(num_mel_bins=32, max_length=64, sampling_rate=RATE)
+    sounds = [_noisy(RATE, 440.0, 0.5), _noisy(RATE, 2000.0, 0.9)]
+    soundfile.write(tmp_path / "a.flac", sounds[0], RATE)
+    store = tmp_path / "s.actdb"
+    actdb.ingest(store, model=model, processor=fe, name="ast", device="cpu", weights="none",
+                 inputs=[{"audio": str(tmp_path / "a.flac")}, {"audio": (sounds[1], RATE)}])
+    # the reference reads the FLAC file back as soundfile gives it (16-bit samples)
+    sounds[0] = soundfile.read(tmp_path / "a.flac", dtype="float32")[0]
+    seen, logits = _hooked(model, dict(fe(sounds, sampling_rate=RATE, return_tensors="pt")))
+    _same_as_hooked(store, "ast", seen)
+    db = actdb.connect(store)
+    assert db.sql("SELECT head_kind FROM models").fetchall() == [("classifier",)]
+    got = db.sql("SELECT prompt_id, top_logits(vec, 3) FROM acts WHERE site = 'final' "
+                 "ORDER BY prompt_id").fetchall()
+    for pid, top in got:
+        mine = {t["token"]: t["logit"] for t in top}
+        own = {model.config.id2label[i]: float(v) for i, v in enumerate(logits[pid])}
+        assert mine.keys() == own.keys()
+        np.testing.assert_allclose([mine[k] for k in own], list(own.values()), rtol=2e-3,
+                                   atol=2e-3 * max(abs(v) for v in own.values()))
+    patches = db.sql("SELECT count(*), max(patch_row), max(patch_col) FROM tokens WHERE "
+                     "prompt_id = 0 AND token = '<patch>'").fetchall()
+    assert patches == [(2 * 4, 1, 3)]  # (32 - 16) // 16 + 1 bands, (64 - 16) // 16 + 1 steps
+
+
+def test_a_wav2vec2_encoders_rows_are_its_frames(tmp_path: Path) -> None:
+    """Wav2Vec2 (raw samples in, a position every 20 ms of sound here 400 samples) stores a row
+    a frame, as its own norms see them; sounds of different lengths, which it would give
+    different numbers of frames, are one sentence."""
+    torch.manual_seed(0)
+    model = T.Wav2Vec2Model(T.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 4), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4))
+    randomize_norms(model, seed=4)
+    model.eval()
+    fe = T.Wav2Vec2FeatureExtractor(sampling_rate=RATE)
+    sounds = [_noisy(RATE, 440.0, 0.25), _noisy(RATE, 900.0, 0.25)]
+    store = tmp_path / "s.actdb"
+    actdb.ingest(store, model=model, processor=fe, name="w2v", device="cpu", weights="none",
+                 inputs=[{"audio": (s, RATE)} for s in sounds])
+    seen, _ = _hooked(model, dict(fe(sounds, sampling_rate=RATE, return_tensors="pt")))
+    _same_as_hooked(store, "w2v", seen)
+    with pytest.raises(actdb.errors.IngestError, match="give sounds of one length"):
+        actdb.ingest(store, model=model, processor=fe, name="w2v", device="cpu",
+                     weights="none", inputs=[{"audio": (_noisy(RATE, 300.0, 0.3), RATE)},
+                                             {"audio": (_noisy(RATE, 500.0, 0.2), RATE)}])
