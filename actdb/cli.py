@@ -170,7 +170,8 @@ def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
         f"model {s.model!r}: {s.prompts_new} prompts ingested, {s.prompts_skipped} already "
         f"stored, {s.prompts_truncated} truncated; {s.tokens_written} tokens x {s.sites} sites "
         f"in {s.seconds:.1f} s ({s.tokens_per_second:.0f} tokens/s); "
-        f"{_human(s.bytes_stored)} stored; worst relative error {worst:.1e}"
+        f"{_human(s.bytes_stored)} stored (the store: {_human(s.store_bytes)} on disk); "
+        f"worst relative error {worst:.1e}"
     )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..cluster import DaskClient
 from ..errors import IngestError
+from ..store.store import Store
 from .options import IngestOptions, IngestSummary
 from .process import ingest_here
 from .prompts import read_prompts
@@ -61,6 +62,8 @@ def ingest_on_cluster(opts: IngestOptions, *, cluster: Any, shards: int | None =
         dask.close()
     if not all(p.note for p in parts):  # else no shard had anything to do or to merge
         merge(location, storage_options=storage_options)
+    with Store(location, storage_options=storage_options) as st:  # as `actdb info` counts
+        store_bytes = st.disk_bytes()["total"]
     errors: dict[str, float] = {}
     for p in parts:
         for k, v in p.max_rel_error.items():
@@ -72,6 +75,6 @@ def ingest_on_cluster(opts: IngestOptions, *, cluster: Any, shards: int | None =
         prompts_skipped=first.prompts_total - sum(p.prompts_new for p in parts),
         prompts_truncated=sum(p.prompts_truncated for p in parts),
         tokens_written=sum(p.tokens_written for p in parts), sites=first.sites,
-        bytes_stored=sum(p.bytes_stored for p in parts),
+        bytes_stored=sum(p.bytes_stored for p in parts), store_bytes=store_bytes,
         seconds=time.perf_counter() - started, max_rel_error=errors,
     )

@@ -37,8 +37,9 @@ class IngestSummary:
     prompts_truncated: int
     tokens_written: int
     sites: int
-    bytes_stored: int  # vectors (2d + 8 bytes each) and, for a new model, its weights
+    bytes_stored: int  # what the store grew by on disk (vectors, weights, catalog rows)
     seconds: float
+    store_bytes: int = 0  # the whole store on disk afterwards, as `actdb info` counts it
     max_rel_error: dict[str, float] = field(default_factory=dict)
     note: str | None = None  # a shard with nothing to do says so (and wrote nothing)
     # what of the input the store does not hold (prompt fields it kept its own for), said

@@ -209,6 +209,7 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
     found, location = m.found, os.fspath(opts.store)
     with Store.open_or_create(opts.store, storage_options=opts.storage_options,
                               shard=shard_label) as st:
+        before = st.disk_bytes()["total"]
         if shard_of is None and pending_shards(st):
             raise IngestError(
                 f"store {st.location!r} has shard ingests not merged yet "
@@ -235,7 +236,8 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
                 return IngestSummary(
                     model=reg.record.model, store=location, prompts_total=len(m.prompts),
                     prompts_new=0, prompts_skipped=len(m.prompts), prompts_truncated=0,
-                    tokens_written=0, sites=len(found), bytes_stored=0, seconds=0.0,
+                    tokens_written=0, sites=len(found), bytes_stored=0, store_bytes=before,
+                    seconds=0.0,
                     note=nothing_to_do(st.location, reg.record.model, shard_of))
             reg, batches = enter_shard(st, reg, records, batches, shard_of)
             first_recorded = first_recorded and reg.record.logit_max_rel_error is None
@@ -257,11 +259,15 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
         if shard_of is not None:
             with st.backend.writing("the shard catalog"):
                 mark_finished(st.commits)
+    # Counted as `actdb info` counts them, once the store is closed (a local catalog's log is
+    # folded into its file at close), so that the two say the same.
+    after = st.disk_bytes()["total"]
     return IngestSummary(
         model=reg.record.model, store=location, prompts_total=len(m.prompts),
         prompts_new=len(mine), prompts_skipped=len(m.prompts) - len(mine),
         prompts_truncated=n_truncated, tokens_written=tokens_todo, sites=len(found),
-        bytes_stored=plan.bytes_estimate, seconds=time.perf_counter() - started,
+        bytes_stored=after - before, store_bytes=after,
+        seconds=time.perf_counter() - started,
         max_rel_error=errors, warnings=warnings,
     )
 

@@ -6,12 +6,15 @@ Two layouts, both exactly Zarr v3's own encodings (a plain `zarr.open_group` rea
   `{array}/c/{i}{tail}` (or `{array}/c.{i}.0`, a local store's vectors copied up), its values
   then their CRC-32C. Weights on object storage.
 - `ShardedChunks`: the `sharding_indexed` codec, index at the end, inner codecs and index
-  codecs both `bytes` then `crc32c`: the vectors on object storage. A shard holds
-  `per_shard` inner chunks of `chunk_rows` rows; actdb writes every inner chunk of a shard,
-  full size, in order, so inner chunk `j` always lies at byte `j * (chunk bytes + 4)` and the
-  index never changes between versions of a shard. So a cached index stays right however
-  often an ingest rewrites the shard, a reader fetches one range per inner chunk, and the
-  index is read once per shard (and checked: its own CRC-32C, and that it is that layout).
+  codecs both `bytes` then `crc32c`: the vectors on object storage. A shard holds up to
+  `per_shard` inner chunks of `chunk_rows` rows; actdb writes the inner chunks from the first
+  up to the last holding a row written, each full size, in order, and marks the rest absent
+  in the index (offset and size 2^64 - 1, as the Zarr spec says; zarr reads them as the fill
+  value). So a shard is as long as what is written (a store on object storage takes the
+  bytes a local one does), inner chunk `j` always lies at byte `j * (chunk bytes + 4)`, and
+  the index says only how many chunks are present. A cached index stays right for every
+  chunk it names however often an ingest rewrites the shard; a chunk it does not name is
+  looked up afresh once (an ingest may have added it since) before it is called missing.
 
 An object is replaced whole by one PUT (atomic on S3): a reader sees the old or the new
 shard, and both carry every committed row with its checksum.
@@ -73,52 +76,64 @@ class ShardedChunks(ChunkFormat):
     objects: Objects
     per_shard: int  # inner chunks per shard
     crc: bool = True
-    _index_ok: set[int] = field(default_factory=set)  # shards whose index was checked
+    _present: dict[int, int] = field(default_factory=dict)  # shard -> inner chunks it holds
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def index_bytes(self) -> int:
         return 16 * self.per_shard + CRC_BYTES
 
-    @property
-    def shard_bytes(self) -> int:
-        return self.per_shard * self.file_bytes + self.index_bytes
+    def shard_bytes(self, present: int) -> int:
+        """The size of a shard holding inner chunks 0 .. present - 1."""
+        return present * self.file_bytes + self.index_bytes
 
     def key(self, shard: int) -> str:
         return f"{self.label}/c/{shard}{self.tail}"
 
-    def expected_index(self) -> bytes:
-        """The index of every shard actdb writes: inner chunk j at j * file_bytes."""
-        index = np.empty((self.per_shard, 2), dtype="<u8")
-        index[:, 0] = np.arange(self.per_shard, dtype=np.uint64) * self.file_bytes
-        index[:, 1] = self.file_bytes
+    def expected_index(self, present: int) -> bytes:
+        """The index of a shard actdb writes with `present` inner chunks: chunk j < present at
+        j * file_bytes, the others absent."""
+        index = np.full((self.per_shard, 2), _EMPTY, dtype="<u8")
+        index[:present, 0] = np.arange(present, dtype=np.uint64) * self.file_bytes
+        index[:present, 1] = self.file_bytes
         raw = index.tobytes()
         return raw + crc32c(np.frombuffer(raw, np.uint8)).to_bytes(CRC_BYTES, "little")
 
-    def _check_index(self, shard: int, chunk: int) -> None:
-        """Fetch and check a shard's index once; later reads trust the cached layout."""
-        if shard in self._index_ok:
-            return
-        start = self.per_shard * self.file_bytes
+    def _load_index(self, shard: int, chunk: int) -> int:
+        """Fetch and check a shard's index (its CRC-32C, that it is actdb's layout, and that
+        the object is as long as the index says); the number of inner chunks it holds."""
         try:
-            got = self.objects.get_range(self.key(shard), start, start + self.index_bytes + 1)
+            got, size = self.objects.get_suffix(self.key(shard), self.index_bytes)
         except FileNotFoundError:
             raise self.damaged(chunk, "is missing (its shard is absent)") from None
         if len(got) != self.index_bytes:
-            raise self.damaged(chunk, f"lies in a shard of the wrong size (its index has "
-                                       f"{len(got)} bytes, not {self.index_bytes})")
+            raise self.damaged(chunk, f"lies in a shard of the wrong size ({size} bytes, "
+                                       f"shorter than its index of {self.index_bytes})")
         raw = bytes(got)
         body, stored = raw[:-CRC_BYTES], int.from_bytes(raw[-CRC_BYTES:], "little")
         if crc32c(np.frombuffer(body, np.uint8)) != stored:
             raise self.damaged(chunk, "lies in a shard whose index fails its checksum")
-        if raw != self.expected_index():
-            index = np.frombuffer(body, "<u8").reshape(self.per_shard, 2)
-            j = chunk % self.per_shard
-            if index[j, 0] == _EMPTY:
-                raise self.damaged(chunk, "is missing from its shard")
+        index = np.frombuffer(body, "<u8").reshape(self.per_shard, 2)
+        present = int(np.count_nonzero(index[:, 0] != _EMPTY))
+        if raw != self.expected_index(present):
             raise self.damaged(chunk, "lies in a shard not laid out as actdb writes it")
+        if size != self.shard_bytes(present):
+            raise self.damaged(chunk, f"lies in a shard of the wrong size ({size} bytes, not "
+                                       f"{self.shard_bytes(present)} for its {present} "
+                                       "chunks)")
         with self._lock:
-            self._index_ok.add(shard)
+            self._present[shard] = present
+        return present
+
+    def _check_index(self, shard: int, chunk: int) -> None:
+        """That the shard holds inner chunk `chunk`: from the cached index, or, where that
+        does not name it, from the index fetched afresh."""
+        j = chunk % self.per_shard
+        cached = self._present.get(shard)
+        if cached is not None and j < cached:
+            return
+        if self._load_index(shard, chunk) <= j:
+            raise self.damaged(chunk, "is missing from its shard")
 
     def read(self, chunk: int, *, check: bool = True, expect: Expect | None = None
              ) -> np.ndarray:
@@ -136,15 +151,16 @@ class ShardedChunks(ChunkFormat):
     def stat(self, chunk: int) -> None:
         shard = chunk // self.per_shard
         with self._lock:
-            self._index_ok.discard(shard)  # verify looks afresh
+            self._present.pop(shard, None)  # verify looks afresh
         self._check_index(shard, chunk)
 
     def write_rows(self, start: int, value: np.ndarray, *, expect: Expect | None = None
                    ) -> list[tuple[int, int, int, np.ndarray, int]]:
         """Rows [start, start + n): every shard they touch is rebuilt and PUT whole. Inner
         chunks below `start` hold committed rows: copied as stored (a chunk partly below
-        is read, checked (`expect`: against its place's digest too), and patched); chunks
-        past the rows written are zeros. Returns each inner chunk holding rows written, as
+        is read, checked (`expect`: against its place's digest too), and patched); the shard
+        ends with the last inner chunk holding a row written (its rows past those written
+        zeros), the rest marked absent. Returns each inner chunk holding rows written, as
         (chunk, its first row, the row past those written, its values, its CRC-32C)."""
         written: list[tuple[int, int, int, np.ndarray, int]] = []
         c, stop = self.shape[0], start + value.shape[0]
@@ -152,41 +168,43 @@ class ShardedChunks(ChunkFormat):
         value = np.ascontiguousarray(value, dtype=self.dtype)
         for shard in range(start // rows_per_shard, (stop - 1) // rows_per_shard + 1):
             lo = shard * rows_per_shard
-            buf = np.zeros(self.shard_bytes, dtype=np.uint8)
             first = max(start - lo, 0) // c  # first inner chunk this write changes
             partial = (start - lo) % c if start > lo else 0
-            if first > 0 or partial:
-                old = self._old_shard(shard, lo // c)
+            present = -(-(min(stop, lo + rows_per_shard) - lo) // c)  # through the last row
+            buf = np.empty(self.shard_bytes(present), dtype=np.uint8)
+            if first > 0:
                 keep = first * self.file_bytes
-                buf[:keep] = old[:keep]
-            for j in range(first, self.per_shard):
+                buf[:keep] = self._old_shard(shard, lo // c, first)[:keep]
+            for j in range(first, present):
                 a = max(start, lo + j * c)
                 b = min(stop, lo + (j + 1) * c)
-                if a >= b:  # past the rows written: not committed, zeros
-                    data = np.zeros(self.shape, self.dtype)
-                elif j == first and partial:
+                if j == first and partial:
                     data = self.read(lo // c + j, expect=expect).copy()
-                    data[a - lo - j * c : b - lo - j * c] = value[a - start : b - start]
                 else:
                     data = np.zeros(self.shape, self.dtype)
-                    data[a - lo - j * c : b - lo - j * c] = value[a - start : b - start]
+                data[a - lo - j * c : b - lo - j * c] = value[a - start : b - start]
                 crc = self._encode_into(buf, j, data)
-                if a < b:
-                    written.append((lo // c + j, lo + j * c, b, data, crc))
-            buf[self.per_shard * self.file_bytes:] = np.frombuffer(self.expected_index(),
-                                                                   np.uint8)
+                written.append((lo // c + j, lo + j * c, b, data, crc))
+            buf[present * self.file_bytes:] = np.frombuffer(self.expected_index(present),
+                                                            np.uint8)
             fault("chunk_write")  # a kill here: the shard object is untouched
             self.objects.put(self.key(shard), buf.data)
+            with self._lock:
+                self._present[shard] = present
         return written
 
-    def _old_shard(self, shard: int, first_chunk: int) -> np.ndarray:
+    def _old_shard(self, shard: int, first_chunk: int, needed: int) -> np.ndarray:
+        """The stored shard, which must hold its first `needed` inner chunks (committed
+        rows)."""
         try:
             data, _ = self.objects.get(self.key(shard))
         except FileNotFoundError:
             raise self.damaged(first_chunk, "is missing (its shard is absent)") from None
-        if len(data) != self.shard_bytes:
-            raise self.damaged(first_chunk, f"lies in a shard of {len(data)} bytes, not "
-                                             f"{self.shard_bytes}")
+        present = (len(data) - self.index_bytes) // self.file_bytes
+        if len(data) != self.shard_bytes(max(present, 0)) or present < needed:
+            raise self.damaged(first_chunk, f"lies in a shard of {len(data)} bytes, short of "
+                                             f"the {self.shard_bytes(needed)} of its "
+                                             f"{needed} committed chunks")
         return np.frombuffer(data, np.uint8)
 
     def _encode_into(self, buf: np.ndarray, j: int, data: np.ndarray) -> int:

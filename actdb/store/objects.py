@@ -123,6 +123,13 @@ class Objects:
         with self.errors(key, "reading"):
             return memoryview(obstore.get_range(self.store, key, start=start, end=end))
 
+    def get_suffix(self, key: str, n: int) -> tuple[memoryview, int]:
+        """The last `n` bytes of an object (all of it when shorter) and the object's size, in
+        one request."""
+        with self.errors(key, "reading"):
+            res = obstore.get(self.store, key, options={"range": {"suffix": n}})
+            return memoryview(res.bytes()), int(res.meta["size"])
+
     def size(self, key: str) -> int | None:
         with self.errors(key, "reading"):
             try:

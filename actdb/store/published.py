@@ -6,6 +6,11 @@ and the pointer `catalog.json` naming the current one. An ingest works on a loca
 after each commit, publishes it: upload a new catalog object, then replace the pointer with
 a write conditional on the pointer's ETag as this writer last saw it, so that of two writers
 only one can ever advance it. Readers read the pointer, then the object it names.
+
+When the writer closes, its last catalog is published once more, compacted (DuckDB's
+`COPY FROM DATABASE` into a fresh file: a file checkpointed at every commit keeps the blocks
+its checkpoints freed), and the catalog objects before it are deleted, so a finished store
+holds one catalog object about the size of a local store's catalog file.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import json
 import uuid
 from pathlib import Path
 from typing import Any
+
+import duckdb
 
 from ..errors import StoreBusyError, StoreCorruptError, StoreFormatError
 from .faults import fault
@@ -84,6 +91,8 @@ class Publisher:
         self.location = location
         self.pointer, self.etag = download(objects, local)
         self._previous: str | None = None
+        self._published = False  # this writer advanced the pointer at least once
+        self._pending = False  # the working copy may differ from the catalog last published
         self._remove_orphans()
 
     def _remove_orphans(self) -> None:
@@ -95,9 +104,32 @@ class Publisher:
                 self.objects.delete(key)
 
     def publish(self) -> None:
+        self._pending = True
+        self._publish(self.local)
+        self._pending = False
+
+    def finish(self) -> None:
+        """The last catalog this writer published, again, compacted, and the objects before
+        it deleted; nothing when this writer published nothing, or when its working copy
+        holds a commit it could not publish."""
+        if not self._published or self._pending:
+            return
+        compacted = self.local.with_name(self.local.name + ".compacted")
+        compacted.unlink(missing_ok=True)
+        try:
+            if not compact(self.local, compacted):
+                return
+            self._publish(compacted)
+        finally:
+            compacted.unlink(missing_ok=True)
+        if self._previous is not None:
+            self.objects.delete(self._previous)  # readers of it read the pointer again
+            self._previous = None
+
+    def _publish(self, source: Path) -> None:
         seq = int(self.pointer.get("seq", 0)) + 1
         key = _catalog_key(seq)
-        self.objects.put(key, self.local.read_bytes(), if_absent=True)
+        self.objects.put(key, source.read_bytes(), if_absent=True)
         fault("catalog_uploaded")
         pointer = {**self.pointer, "catalog": key, "seq": seq}
         try:
@@ -116,6 +148,42 @@ class Publisher:
             self.objects.delete(self._previous)
         self._previous = self.pointer["catalog"]
         self.pointer, self.etag = pointer, etag
+        self._published = True
+
+
+_SCHEMA = ("SELECT table_name, column_name, ordinal_position, data_type, column_default, "
+           "is_nullable FROM information_schema.columns WHERE table_catalog = $db ORDER BY ALL")
+
+
+def compact(source: Path, dest: Path) -> bool:
+    """A copy of the DuckDB file `source` in the fresh file `dest`, holding only live blocks;
+    False (and no `dest`) where the copy does not have the same tables, columns and row
+    counts."""
+    con = duckdb.connect(str(dest), config={"threads": 1})
+    try:
+        here = str((con.execute("SELECT current_database()").fetchone() or ("",))[0])
+        con.execute(f"ATTACH '{source}' AS src (READ_ONLY)")
+        con.execute(f"COPY FROM DATABASE src TO {_quoted(here)}")
+        tables = [str(r[0]) for r in con.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE database_name = 'src'").fetchall()]
+
+        def shape(db: str) -> list[Any]:
+            counts = [con.execute(f"SELECT count(*) FROM {_quoted(db)}.main.{_quoted(t)}"
+                                  ).fetchone() for t in tables]
+            return [con.execute(_SCHEMA, {"db": db}).fetchall(), counts]
+
+        same = shape("src") == shape(here)
+        con.execute("DETACH src")
+        con.execute("CHECKPOINT")
+    finally:
+        con.close()
+    if not same:
+        dest.unlink(missing_ok=True)
+    return same
+
+
+def _quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
 
 
 def check_version(pointer: dict[str, Any], location: str, newest: int) -> None:

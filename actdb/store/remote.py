@@ -8,13 +8,13 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import zarr.storage
 
-from ..errors import StoreBusyError
+from ..errors import ActdbError, StoreBusyError
 from . import published
 from .arrays import Arrays
 from .backend import CATALOG_NAME, SHARDS_NAME, TENSORS_NAME, TOKENIZERS_NAME
@@ -260,7 +260,17 @@ class S3Backend:
         return {"catalog": cat, "tensors": ten, "tokenizers": tok, "total": cat + ten + tok}
 
     def close(self) -> None:
-        self.unlock()
+        try:
+            if self._publisher is not None and self._lease is not None:
+                # A finished store keeps one catalog object, compact. Best effort: the last
+                # publication stands when this fails (another writer took over, a network
+                # error), so a store is never the worse for it.
+                with suppress(ActdbError):
+                    self._lease.check()
+                    self._publisher.finish()
+        finally:
+            self._publisher = None
+            self.unlock()
         if self._work is not None:
             shutil.rmtree(self._work, ignore_errors=True)
             self._work = None
