@@ -110,6 +110,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--weights", type=click.Choice(["all", "none"]), default="all", show_default=True,
               help="Store a new model's attention and MLP matrices per layer, and each head's "
                    "OV and QK circuits, beside its embedding and head.")
+@click.option("--attention", is_flag=True, default=False,
+              help="Also store every head's attention weights for each prompt (a second, "
+                   "eager forward pass per batch), queried as the view `attention`.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 @click.pass_context
 def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,

@@ -81,6 +81,7 @@ class IngestOptions:
     # a contrastive model's labels (a file, one a line, or a list) and their prompt template
     labels: str | os.PathLike[str] | Sequence[str] | None = None
     label_template: str | None = None
+    attention: bool = False  # store every head's attention weights per prompt
 
     def __post_init__(self) -> None:
         if self.weights not in ("all", "none"):

@@ -50,6 +50,7 @@ def ingest(
     weights: str = "all",
     labels: str | os.PathLike[str] | Sequence[str] | None = None,
     label_template: str | None = None,
+    attention: bool = False,
 ) -> IngestSummary:
     """Run `model` once over `prompts` and store every norm site's input in `store`.
 
@@ -96,6 +97,11 @@ def ingest(
     read back through the vision tower's final norm and projection, and the logit functions
     read the class token as the model's zero-shot classifier does (proven at ingest against
     its logits_per_image).
+
+    `attention` (off by default): also store every head's attention weights for each prompt
+    ingested, from a second forward pass of each batch with eager attention (the stored
+    vectors come from the first, with the model's own attention implementation, unchanged),
+    queried as the view `attention` (docs/FORMAT.md, "Attention weights").
     """
     if cluster is not None and (inputs is not None or images is not None):
         raise IngestError("a cluster ingest takes prompts only; ingest images and other "
@@ -114,7 +120,7 @@ def ingest(
         chunk_tokens=chunk_tokens, progress=progress, on_plan=on_plan,
         storage_options=storage_options, chat_template=chat_template,
         shard=parse_shard(shard) if shard is not None else None, weights=weights,
-        labels=labels, label_template=label_template)
+        labels=labels, label_template=label_template, attention=attention)
     if cluster is not None:
         from .cluster import ingest_on_cluster  # dask: imported by cluster ingests alone
 

@@ -101,6 +101,13 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
     seq2seq = is_encoder_decoder(loaded.model)
     check_inputs(prompts, loaded.model, name)
     media = any(p.media is not None for p in prompts)
+    if seq2seq and opts.attention:
+        raise IngestError(f"model {name!r} is an encoder-decoder: --attention stores one "
+                          "stack's self-attention over a prompt's tokens, and does not yet "
+                          "store an encoder-decoder's three kinds; ingest without it")
+    if media and opts.attention:
+        raise IngestError("--attention stores attention over a prompt's tokens: it is for "
+                          "text prompts, not images or other media")
     if media and (opts.chat_template or any(p.media is None for p in prompts)):
         raise IngestError("inputs of text alone and inputs with media go to separate "
                           "ingests (and --chat-template is for text)")
@@ -216,6 +223,10 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
                 f"({', '.join(pending_shards(st))}): finish them and run `actdb merge`, "
                 "then ingest"
             )
+        if opts.attention and not st.has_digests:
+            raise IngestError(f"store {st.location!r} is of format {st.format_version}, "
+                              "which records no chunk digests: --attention needs format 5 "
+                              "or later (ingest into a new store)")
         reg = register(st, m.loaded, found, m.n_layers, m.name, opts.sites, m.limit,
                        opts.chunk_tokens, m.transform, m.classifier, m.towers,
                        zero_shot=m.zero_shot, contrastive=m.contrastive is not None,
@@ -255,7 +266,8 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
         errors = BatchRunner(st, m.loaded, reg, found, batches, batch_size=opts.batch_size,
                              progress=opts.progress, check=_logit_check(m, reg.record),
                              first_recorded=first_recorded, grids=m.grids,
-                             backbone=m.contrastive.vision if m.contrastive else None).run()
+                             backbone=m.contrastive.vision if m.contrastive else None,
+                             attention=opts.attention).run()
         if shard_of is not None:
             with st.backend.writing("the shard catalog"):
                 mark_finished(st.commits)

@@ -17,6 +17,7 @@ from torch import nn
 from ..errors import IngestError
 from ..store.records import ModelRecord
 from ..store.store import ActBatch, Store
+from .attention_pass import batch_attention
 from .batches import Batch, pad, to_device
 from .capture import on_norm_io
 from .fields import SiteSink
@@ -95,10 +96,13 @@ class BatchRunner:
                  found: list[FoundSite], batches: list[Batch], *, batch_size: int,
                  progress: bool, check: LogitCheck | None, first_recorded: bool,
                  grids: GridPlan | None = None,
-                 backbone: nn.Module | None = None) -> None:
+                 backbone: nn.Module | None = None, attention: bool = False) -> None:
         """`backbone`: the module the batches run through where it is not the model's
-        base (a contrastive model's vision tower); the logit check runs the whole model."""
+        base (a contrastive model's vision tower); the logit check runs the whole model.
+        `attention`: also each prompt's attention weights (attention_pass.py)."""
         self.st, self.loaded, self.reg, self.found = st, loaded, reg, found
+        self.attention = attention
+        self._attending = False  # the attention pass runs: the sink takes nothing
         self.batches, self.batch_size, self.progress = batches, batch_size, progress
         self.check, self.first_recorded = check, first_recorded
         self.record = reg.record
@@ -111,7 +115,8 @@ class BatchRunner:
         self.sink = SiteSink(found, loaded.device, grids=grids,
                              rows=min(self.group_rows - 1 + largest, self.total))
         self.worst: dict[str, float] = {}
-        self.pending: list[tuple[list[Work], dict[str, float], float | None]] = []
+        self.pending: list[tuple[list[Work], dict[str, float], float | None,
+                                 dict[int, np.ndarray]]] = []
         self.in_flight: list[Future[Any]] = []
         self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actdb-commit")
         # The base model alone where every site is inside it; the whole model where a site is
@@ -137,7 +142,7 @@ class BatchRunner:
         hooks = {p: m for f in self.found for p, m in f.hooks}
         n_batches = len(self.batches)
         with drained(self.committer, lambda: list(ahead.values())), bar, \
-                on_norm_io(hooks, self.sink):
+                on_norm_io(hooks, self._capture):
             buffered = 0
             for k, batch in enumerate(self.batches):
                 # The last batch is committed alone (below) and nothing overlaps that commit:
@@ -158,6 +163,23 @@ class BatchRunner:
             if self.in_flight:
                 self.in_flight.pop().result()
         return self.worst
+
+    def _capture(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        if not self._attending:  # the attention pass reruns the batch: its norms are seen
+            self.sink(name, x, y)
+
+    def _attention(self, batch: Batch, inputs: dict[str, torch.Tensor]
+                   ) -> dict[int, np.ndarray]:
+        """The batch's prompts' attention weights, by prompt id (a second pass)."""
+        if not self.attention:
+            return {}
+        self._attending = True
+        try:
+            got = batch_attention(self.loaded.model, self.backbone, inputs, self.extra,
+                                  [len(w.ids) for w in batch], self.record.model)
+        finally:
+            self._attending = False
+        return {w.prompt_id: a for w, a in zip(batch, got, strict=True)}
 
     def _prepare(self) -> None:
         if self.reg.write is not None:
@@ -220,7 +242,8 @@ class BatchRunner:
                     f"fields differ from the model's own by {logit_error:.3g} (relative), "
                     f"more than {LOGIT_LIMIT}; nothing of this batch was committed"
                 )
-        self.pending.append((batch, sink.errors, logit_error if recorded else None))
+        self.pending.append((batch, sink.errors, logit_error if recorded else None,
+                             self._attention(batch, inputs)))
 
     def _flush(self, ahead: Ahead) -> None:
         """Hand the pending batches' rows to the commit thread."""
@@ -228,6 +251,7 @@ class BatchRunner:
         works = [w for b in batches for w in b]
         errors: dict[str, float] = {}
         logit_errors = [p[2] for p in self.pending if p[2] is not None]
+        attention = {pid: a for p in self.pending for pid, a in p[3].items()}
         for p in self.pending:
             for k, v in p[1].items():
                 errors[k] = max(errors.get(k, 0.0), v)
@@ -241,11 +265,12 @@ class BatchRunner:
             self.in_flight.pop().result()
         self.in_flight.append(self.committer.submit(
             self._commit, batches, acts, errors, max(logit_errors) if logit_errors else None,
-            self.start, ahead))
+            self.start, ahead, attention))
         self.start += sum(w.n_rows for w in works)
 
     def _commit(self, batches: list[Batch], acts: dict[str, ActBatch], errors: dict[str, float],
-                logit_error: float | None, start: int, ahead: Ahead) -> None:
+                logit_error: float | None, start: int, ahead: Ahead,
+                attention: dict[int, np.ndarray]) -> None:
         """On the commit thread: the token strings of a new model are known there, once its
         registration (the first job) has decoded the vocabulary."""
         token_str = self.reg.token_str
@@ -254,4 +279,4 @@ class BatchRunner:
         new_prompts, runs, tokens = batch_tables(batches, start, token_str)
         self.st.commit_batch(self.record, start=start, acts=acts, new_prompts=new_prompts,
                              prompt_runs=runs, tokens=tokens, site_errors=errors,
-                             logit_error=logit_error, ahead=ahead)
+                             logit_error=logit_error, ahead=ahead, attention=attention)

@@ -65,7 +65,21 @@ def _finding(model: str, s: Section) -> str:
 
 
 def _section(model: str, s: Section) -> str:
-    sql = html.escape(inline_sql(s.sql, s.params))
+    if s.skipped or s.figure is None:  # a sentence says why it is not measured here
+        return f"""
+<section id="{html.escape(f"{model}-{s.key}")}" data-section="{s.key}"
+         data-model="{html.escape(model)}" data-skipped="true">
+<h3>{html.escape(s.title)}</h3>
+<p class="claim"><b>Published:</b> {html.escape(s.claim)}</p>
+<p class="finding">{html.escape(s.finding)}</p>
+</section>"""
+    if s.sql:
+        sql = html.escape(inline_sql(s.sql, s.params))
+        how = ("<details><summary>The SQL behind this figure (runs as is with "
+               f'<code>actdb query</code>)\n</summary><pre class="sql">{sql}</pre></details>')
+    else:
+        how = ("<details><summary>How this figure is computed</summary>"
+               f'<pre class="source">{html.escape(s.source)}</pre></details>')
     return f"""
 <section id="{html.escape(f"{model}-{s.key}")}" data-section="{s.key}"
          data-model="{html.escape(model)}">
@@ -73,8 +87,7 @@ def _section(model: str, s: Section) -> str:
 <img alt="{html.escape(s.title)}" src="data:image/png;base64,{_png(s.figure)}">
 <p class="claim"><b>Published:</b> {html.escape(s.claim)}</p>
 <p class="finding"><b>This model:</b> {_finding(model, s)}</p>
-<details><summary>The SQL behind this figure (runs as is with <code>actdb query</code>)
-</summary><pre class="sql">{sql}</pre></details>
+{how}
 </section>"""
 
 

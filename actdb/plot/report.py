@@ -28,6 +28,7 @@ from .data import (
 )
 from .report_vision import VISION_SECTIONS, is_image_lens
 from .section import TOP_DIMS, Section, lens_roles, stays_from
+from .weight_reading import weight_reading
 
 # An eigenvalue "vanishes" when it is this many times below the layer's median eigenvalue.
 VANISHING = 1e-3
@@ -220,7 +221,7 @@ def _dims(db: Any, model: str) -> Section:
 
 
 SECTIONS: tuple[Callable[[Any, str], Section], ...] = (_angles, _norms, _rotation, _spectrum)
-LM_SECTIONS: tuple[Callable[[Any, str], Section], ...] = (_emergence, _dims)
+LM_SECTIONS: tuple[Callable[[Any, str], Section], ...] = (_emergence, _dims, weight_reading)
 
 
 def measure(db: Any, model: str) -> list[Section]:

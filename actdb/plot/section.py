@@ -20,10 +20,13 @@ class Section:
     sql: str
     params: dict[str, Any]
     df: pd.DataFrame
-    figure: Figure
+    figure: Figure | None  # None: a skipped section
     claim: str
     finding: str  # with {name} fields filled from `numbers`
     numbers: dict[str, float | int | str] = field(default_factory=dict)
+    # Where `sql` is empty: how the numbers are computed (the arrays read, and any SQL).
+    source: str = ""
+    skipped: bool = False  # not measurable on this store: `finding` says why
 
 
 TOP_DIMS = 10  # the dims a report's dims section shows

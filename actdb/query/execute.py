@@ -16,6 +16,7 @@ from ..errors import ActdbError, QueryError
 from ..lazy import lazy_module
 from . import handles as H
 from .aggregates import Directions, DirectionTable
+from .attention_view import make_attention_view
 from .bulk import BulkEvaluator
 from .functions import ANCHORS, DIRECTION, REGISTRY, TOKEN, VEC, VECS, TensorFunction, direction_udf
 from .kernels import Arg
@@ -283,6 +284,7 @@ class Functions:
         self._udfs: set[str] = set()  # UDFs created (a macro may yet fail after its UDF)
         self._done: set[str] = set()  # UDF and macro both in place
         self._acts = False  # the view `acts` is in place
+        self._attention = False  # the view `attention` is in place (attention_view.py)
         # The bulk evaluators of the functions of one vector registered so far (their
         # counters are the session's stats).
         self.bulk: list[BulkEvaluator] = []
@@ -296,6 +298,10 @@ class Functions:
         with self._lock:
             if not self._acts and _sees_acts(names, tables):
                 self._make_acts()
+            if not self._attention and "attention" in tables:
+                make_attention_view(self._con, self._src, self._box, self._session,
+                                    lambda t: _sqltype(self._con, t))
+                self._attention = True
             for name in sorted(wanted - self._done):
                 fn = REGISTRY.get(name)
                 if fn is None:

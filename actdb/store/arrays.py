@@ -36,6 +36,7 @@ from .act_arrays import (
     write_alignment,
 )
 from .array_group import ArrayGroup, ArrayInfo, Layout, create_group
+from .attention import AttentionArrays
 from .catalog import LOCAL_FORMAT_VERSION
 from .chunk_reads import ChunkReader
 from .chunks import crc32c
@@ -65,6 +66,7 @@ class Arrays:
         self.written = WrittenDigests()
         self.weights = Weights(self.group, self.reader, self.durability)
         self.acts = ActArrays(self.group, self.reader, self.durability, self.written)
+        self.attention = AttentionArrays(self.group, self.reader, self.durability)
 
     @classmethod
     def create(cls, path: Path | None, *, version: int = LOCAL_FORMAT_VERSION,

@@ -4,7 +4,8 @@
 `point`: `kill` (default) sends itself SIGKILL, `enospc` raises OSError(ENOSPC) as a full disk
 would. Unset, `fault()` is one comparison. Points (docs/FORMAT.md lists them):
 create_before_catalog, create_after_catalog, weight_write (a weight chunk file mid-write),
-weights_written, chunk_write (a vector chunk file mid-write), tensors_written,
+weights_written, chunk_write (a vector chunk file mid-write), attention_write (a chunk of
+attention weights mid-write, `ingest --attention`), tensors_written,
 catalog_commit, committed, catalog_fold (the catalog's log folded into a new copy of the file,
 not yet renamed over it), catalog_folded (renamed, the old log not yet deleted),
 catalog_uploaded (object storage: a catalog uploaded, its
@@ -20,8 +21,8 @@ import signal
 import threading
 
 POINTS = ("create_before_catalog", "create_after_catalog", "weight_write", "weights_written",
-          "chunk_write", "tensors_written", "catalog_commit", "committed", "catalog_fold",
-          "catalog_folded", "catalog_uploaded",
+          "chunk_write", "attention_write", "tensors_written", "catalog_commit", "committed",
+          "catalog_fold", "catalog_folded", "catalog_uploaded",
           "shard_removal")
 
 

@@ -325,9 +325,12 @@ class Store:
         site_errors: dict[str, float],
         logit_error: float | None = None,
         ahead: Mapping[str, Future[tuple[int, int]]] | None = None,
+        attention: Mapping[int, np.ndarray] | None = None,
     ) -> int:
         """Write one batch: tensors into rows [start, start + n), then the catalog rows.
-        `ahead`: per site, the chunks `write_ahead` is writing of these rows.
+        `ahead`: per site, the chunks `write_ahead` is writing of these rows. `attention`:
+        the batch's prompts' attention weights by prompt id (attention.py), written with the
+        vectors and committed with them.
 
         Returns the new committed row count. A crash before the catalog commit leaves rows
         past `n_rows` that no reader sees and the next ingest overwrites.
@@ -346,8 +349,10 @@ class Store:
                 acts.items(),
             ))
             self.arrays.sync(self._writers)
+            attended = self.arrays.attention.write(model.model_id, dict(attention or {}),
+                                                   self._writers)
         fault("tensors_written")
-        written = self.arrays.written.take(model.model_id, start + n)
+        written = self.arrays.written.take(model.model_id, start + n) + attended
         digests = (digests_table(written, {model.model_id: model.model})
                    if self.has_digests else None)
         with self.backend.writing("the catalog"):

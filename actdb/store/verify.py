@@ -13,6 +13,8 @@ import numpy as np
 
 from ..errors import StoreCorruptError
 from .arrays import ACT_FIELDS, write_alignment
+from .attention import array_name as attention_array
+from .attention import stored_prompts as attention_prompts
 from .layer_weights import manifest_arrays, read_manifest
 from .records import ModelRecord, SiteRecord
 from .store import Store
@@ -174,6 +176,9 @@ def _check_weights(store: Store, m: ModelRecord, sites: list[SiteRecord], where:
         wanted += [(f"sites/{s.site}/gain", s.has_gain), (f"sites/{s.site}/bias", s.has_bias)]
     manifest = read_manifest(store.arrays, m.model_id)
     wanted += [(name, True) for name in manifest_arrays(manifest or {})]
+    if store.has_digests:  # each prompt's attention weights (--attention) its commit recorded
+        wanted += [(attention_array(pid), True) for model, pid in attention_prompts(
+            lambda sql, params: store.catalog.all(sql, params)) if model == m.model]
     out = []
     for name, required in wanted:
         if not required:

@@ -243,9 +243,12 @@ class Weights:
         return out
 
 
-def create_weight_array(group: zarr.Group, name: str, shape: tuple[int, ...]) -> zarr.Array:
-    """A weight array `name` of `shape` (float32) in `group`, chunked along its rows."""
-    chunks = (weight_chunk_rows(shape), *shape[1:])
+def create_weight_array(group: zarr.Group, name: str, shape: tuple[int, ...], *,
+                        chunk_rows: int | None = None,
+                        dims: tuple[str, ...] | None = None) -> zarr.Array:
+    """A weight array `name` of `shape` (float32) in `group`, chunked along its rows
+    (`chunk_rows` a chunk: weight_chunk_rows by default); `dims`: its dimension names."""
+    chunks = (chunk_rows or weight_chunk_rows(shape), *shape[1:])
     return group.create_array(
         name, shape=shape, dtype="float32", chunks=chunks,
         compressors=[zarr.codecs.Crc32cCodec()], overwrite=True,
@@ -253,7 +256,7 @@ def create_weight_array(group: zarr.Group, name: str, shape: tuple[int, ...]) ->
         # chunk is damage, never zeros
         config={"write_empty_chunks": True},
         # per-head sites' gain and bias are [heads, d]
-        dimension_names=weight_dims(name, shape),
+        dimension_names=dims or weight_dims(name, shape),
     )
 
 

@@ -16,6 +16,7 @@ import torch
 from support.tiny_models import CORPUS, make_tiny_model
 
 import actdb
+from actdb.plot.weight_reading import weight_reading
 from actdb.store.layer_weights import array_name, read_manifest
 from actdb.store.store import Store
 
@@ -228,6 +229,11 @@ def test_a_store_without_weights_says_so(tmp_path: Path) -> None:
     path = tmp_path / "s.actdb"
     actdb.ingest(path, model=model, tokenizer=tok, prompts=PROMPTS[:1], device="cpu",
                  weights="none")
-    with pytest.raises(actdb.QueryError, match="stored without its layer weights"):
-        actdb.connect(path).sql("SELECT head_write(vec, 0, 0) FROM acts WHERE role = "
-                                "'pre_attn' LIMIT 1").fetchall()
+    with actdb.connect(path) as db:
+        with pytest.raises(actdb.QueryError, match="stored without its layer weights"):
+            db.sql("SELECT head_write(vec, 0, 0) FROM acts WHERE role = 'pre_attn' "
+                   "LIMIT 1").fetchall()
+        # the report's weight reading is skipped with a sentence
+        section = weight_reading(db, db.sql("SELECT model FROM models").fetchall()[0][0])
+    assert section.skipped and section.figure is None
+    assert "stored without its layer weights" in section.finding

@@ -21,8 +21,11 @@ from support.report_page import ReportPage as _Page
 
 import actdb
 from actdb.cli import cli
+from actdb.store.layer_weights import array_name, read_manifest
+from actdb.store.store import Store
 
-SECTIONS = ["angles", "norms", "rotation", "spectrum", "emergence", "dims"]
+SECTIONS = ["angles", "norms", "rotation", "spectrum", "emergence", "dims", "weights"]
+WITH_SQL = SECTIONS[:-1]  # the weight reading is read from the stored arrays (its source)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def test_report_sections_figures_and_sql(page) -> None:
     for src in p.images:
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(p.sql) == len(SECTIONS)
+    assert len(p.sql) == len(WITH_SQL)
     with actdb.connect(store, device="cpu") as db:
         for sql in p.sql:  # each shown query runs as is through the query layer
             assert "$" not in sql and len(db.sql(sql).fetchall()) > 0
@@ -98,7 +101,11 @@ def test_every_number_equals_an_independent_answer(page, reference) -> None:
                      "norms/outliers", "rotation/rotation_min", "rotation/rotation_max",
                      "spectrum/vanishing_min", "spectrum/vanishing_max", "spectrum/n_min",
                      "spectrum/n_max", "emergence/prompts", "emergence/top1_last_inner",
-                     "emergence/stays_half_layer", "dims/top_share", "dims/top_dim"}
+                     "emergence/stays_half_layer", "dims/top_share", "dims/top_dim",
+                     "weights/ranks", "weights/best_layer", "weights/best_head",
+                     "weights/best_rank", "weights/best_token", "weights/best_cosine",
+                     "weights/median_cosine", "weights/answer", "weights/neuron_layer",
+                     "weights/neuron", "weights/neuron_cosine"}
     close = {"rel": 1e-9}
     assert _number(p, "angles/angle_min") == pytest.approx(min(r[2] for r in ua), **close)
     assert _number(p, "angles/angle_max") == pytest.approx(max(r[2] for r in ua), **close)
@@ -144,6 +151,46 @@ def test_every_number_equals_an_independent_answer(page, reference) -> None:
     assert _number(p, "dims/top_dim") == int(top[0])
     assert _number(p, "dims/top_share") == pytest.approx(contrib[top].sum() / contrib.sum(),
                                                          rel=2e-3)
+
+
+    # Weights: each head's OV circuit from the stored factors and the norm's stored gain, a
+    # float64 NumPy SVD of the whole d x d product, against unit rows of W_U.
+    st = Store(store)
+    manifest = read_manifest(st.arrays, 0)
+    assert manifest is not None
+    unit = ref.W_U / np.linalg.norm(ref.W_U, axis=1, keepdims=True)
+    best, firsts = (0.0, None), []
+    for entry in manifest["layers"]:
+        layer, attn = entry["layer"], entry["attn"]
+        g = st.arrays.weight(0, f"sites/{attn['reads']}/gain").astype(np.float64)
+        wv = st.arrays.weight(0, array_name(layer, "attn", "W_V")).astype(np.float64)
+        wo = st.arrays.weight(0, array_name(layer, "attn", "W_O")).astype(np.float64)
+        dh = attn["d_head"]
+        for h in range(attn["n_heads"]):
+            kv = attn["kv_of_head"][h]
+            m = (g[:, None] * wv.reshape(-1, dh, len(g))[kv].T) @ wo.reshape(-1, dh, len(g))[h]
+            vt = np.linalg.svd(m)[2]
+            for r in range(3):
+                cos = np.abs(unit @ vt[r])
+                if r == 0:
+                    firsts.append(cos.max())
+                if cos.max() > best[0] + 1e-9:
+                    best = (float(cos.max()), (layer, h, r + 1, int(cos.argmax())))
+    layer, h, r, tid = best[1]
+    assert (_number(p, "weights/best_layer"), _number(p, "weights/best_head"),
+            _number(p, "weights/best_rank")) == (layer, h, r)
+    assert abs(float(_number(p, "weights/best_cosine"))) == pytest.approx(best[0], rel=1e-4)
+    assert _number(p, "weights/median_cosine") == pytest.approx(np.median(firsts), rel=1e-4)
+    counts = np.bincount(list(answer.values()))
+    top_answer = int(np.argmax(counts))  # the most frequent answer (lowest id among ties)
+    cos_n = []
+    for entry in manifest["layers"]:
+        w = st.arrays.weight(0, array_name(entry["layer"], "mlp", "W_out")).astype(np.float64)
+        cos = (w @ unit[top_answer]) / np.linalg.norm(w, axis=1)
+        cos_n += [(float(c), entry["layer"], n) for n, c in enumerate(cos)]
+    c, nl, n = max(cos_n)
+    assert (_number(p, "weights/neuron_layer"), _number(p, "weights/neuron")) == (nl, n)
+    assert _number(p, "weights/neuron_cosine") == pytest.approx(c, rel=1e-4)
 
 
 def test_python_api_writes_the_same_sections(family_store, tmp_path: Path) -> None:
