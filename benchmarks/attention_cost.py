@@ -1,4 +1,4 @@
-"""Workload 17, attention weights: what `ingest --attention` costs, in time and bytes.
+"""Workload 18, attention weights: what `ingest --attention` costs, in time and bytes.
 
 The GPT-2-small-shaped model of workload 1 (random weights, fixed seed; `--scale medium`:
 d=768, 12 layers, 12 heads, 32 prompts x 128 tokens, batch size 8) is ingested into a new

@@ -6,9 +6,10 @@ a prompt, layer or head reads only those chunks."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import duckdb
 import numpy as np
@@ -24,12 +25,17 @@ from .vectors import VectorSource
 
 if TYPE_CHECKING:
     import pyarrow as pa
-
-    from .execute import ErrorBox
 else:
     pa = lazy_module("pyarrow")  # imported when Arrow data is first made or read
 
 _KEPT_LAYERS = 32  # (prompt, layer) chunks a connection keeps read
+
+
+class ErrorBox(Protocol):
+    """What the view's UDF shares with the connection's queries (execute.ErrorBox)."""
+
+    error: ActdbError | None
+    stop: threading.Event
 
 
 def make_attention_view(con: duckdb.DuckDBPyConnection, src: VectorSource, box: ErrorBox,
