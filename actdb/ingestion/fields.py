@@ -169,6 +169,7 @@ class SiteSink:
                         for t in (g, b))
         self.mask = torch.zeros(0, dtype=torch.bool)
         self._parts: list[_Part] = []  # the batch's rows, by the tower that sees them
+        self._tokens: torch.Tensor | None = None  # start's `tokens`
         self._rows = rows
         self._groups: list[_Group | None] = [None, None]
         self._current = 0
@@ -184,13 +185,17 @@ class SiteSink:
         self.on_site: Callable[[str, np.ndarray], None] | None = None
 
     def start(self, mask: torch.Tensor,
-              towers: list[tuple[str | None, torch.Tensor]] | None = None) -> None:
+              towers: list[tuple[str | None, torch.Tensor]] | None = None,
+              tokens: torch.Tensor | None = None) -> None:
         """A new forward pass over a batch whose real tokens are `mask` [B, T]; `towers`, for
         a model whose towers read different sequences, each tower's mask instead, in the
         order of their rows (an encoder-decoder's encoder, then decoder): a site stores its
-        tower's rows and zeros in the others'."""
+        tower's rows and zeros in the others'. `tokens`: where an input's rows end with its
+        text tokens (grids.Grid.tokens: text and images together), which of the padded
+        sequence's positions they are [B, T'] (its attention mask)."""
         self._filled += self._n  # the previous batch (which ran) stays in the group
         self.mask = mask
+        self._tokens = tokens
         self._parts = []
         at = 0
         for tower, m in towers or [(None, mask)]:
@@ -297,6 +302,9 @@ class SiteSink:
         g = self.places.get(site)
         if g is None:
             return self._part(self.records[site]).mask
+        if g.tokens:
+            assert self._tokens is not None
+            return self._tokens
         return torch.ones((self.mask.shape[0], g.size), dtype=torch.bool,
                           device=self.mask.device)
 
@@ -310,6 +318,9 @@ class SiteSink:
             raise IngestError(f"site {s.site!r} ({s.module}) is a per-head site of a model whose "
                               "sites see different grids of positions; actdb does not place "
                               "per-head rows on a grid")
+        if self._tokens is not None:
+            self._store_among_tokens(f, x, y)
+            return
         x, y = as_rows(x, "btd", b), as_rows(y, "btd", b)  # [B, size, d]
         if x.shape[1] != g.size:
             raise IngestError(f"site {s.site!r} ({s.module}) sees {x.shape[1]} positions an "
@@ -337,6 +348,47 @@ class SiteSink:
         self._stored(s, worst, rows)
         if self.on_site is not None:
             self.on_site(s.site, stored.direction[:hi])
+
+    def _store_among_tokens(self, f: FoundSite, x: torch.Tensor, y: torch.Tensor) -> None:
+        """`_store_placed` where each input's rows end with its text tokens (inputs of text
+        and images together): the token grid's rows are an input's real tokens (its attention
+        mask) after the other grids' rows, each input's at its own place."""
+        s, g = f.record, self.places[f.record.site]
+        tokens = self._tokens
+        assert tokens is not None
+        b, d = self.mask.shape[0], s.d
+        counts = tokens.sum(dim=1).tolist()  # each input's text tokens
+        if g.tokens:
+            keep = tokens.to(x.device)
+            x, y = x.reshape(b, -1, d)[keep], y.reshape(b, -1, d)[keep]  # [sum T_i, d]
+            sizes, offsets = counts, [g.offset] * b
+        else:
+            x, y = as_rows(x, "btd", b), as_rows(y, "btd", b)  # [B, size, d]
+            if x.shape[1] != g.size:
+                raise IngestError(f"site {s.site!r} ({s.module}) sees {x.shape[1]} positions "
+                                  f"an input in this batch, not the {g.size} it saw when "
+                                  "probed")
+            x, y = x.reshape(-1, d), y.reshape(-1, d)
+            sizes, offsets = [g.size] * b, [g.offset] * b
+        n = int(sum(sizes))
+        rows = ActBatch(direction=np.empty((n, d), np.float16), norm=np.empty(n, np.float32),
+                        mean=np.empty(n, np.float32))
+        worst = self._split(s, self._x.view(n, d).copy_(x), self._y.view(n, d).copy_(y), rows,
+                            0, n)
+        group = self._groups[self._current]
+        assert group is not None
+        stored = group.fields[s.site]
+        start, at = self._filled, 0
+        for total, size, offset in zip(self.mask.sum(dim=1).tolist(), sizes, offsets,
+                                       strict=True):
+            for name in ("direction", "norm", "mean"):
+                whole = getattr(stored, name)[start : start + total]
+                whole[:] = 0
+                whole[offset : offset + size] = getattr(rows, name)[at : at + size]
+            start, at = start + total, at + size
+        self._stored(s, worst, rows)
+        if self.on_site is not None:
+            self.on_site(s.site, stored.direction[: self._filled + self._n])
 
     def _split(self, s: SiteRecord, x: torch.Tensor, y: torch.Tensor, stored: ActBatch,
                lo: int, hi: int) -> float:

@@ -28,6 +28,10 @@ class Grid:
     offset: int
     shape: tuple[int, int] | None = None
     plain: bool = False  # its positions' order is not known (a `bktd` site's): not patches
+    # an input's text tokens (a multimodal decoder's sequence, image tokens inside): as many
+    # as the input has, last among its rows (after the other grids, at `offset`), so that
+    # position_from_end = 0 is its last token
+    tokens: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +51,11 @@ class GridPlan:
     def per_input(self) -> int:
         return sum(g.size for g in self.grids)
 
+    @property
+    def tokens(self) -> bool:
+        """Whether an input's rows start with its text tokens (a grid of its own length)."""
+        return any(g.tokens for g in self.grids)
+
     def place(self, site: str) -> Grid | None:
         """The site's grid where there are several (its rows are then a part of each
         input's), else None (its rows are all of them)."""
@@ -54,10 +63,18 @@ class GridPlan:
 
 
 def plan_grids(sites: Sequence[tuple[str, int | None, tuple[int, int] | None, str]],
-               model: str) -> GridPlan:
+               model: str, *, tokens: bool = False) -> GridPlan:
     """The grids of (site, positions an input, feature-map shape, layout) in call order: sites
-    that see the same number of positions share a grid (one grid a count). One sentence where a
-    site's positions are not known (a layout that does not fix them)."""
+    that see the same number of positions share a grid (one grid a count). With `tokens`
+    (inputs of text and images together), sites of unknown positions read the text tokens: the
+    token grid, index 0, its rows after the others'. One sentence where a site's positions are
+    not known (a layout that does not fix them)."""
+    if tokens:
+        fixed = plan_grids([t for t in sites if t[1] is not None], model)
+        moved = tuple(dataclasses.replace(g, index=g.index + 1) for g in fixed.grids)
+        return GridPlan(of_site={s: 0 if n is None else fixed.of_site[s] + 1
+                                 for s, n, _, _ in sites}, grids=(
+            Grid(index=0, size=0, offset=fixed.per_input, tokens=True), *moved))
     unknown = next((s for s, n, _, _ in sites if n is None), None)
     if unknown is not None:
         raise IngestError(f"model {model!r}: site {unknown!r} sees a number of positions that "

@@ -186,16 +186,19 @@ def prepare_inputs(processor: Any, batch: Sequence[Prompt], name: str,
                               "are not supported")
         return {k: v for k, v in audio_inputs(processor, [p.media for p in batch if p.media],
                                               name).items() if isinstance(v, torch.Tensor)}
-    if any(p.text for p in batch):
-        raise IngestError(f"model {name!r}: inputs of text and an image together are not "
-                          "supported yet (a multimodal decoder sees image tokens inside its "
-                          "text); ingest the text alone, or the images alone")
+    if any(p.text for p in batch):  # a multimodal decoder: image tokens inside its text
+        if not all(p.text and p.media for p in batch):
+            raise IngestError(f"model {name!r}: inputs of text and an image together, and "
+                              "inputs of one of them alone, go to separate ingests")
+        kw["text"] = [p.text for p in batch]
+        kw["padding"] = True
     try:
         out = processor(**kw, return_tensors="pt")
     except Exception as e:  # noqa: BLE001 - a processor's own failure, said in one sentence
         raise IngestError(f"the processor of model {name!r} failed on these inputs "
                           f"({type(e).__name__}: {_first_line(e)})") from None
-    made = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+    # `labels` (PaliGemma's processor makes them) would have the model compute a loss
+    made = {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and k != "labels"}
     main = getattr(model, "main_input_name", None)
     # only where the main input is no other kind's (a contrastive model's is its text's)
     if (model is not None and isinstance(main, str) and main not in made

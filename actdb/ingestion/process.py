@@ -32,6 +32,7 @@ from .labels import (
 )
 from .load import LoadedModel, load
 from .logits import LogitCheck, LogitFit, LogitTransform, measure_logits
+from .multimodal import mixed_rows
 from .options import IngestOptions, IngestPlan, IngestSummary
 from .prompts import Prompt, apply_chat_template
 from .register import register
@@ -58,7 +59,8 @@ class ModelSetup:
     transform: LogitTransform | None
     final: FoundSite | None  # the final site the LM head reads
     classifier: ClassifierHead | None = None  # an image classifier's head, proven
-    labels: Positions | None = None  # what each position of a media input is
+    # what each position of a media input is (each input's where text and images go together)
+    labels: Positions | list[Positions] | None = None
     grids: GridPlan | None = None  # where each site's rows lie among a media input's
     towers: dict[str, int] = dataclasses.field(default_factory=dict)  # each tower's depth
     # an encoder-decoder's: the tokens each prompt's decoder reads (`ids` its encoder's)
@@ -114,6 +116,9 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
     if opts.chat_template:
         prompts = apply_chat_template(prompts, loaded.tokenizer, name)
     limit = None if media else length_limit(loaded, opts.max_length)
+    # Text and images in one input (a multimodal decoder): its text tokens are a grid of their
+    # own, as long as each input's sequence (multimodal.py).
+    mixed = media and any(p.text for p in prompts)
     if media:  # an input's positions are known once the sites are found (below)
         ids: list[list[int]] = []
         truncated = [False] * len(prompts)
@@ -146,13 +151,21 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
     towers: dict[str, int] = {}
     found, n_layers = find_sites(
         loaded.model if contrastive is None else contrastive.vision, sample, sample_alt,
-        sites_glob=opts.sites, final_probe=fit, depths=towers)
+        sites_glob=opts.sites, final_probe=fit, depths=towers,
+        fixed_towers=("vision", "audio") if mixed else ())
     if contrastive is not None:  # module paths from the model, as the model's other sites'
         found = [dataclasses.replace(f, record=dataclasses.replace(
             f.record, module=f"{contrastive.vision_path}.{f.record.module}")) for f in found]
-    media_positions = None
+    media_positions: Positions | list[Positions] | None = None
     grids = None
-    if media:
+    if mixed:
+        grids = plan_grids([(f.record.site, f.positions, f.shape, f.layout) for f in found],
+                           name,
+                           tokens=True)
+        found = [dataclasses.replace(f, record=dataclasses.replace(
+            f.record, grid=grids.of_site[f.record.site])) for f in found]
+        ids, media_positions = mixed_rows(loaded.model, loaded.processor, prompts, grids, name)
+    elif media:
         # Sites that see different numbers of positions (stages, a pooled head's norm) each
         # store their rows on their own grid of an input's rows (grids.py).
         # (an encoder-decoder's decoder rows are the tokens it read: the input's positions
@@ -230,7 +243,9 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
         reg = register(st, m.loaded, found, m.n_layers, m.name, opts.sites, m.limit,
                        opts.chunk_tokens, m.transform, m.classifier, m.towers,
                        zero_shot=m.zero_shot, contrastive=m.contrastive is not None,
+                       # the weights' probe passes read token ids alone: not media's
                        weights_from=[t for row in m.ids for t in row if t >= 0]
+                       if m.labels is None else []
                        if opts.weights == "all" else None)
         # The model's very first batch is part of the recorded sample; a resumed run (its
         # first batch committed, the error with it) or a later shard does not add its own.

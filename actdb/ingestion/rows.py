@@ -72,7 +72,7 @@ def batch_tables(
             for pos, tid in enumerate(ids):
                 tok_rows["prompt_id"].append(w.prompt_id)
                 tok_rows["position"].append(pos)
-                if labels is not None:  # a position of an image or a sound: no token
+                if labels is not None and tid < 0:  # an image's or a sound's: no token
                     tok_rows["token_id"].append(None)
                     tok_rows["token"].append(labels.tokens[pos])
                 else:

@@ -25,6 +25,7 @@ from .grids import GridPlan
 from .inputs import prepare_inputs
 from .load import LoadedModel
 from .logits import LOGIT_LIMIT, LogitCheck
+from .multimodal import rows_mask
 from .progress import progress_bar
 from .register import Registration
 from .rows import Work, batch_tables
@@ -112,6 +113,7 @@ class BatchRunner:
         self.group_rows = max(self.record.chunk_tokens, FLUSH_TOKENS)
         # A group is flushed once it holds group_rows rows: at most group_rows - 1 and a batch.
         largest = max((sum(w.n_rows for w in b) for b in batches), default=0)
+        self.grids = grids
         self.sink = SiteSink(found, loaded.device, grids=grids,
                              rows=min(self.group_rows - 1 + largest, self.total))
         self.worst: dict[str, float] = {}
@@ -189,12 +191,19 @@ class BatchRunner:
     def _forward(self, k: int, batch: Batch, ahead: Ahead | None) -> None:
         """One batch through the model; its rows stay in the sink, pending a flush."""
         loaded, sink, check, record = self.loaded, self.sink, self.check, self.record
+        tokens = None
         if batch[0].positions is not None:  # media: every input gives as many positions
             inputs = to_device(loaded, prepare_inputs(
                 loaded.processor, [w.prompt for w in batch], self.reg.record.model,
                 loaded.model))
-            mask = torch.ones((len(batch), len(batch[0].ids)), dtype=torch.bool,
-                              device=loaded.device)
+            mask = rows_mask([len(w.ids) for w in batch], loaded.device)
+            if self.grids is not None and self.grids.tokens:  # text and images together
+                tokens = inputs["attention_mask"].bool()
+                made = [int(n) + self.grids.per_input for n in tokens.sum(dim=1).tolist()]
+                if made != [len(w.ids) for w in batch]:
+                    raise IngestError(
+                        f"model {record.model!r}: its processor made other sequences for "
+                        "these inputs than it did when they were planned")
         else:
             inputs = pad(loaded, [w.ids for w in batch])
             mask = inputs["attention_mask"].bool()
@@ -208,7 +217,7 @@ class BatchRunner:
             inputs = {**inputs, **decoder}
             towers = [("encoder", mask), ("decoder", decoder["decoder_attention_mask"].bool())]
             mask = towers[1][1]
-        sink.start(mask, towers)
+        sink.start(mask, towers, tokens)
         sink.on_site = (None if ahead is None else
                         functools.partial(_write_ahead, self.st, record, self.start, ahead))
         logit_error = None
@@ -220,7 +229,7 @@ class BatchRunner:
         checked = check is not None and (k == 0 or recorded)
         with torch.no_grad():
             if check is not None and checked:
-                positions = check.positions(mask.shape[1])
+                positions = check.positions((mask if tokens is None else tokens).shape[1])
                 kw = {"logits_to_keep": positions.to(loaded.device)} if self.keeps else {}
                 out = loaded.model(**inputs, **check.inputs, **self.full_extra, **kw)
                 real = check.read(out)

@@ -169,6 +169,7 @@ def find_sites(
     sites_glob: str | None = None,
     final_probe: FinalProbe | None = None,
     depths: dict[str, int] | None = None,
+    fixed_towers: tuple[str, ...] = (),
 ) -> tuple[list[FoundSite], int]:
     """All norm sites of `model` in call order, and the number of blocks.
 
@@ -177,7 +178,9 @@ def find_sites(
     length); `sites_glob` (comma-separated globs matched against canonical names and module
     paths) keeps a subset. With `final_probe`, the second pass is the probe's own pass of the
     whole model, hooked on the final norm. `depths`, where given, gets each tower's depth
-    (towers.py); the number of blocks returned is the main tower's.
+    (towers.py); the number of blocks returned is the main tower's. `fixed_towers`: towers
+    whose positions an input's size fixes though the samples hold text (the vision tower of a
+    multimodal decoder over text and images together).
     """
     norm_modules = norm_modules_of(model)
     lists = head_lists(norm_modules, model)
@@ -237,7 +240,8 @@ def find_sites(
         layout: tuple[str, int | None] | None
         b, t1 = batch_dims(sample, tower_of[path].name)
         b2, t2 = batch_dims(sample_alt, tower_of[path].name)
-        if t1 is None or t2 is None:
+        by_size = t1 is None or t2 is None or tower_of[path].name in fixed_towers
+        if by_size:
             # a feature map is measured, where it is not a per-head norm's [B, heads, T, d]
             fixed, shape = image_layout(
                 norm_modules[path], call.input, shape2, b, b2,
@@ -247,6 +251,7 @@ def find_sites(
                 check_repeatable(model, path, call.input, alt[0].input if alt else None,
                                  fixed[0], b, b2)
         else:
+            assert t1 is not None and t2 is not None
             layout = token_layout(tuple(call.input.shape), shape2, b, t1, t2, b2)
         if layout is None and alt and alt[0].input is not None and shape2 == shape_in and (
                 torch.equal(call.input, alt[0].input)):
@@ -273,7 +278,7 @@ def find_sites(
                 fnmatch.fnmatchcase(site_path, g) or fnmatch.fnmatchcase(name, g)
                 for g in globs):
             continue  # left out by the site filter (by its name or its module path)
-        if layout is None and (t1 is None or t2 is None):
+        if layout is None and by_size:
             raise ModelLoadError(
                 f"norm module {path!r} sees inputs of shape {tuple(call.input.shape)} for a "
                 f"batch of {b} inputs (and {shape2} for {b2}); for images actdb knows the "

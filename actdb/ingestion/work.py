@@ -13,11 +13,13 @@ from .rows import Work
 
 def plan_work(
     st: Store, model: str, prompts: list[Prompt], ids: list[list[int]], truncated: list[bool],
-    labels: Positions | None = None, decoders: list[list[int]] | None = None,
+    labels: Positions | list[Positions] | None = None,
+    decoders: list[list[int]] | None = None,
 ) -> tuple[list[Work], dict[str, int]]:
     """The prompts still to run, and the ids of those prompts (by `Prompt.key`: the text, and
     the media paths and target where there are) the store already holds; `labels`: what each
-    position of a media input is; `decoders`: an encoder-decoder's decoder tokens."""
+    position of a media input is (one for every input, or each input's: text and images
+    together); `decoders`: an encoder-decoder's decoder tokens."""
     with st.catalog.session():  # three reads, one open of the file
         known = st.catalog.prompt_ids([p.text for p in prompts if p.key == p.text])
         known.update(st.catalog.media_prompt_ids()
@@ -26,6 +28,7 @@ def plan_work(
         next_id = st.catalog.next_prompt_id()
     assigned: dict[str, int] = {}
     work = []
+    each = labels if isinstance(labels, list) else [labels] * len(prompts)
     for k, (p, i, t) in enumerate(zip(prompts, ids, truncated, strict=True)):
         if p.key in assigned:
             continue  # the same text (and media) twice in one input is one prompt
@@ -35,7 +38,7 @@ def plan_work(
         assigned[p.key] = pid
         if pid not in done and len(i) > 0:
             work.append(Work(prompt_id=pid, prompt=p, ids=i, truncated=t,
-                              new_prompt=p.key not in known, positions=labels,
+                              new_prompt=p.key not in known, positions=each[k],
                               decoder=None if decoders is None else decoders[k]))
     columns = extra_columns([w.prompt for w in work if w.new_prompt])
     columns.update({k: "VARCHAR" for w in work if w.new_prompt and w.prompt.media

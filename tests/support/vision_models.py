@@ -124,3 +124,45 @@ def build_contrastive(kind: str, folder: Path, *, seed: int = 0) -> Path:
     model.eval().save_pretrained(out)
     processor.save_pretrained(out)
     return out
+
+
+def build_multimodal(kind: str, folder: Path, *, seed: int = 0) -> Path:
+    """A tiny random multimodal decoder (`llava` or `paligemma`) from its config, saved in
+    `folder` with its processor: images of 8x8 pixels in 2x2 patches, each image 16 image
+    tokens (`<image>`, added to the tests' offline tokenizer) in the decoder's sequence."""
+    import torch
+    import transformers as T
+
+    from .tiny_models import build_tokenizer
+
+    tok = build_tokenizer(kind="bpe")
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image = tok.convert_tokens_to_ids("<image>")
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=8, patch_size=2)
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                pad_token_id=tok.pad_token_id)
+    out = folder / kind
+    if kind == "llava":
+        model = T.LlavaForConditionalGeneration(T.LlavaConfig(
+            vision_config=T.CLIPVisionConfig(**vision).to_dict(),
+            text_config=T.LlamaConfig(**text).to_dict(), image_token_index=image))
+        processor = T.LlavaProcessor(
+            image_processor=T.CLIPImageProcessor(size={"shortest_edge": 8},
+                                                 crop_size={"height": 8, "width": 8}),
+            tokenizer=tok, patch_size=2, vision_feature_select_strategy="default",
+            image_token="<image>", num_additional_image_tokens=1)
+    else:
+        assert kind == "paligemma", kind
+        model = T.PaliGemmaForConditionalGeneration(T.PaliGemmaConfig(
+            vision_config=dict(model_type="siglip_vision_model", **vision),
+            text_config=dict(model_type="gemma", **text, head_dim=8),
+            image_token_index=image, projection_dim=32))
+        images = T.SiglipImageProcessor(size={"height": 8, "width": 8})
+        images.image_seq_length = 16
+        processor = T.PaliGemmaProcessor(image_processor=images, tokenizer=tok)
+    model.eval().save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
