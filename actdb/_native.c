@@ -1115,7 +1115,16 @@ static PyObject *handles_open(PyObject *self, PyObject *args) {
     return ret;
 }
 
+#include "_native_vocab.c" /* vocab_scan: the vocabulary-wide lens functions' product */
+
 static PyMethodDef methods[] = {
+#ifdef ACTDB_VOCAB
+    {"vocab_scan", vocab_scan, METH_VARARGS,
+     "vocab_scan(a, b, nt, V, n, mode, threads, c, e, t0, above, band_n, band, m, s0, s1, s2, "
+     "cross): rows against a vocabulary in bfloat16 (AVX-512 BF16), each 4 x 64 tile reduced in "
+     "registers: mode 0 counts and lists tokens against a threshold band, modes 1-3 sum exp() "
+     "for a log-sum-exp (and its moments, or a pair's cross term); see _native_vocab.c."},
+#endif
     {"split_pool", split_pool, METH_NOARGS,
      "split_pool() -> bool: whether split_rows(..., threads > 1) can share the rows among "
      "threads (a POSIX build); without it they run on the calling thread."},

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import QueryError
 from ..lazy import lazy_module
+from . import vocab_scan
 from .dots import row_dots
 from .kernels import Arg, _final_normed, _lm_groups, _per_value, _require_width, _to_logits
 from .lists import ListResults, float_lists
@@ -58,6 +59,12 @@ class LensRows:
 
     def logits(self, model: Any, hn: torch.Tensor, *, own_threads: bool = True
                ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """`logits_of` this batch's source."""
+        return LensRows.logits_of(self.src, model, hn, own_threads=own_threads)
+
+    @staticmethod
+    def logits_of(src: VectorSource, model: Any, hn: torch.Tensor, *,
+                  own_threads: bool = True) -> Iterator[tuple[int, int, torch.Tensor]]:
         """(lo, hi, logits [hi - lo, V]) over blocks of rows, with the model's transforms.
 
         The product and the caller's reductions over each [block, V] (it runs while this is
@@ -66,7 +73,7 @@ class LensRows:
         product on one core. A caller that
         walks two of these at once sets the threads itself around both (`own_threads=False`):
         two settings held open and closed in the same order would leave the wrong one behind."""
-        w, b = self.src.weights.unembed(model)
+        w, b = src.weights.unembed(model)
         with lens_threads(w, hn) if own_threads else contextlib.nullcontext():
             for lo in range(0, hn.shape[0], _BLOCK):
                 check()  # each block is a vocabulary-wide product: a query past its limit stops
@@ -95,13 +102,55 @@ def _token_logit(logits: torch.Tensor, tid: torch.Tensor) -> torch.Tensor:
     return logits.gather(1, tid.unsqueeze(1))[:, 0]  # [block]
 
 
+def _fast_blocks(src: VectorSource, model: Any, hn: torch.Tensor
+                 ) -> Iterator[tuple[int, int, torch.Tensor, vocab_scan.Packed | None]]:
+    """(lo, hi, ok [hi - lo], packed head or None) over blocks of rows: rows `ok` go to the
+    bfloat16 kernel (vocab_scan.py), the others (every row where it is not usable) to the
+    float32 product."""
+    head = None
+    if vocab_scan.usable(hn.device, model):
+        w, b = src.weights.unembed(model)
+        head = vocab_scan.pack(w, b)
+    for lo in range(0, hn.shape[0], _BLOCK):
+        check()  # each block is a vocabulary-wide product: a query past its limit stops
+        hi = min(lo + _BLOCK, hn.shape[0])
+        ok = (vocab_scan.takes(hn[lo:hi], head) if head is not None
+              else torch.zeros(hi - lo, dtype=torch.bool))
+        yield lo, hi, ok, head
+
+
+def _target_logits(src: VectorSource, model: Any, x: torch.Tensor, tid: torch.Tensor
+                   ) -> torch.Tensor:
+    """float64 [n]: each row's logit of its token, each product of float32 values exact."""
+    w, b = src.weights.unembed(model)
+    val = (x.double() * w[tid].double()).sum(-1)
+    return val + b[tid].double() if b is not None else val
+
+
 def logprob(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: Arg) -> None:
     lens = LensRows(src, h, "logprob")
     for model, rows, hn in lens.by_model():
         tid = _token_ids(src, model, rows, token, ttype)
-        for lo, hi, lg in lens.logits(model, hn):
-            lp = _token_logit(lg, tid[lo:hi]) - torch.logsumexp(lg, dim=-1)
-            out[rows[lo:hi]] = lp.double().cpu().numpy()
+        slow = []
+        for lo, _hi, ok, head in _fast_blocks(src, model, hn):
+            at = torch.nonzero(ok).flatten() + lo
+            if head is not None and len(at):
+                sums = vocab_scan.lse(hn[at], head)
+                mine = _target_logits(src, model, hn[at], tid[at]).numpy()
+                out[rows[at.numpy()]] = mine - sums.lse
+            slow.append(torch.nonzero(~ok).flatten() + lo)
+        _logprob_f32(src, model, rows, hn, tid, torch.cat(slow), out)
+
+
+def _logprob_f32(src: VectorSource, model: Any, rows: np.ndarray, hn: torch.Tensor,
+                 tid: torch.Tensor, at: torch.Tensor, out: np.ndarray) -> None:
+    """logprob of rows `at` from the float32 product."""
+    if not len(at):
+        return
+    sub = rows[at.numpy()]
+    for lo, hi, lg in LensRows.logits_of(src, model, hn[at]):
+        lp = _token_logit(lg, tid[at][lo:hi]) - torch.logsumexp(lg, dim=-1)
+        out[sub[lo:hi]] = lp.double().cpu().numpy()
 
 
 def prob(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: Arg) -> None:
@@ -114,18 +163,40 @@ def token_rank(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, tt
     lens = LensRows(src, h, "token_rank")
     for model, rows, hn in lens.by_model():
         tid = _token_ids(src, model, rows, token, ttype)
-        for lo, hi, lg in lens.logits(model, hn):
-            mine = _token_logit(lg, tid[lo:hi]).unsqueeze(1)
-            # 1 + the tokens with a strictly larger logit: ties share the better rank.
-            out[rows[lo:hi]] = (1 + (lg > mine).sum(-1)).double().cpu().numpy()
+        w, b = src.weights.unembed(model)
+        slow = []
+        for lo, _hi, ok, head in _fast_blocks(src, model, hn):
+            at = torch.nonzero(ok).flatten() + lo
+            if head is not None and len(at):
+                got = vocab_scan.ranks(hn[at], w, b, tid[at], head)
+                out[rows[at.numpy()]] = got.rank.double().numpy()
+            slow.append(torch.nonzero(~ok).flatten() + lo)
+        at = torch.cat(slow)
+        if len(at):
+            sub = rows[at.numpy()]
+            for lo, hi, lg in LensRows.logits_of(src, model, hn[at]):
+                mine = _token_logit(lg, tid[at][lo:hi]).unsqueeze(1)
+                # 1 + the tokens with a strictly larger logit: ties share the better rank.
+                out[sub[lo:hi]] = (1 + (lg > mine).sum(-1)).double().cpu().numpy()
 
 
 def entropy(src: VectorSource, h: np.ndarray, out: np.ndarray) -> None:
     lens = LensRows(src, h, "entropy")
     for model, rows, hn in lens.by_model():
-        for lo, hi, lg in lens.logits(model, hn):
-            lp = torch.log_softmax(lg, dim=-1)
-            out[rows[lo:hi]] = (-(lp.exp() * lp).sum(-1)).double().cpu().numpy()
+        slow = []
+        for lo, _hi, ok, head in _fast_blocks(src, model, hn):
+            at = torch.nonzero(ok).flatten() + lo
+            if head is not None and len(at):
+                sums = vocab_scan.lse(hn[at], head, moments=True)
+                assert sums.mean is not None
+                out[rows[at.numpy()]] = sums.lse - sums.mean
+            slow.append(torch.nonzero(~ok).flatten() + lo)
+        at = torch.cat(slow)
+        if len(at):
+            sub = rows[at.numpy()]
+            for lo, hi, lg in LensRows.logits_of(src, model, hn[at]):
+                lp = torch.log_softmax(lg, dim=-1)
+                out[sub[lo:hi]] = (-(lp.exp() * lp).sum(-1)).double().cpu().numpy()
 
 
 def kl_to(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) -> None:
@@ -144,14 +215,35 @@ def kl_to(src: VectorSource, h1: np.ndarray, h2: np.ndarray, out: np.ndarray) ->
             continue
         at = torch.from_numpy(rows).to(src.device)
         hv, ht = hv_all[at], target.hn[mid][at]
-        w, _ = src.weights.unembed(model)
-        with lens_threads(w, hv):
-            for (lo, hi, lv), (_, _, lt) in zip(v.logits(model, hv, own_threads=False),
-                                                target.logits(model, ht, own_threads=False),
-                                                strict=True):
-                lpv, lpt = torch.log_softmax(lv, dim=-1), torch.log_softmax(lt, dim=-1)
-                kl = (lpt.exp() * (lpt - lpv)).sum(-1).clamp_min(0.0)
-                out[rows[lo:hi]] = kl.double().cpu().numpy()
+        pairs = torch.stack([hv, ht], 1).reshape(2 * len(rows), -1)  # v0, t0, v1, t1, ...
+        slow = []
+        for lo, _hi, ok, head in _fast_blocks(src, model, pairs):
+            ok = ok.reshape(-1, 2).all(-1)  # [pairs]: both rows taken
+            sel = torch.nonzero(ok).flatten() + lo // 2
+            if head is not None and len(sel):
+                both_rows = torch.stack([2 * sel, 2 * sel + 1], 1).flatten()
+                sums = vocab_scan.lse(pairs[both_rows], head, pairs=True)
+                assert sums.cross is not None
+                kl = sums.cross[1::2] - sums.lse[1::2] + sums.lse[0::2]
+                out[rows[sel.numpy()]] = np.maximum(kl, 0.0)
+            slow.append(torch.nonzero(~ok).flatten() + lo // 2)
+        _kl_f32(src, model, rows, hv, ht, torch.cat(slow), out)
+
+
+def _kl_f32(src: VectorSource, model: Any, rows: np.ndarray, hv: torch.Tensor,
+            ht: torch.Tensor, at: torch.Tensor, out: np.ndarray) -> None:
+    """kl_to of pairs `at` from the float32 product."""
+    if not len(at):
+        return
+    sub, hv, ht = rows[at.numpy()], hv[at], ht[at]
+    w, _ = src.weights.unembed(model)
+    with lens_threads(w, hv):
+        for (lo, hi, lv), (_, _, lt) in zip(LensRows.logits_of(src, model, hv, own_threads=False),
+                                            LensRows.logits_of(src, model, ht, own_threads=False),
+                                            strict=True):
+            lpv, lpt = torch.log_softmax(lv, dim=-1), torch.log_softmax(lt, dim=-1)
+            kl = (lpt.exp() * (lpt - lpv)).sum(-1).clamp_min(0.0)
+            out[sub[lo:hi]] = kl.double().cpu().numpy()
 
 
 def logit_diff(src: VectorSource, h: np.ndarray, out: np.ndarray, t1: Arg, ty1: Arg, t2: Arg,

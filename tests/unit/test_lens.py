@@ -162,8 +162,11 @@ def test_lens_products_get_the_threads_their_size_earns(family_store, monkeypatc
     with the whole vocabulary and the caller's reductions over it run at what `threads_for`
     gives that product's size, as the top-k's product does. `threads_for` is made to answer
     3, 2, 3, ... from a caller at one thread: `kl_to`, which walks two blocks' logits at once,
-    must run both at one setting and leave the caller's one thread behind."""
+    must run both at one setting and leave the caller's one thread behind. (The float32
+    product's path: the bfloat16 kernel, vocab_scan.py, runs its own threads.)"""
     from actdb.query import lens
+
+    monkeypatch.setenv("ACTDB_VOCAB_SCAN", "off")
 
     asked: list[float] = []
     answers = iter([3, 2] * 100)
