@@ -393,4 +393,97 @@ done:
     }
     return result;
 }
+
+/* vocab_pack(w, bias, out, nt) -> (max N, finite): the vocabulary w float32 [V][d] (and bias
+   float32 [V], or empty) as vocab_scan's b: per token the K values (w_hi,i, w_lo,i) for each
+   i, then w_hi, then b_hi, b_lo, b_lo2 with a bias, a zero to make K even, each bfloat16 to
+   nearest (ties to even) of what is left of the value, in panels of 16 tokens [P][K/2][16]
+   (P = 4 ceil(V / 64), zeros past V); nt[t] = N_t = ||(w_t, b_t)|| (sums of squares in
+   float64, times 1 + 2^-40, rounded up to float32). One pass, the GIL released. */
+static inline uint16_t vs_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u); /* to nearest, ties to even (finite values) */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float vs_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static PyObject *vocab_pack(PyObject *self, PyObject *args) {
+    Py_buffer w, bias, out, nt;
+    Py_ssize_t d;
+    if (!PyArg_ParseTuple(args, "y*y*w*w*n", &w, &bias, &out, &nt, &d)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    uint16_t *row = NULL;
+    Py_ssize_t V = nt.len / 4, K = 3 * d + (bias.len ? 3 : 0);
+    K += K % 2;
+    Py_ssize_t k2 = K / 2, P = 4 * ((V + 63) / 64);
+    if (d <= 0 || vs_check(&w, 4, V * d, "w") || (bias.len && vs_check(&bias, 4, V, "bias")) ||
+        vs_check(&out, 4, P * 16 * k2, "out") || vs_check(&nt, 4, V, "nt")) {
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_ValueError, "vocab_pack: width %zd out of range", d);
+        }
+        goto done;
+    }
+    row = malloc((size_t)K * sizeof *row);
+    if (row == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const float *wf = (const float *)w.buf, *bf = bias.len ? (const float *)bias.buf : NULL;
+    uint32_t *o = (uint32_t *)out.buf;
+    float *ntf = (float *)nt.buf;
+    double n_max = 0.0;
+    int finite = 1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t t = 0; t < 16 * P; t++) {
+        memset(row, 0, (size_t)K * sizeof *row);
+        if (t < V) {
+            double ss = 0.0;
+            for (Py_ssize_t i = 0; i < d; i++) {
+                float y = wf[t * d + i];
+                finite &= isfinite(y) != 0;
+                uint16_t hi = vs_bf16(y);
+                row[2 * i] = hi;
+                row[2 * i + 1] = vs_bf16(y - vs_f32(hi));
+                row[2 * d + i] = hi;
+                ss += (double)y * (double)y;
+            }
+            if (bf != NULL) {
+                float y = bf[t];
+                finite &= isfinite(y) != 0;
+                ss += (double)y * (double)y;
+                for (int q = 0; q < 3; q++) {
+                    row[3 * d + q] = vs_bf16(y);
+                    y -= vs_f32(row[3 * d + q]);
+                }
+            }
+            double n = sqrt(ss) * (1 + 0x1p-40);
+            float nf = (float)n;
+            ntf[t] = (double)nf < n ? nextafterf(nf, INFINITY) : nf;
+            n_max = n > n_max ? n : n_max;
+        }
+        uint32_t *panel = o + (t / 16) * k2 * 16 + t % 16;
+        for (Py_ssize_t kk = 0; kk < k2; kk++) {
+            panel[kk * 16] = (uint32_t)row[2 * kk] | ((uint32_t)row[2 * kk + 1] << 16);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(dO)", n_max, finite ? Py_True : Py_False);
+done:
+    free(row);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&bias);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&nt);
+    return result;
+}
 #endif
+

@@ -170,34 +170,15 @@ def pack(w: torch.Tensor, b: torch.Tensor | None) -> Packed:
 
 def _pack(w: torch.Tensor, b: torch.Tensor | None) -> Packed:
     V, d = w.shape
-    sq = torch.linalg.vector_norm(w, dim=-1, dtype=torch.float64) ** 2
-    if b is not None:
-        sq = sq + b.double() ** 2
-    n64 = torch.sqrt(sq) * (1 + 2.0**-40)
-    nt = n64.float()
-    nt = torch.where(nt.double() < n64, torch.nextafter(nt, torch.full_like(nt, math.inf)), nt)
-    n_max = float(n64.max()) if V else 0.0
-    ok = bool(torch.isfinite(w).all()) and n_max < _LARGEST and (
-        b is None or bool(torch.isfinite(b).all()))
-    hi, lo = _split(w, 2)
-    cols = [torch.stack([hi, lo], -1).reshape(V, 2 * d), hi]  # (w_hi, w_lo) pairs, then w_hi
-    del lo
-    if b is not None:
-        cols += [p.unsqueeze(-1) for p in _split(b, 3)]
     k = width(d, b is not None)
-    have = sum(c.shape[-1] for c in cols)
-    if have < k:
-        cols.append(torch.zeros((V, k - have), dtype=torch.bfloat16))
-    rows = torch.cat(cols, -1)
-    del cols, hi
-    pad_v = (-V) % 64
-    if pad_v:
-        rows = torch.cat([rows, torch.zeros((pad_v, k), dtype=torch.bfloat16)])
-    k2 = rows.shape[1] // 2
-    pairs = rows.view(torch.int32).reshape(-1, 16, k2)  # [P, 16, K/2]
-    panels = pairs.permute(0, 2, 1).contiguous().reshape(-1)  # [P, K/2, 16]
-    return Packed(panels=panels, nt=nt.contiguous(), n_max=n_max, width=2 * k2, d=d,
-                  vocab=V, bias=b is not None, ok=ok)
+    panels = torch.empty(4 * ((V + 63) // 64) * 16 * k // 2, dtype=torch.int32)
+    nt = torch.empty(V, dtype=torch.float32)
+    n_max, finite = _native.vocab_pack(_float32(w).numpy(),
+                                       _float32(b).numpy() if b is not None
+                                       else np.empty(0, dtype=np.float32),
+                                       panels.numpy(), nt.numpy(), d)
+    return Packed(panels=panels, nt=nt, n_max=n_max, width=k, d=d, vocab=V,
+                  bias=b is not None, ok=finite and n_max < _LARGEST)
 
 
 def _rows(x: torch.Tensor, head: Packed) -> tuple[torch.Tensor, int]:
