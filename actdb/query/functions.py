@@ -206,35 +206,44 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
     ),
     # The logit lens as a distribution. eps_t below is the float16 error of logit(v, t):
     # at most 2^-11 * sqrt(d) * ||gain * W_U[t]|| * scale (gain of the final norm; divided by
-    # sin(uniform_angle(v)) for a LayerNorm), eps its largest value over the vocabulary.
+    # sin(uniform_angle(v)) for a LayerNorm), eps its largest value over the vocabulary. E is
+    # the computation's error on each logit (query/vocab_scan.py derives it for the bfloat16
+    # kernel; the float32 product's is smaller).
     TensorFunction(
         name="logprob", params=(V, _p("token", TOKEN)), returns="DOUBLE", kernel=lens.logprob,
         doc="logit lens: log softmax of logit(v, .) over the vocabulary (the model's logit "
             "transforms applied) at the token, in nats; NULL on inner, q_norm and k_norm "
-            "sites; error <= 2 eps, where eps = max over tokens t of eps_t = 2^-11 sqrt(d) "
-            "||gain * W_U[t]|| * logit scale (gain: the final norm's; divided by "
-            "sin(uniform_angle(v)) at a LayerNorm), the float16 error of logit(v, t)",
+            "sites; error <= 2 eps + E, where eps = max over tokens t of eps_t = 2^-11 "
+            "sqrt(d) ||gain * W_U[t]|| * logit scale (gain: the final norm's; divided by "
+            "sin(uniform_angle(v)) at a LayerNorm), the float16 error of logit(v, t), and "
+            "E = (2^-14 + (5d + 8) 2^-23) ||(final_norm(v), 1)|| max_t ||(W_U[t], b_U[t])|| + "
+            "2^-16 the computation's (the 1 and b_U only with an LM-head bias; on a CPU with "
+            "AVX-512 BF16 a bfloat16 product whose error is proven below it, elsewhere float32)",
         vocabulary_wide=True,
     ),
     TensorFunction(
         name="prob", params=(V, _p("token", TOKEN)), returns="DOUBLE", kernel=lens.prob,
         doc="logit lens: exp(logprob(v, token)), the token's probability; relative error "
-            "<= exp(2 eps) - 1 (eps as in logprob)",
+            "<= exp(2 eps + E) - 1 (eps, E as in logprob)",
         vocabulary_wide=True,
     ),
     TensorFunction(
         name="token_rank", params=(V, _p("token", TOKEN)), returns="BIGINT",
         kernel=lens.token_rank,
-        doc="logit lens: 1 + the number of tokens with a larger logit (1: the top token); "
-            "exact unless another token's logit is within 2 eps of the token's (eps as in "
-            "logprob)",
+        doc="logit lens: 1 + the number of tokens with a larger logit (1: the top token; ties "
+            "share the better rank); on a CPU with AVX-512 BF16 exact for the stored vector "
+            "(logits compared in float64, a bfloat16 product deciding only the tokens farther "
+            "from the token's logit than its proven error), elsewhere compared in float32 "
+            "(tokens within E of it may count either way); against the model's own run, "
+            "tokens within 2 eps of the token's logit may swap (eps, E as in logprob)",
         vocabulary_wide=True,
     ),
     TensorFunction(
         name="entropy", params=(V,), returns="DOUBLE", kernel=lens.entropy,
-        doc="logit lens: entropy of the next-token distribution in nats; error <= eps * "
-            "(the logits' standard deviation under that distribution), to first order (eps "
-            "as in logprob)",
+        doc="logit lens: entropy of the next-token distribution in nats; error <= eps * sd "
+            "to first order (the stored vector's) + 2 E e^(2E) (sd + E) + 2^-16 (the "
+            "computation's), sd the logits' standard deviation under the distribution (eps, "
+            "E as in logprob)",
         vocabulary_wide=True,
     ),
     TensorFunction(
@@ -242,7 +251,9 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
         kernel=lens.kl_to,
         doc="logit lens: KL(p_target || p_v) in nats, e.g. v a layer and target the final "
             "site of the same token; both of one model; error <= 2 eps_v + 2 eps_target * "
-            "(1 + max |log p_target - log p_v|) (eps as in logprob)",
+            "(1 + max |log p_target - log p_v|) to first order (the stored vectors') + 2 E_v "
+            "+ (e^(2 E_target) - 1) D + 2 E_target e^(2 E_target) (the computation's), D = "
+            "sum p_target |log p_target - log p_v| (eps, E as in logprob)",
     ),
     TensorFunction(
         name="logit_diff",
