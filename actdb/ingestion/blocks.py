@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ATTN = re.compile(r"(^|_)(self_)?(attn|attention|self_attention)$|^SelfAttention$")
+ATTN = re.compile(r"(^|_)(self_)?(attn|attention|self_attention)$"
+                  r"|^(Local|TransientGlobal)?SelfAttention$")  # T5's, LongT5's
 # A decoder block's attention over the encoder's output (BART's, Whisper's, T5's).
 CROSS = re.compile(r"^(encoder_attn|EncDecAttention|cross_attn|cross_attention|crossattention)$")
 MLP = re.compile(r"^(mlp|feed_forward|ffn|intermediate|feedforward|block_sparse_moe"

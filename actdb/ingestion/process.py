@@ -136,8 +136,7 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
                                     target_limit(loaded.model) if opts.max_length is None
                                     else opts.max_length, name)
         truncated = [a or b for a, b in zip(truncated, cut, strict=True)]
-        pool = [t for row in decoders for t in row]
-        sample, sample_alt = (probe_decoder(loaded.model, s, pool, n, loaded.device, name)
+        sample, sample_alt = (probe_decoder(s, decoders, n, loaded.device)
                               for s, n in ((sample, 11), (sample_alt, 7)))
     # A contrastive model reads images with its vision tower alone (its text tower reads the
     # labels, once): the tower is what runs, and its norms are the sites.

@@ -72,10 +72,9 @@ def decoder_ids(model: nn.Module, tokenizer: Any, prompts: Sequence[Prompt],
         labels = [list(map(int, ids)) for ids in
                   tokenizer(text_target=given, verbose=False)["input_ids"]]
     at = iter(labels)
-    start = decoder_start(model, name)
     for target in targets:
         if target is None:
-            out.append([start])
+            out.append([decoder_start(model, name)])
             cut.append(False)
             continue
         row = next(at)
@@ -111,13 +110,13 @@ def decoder_batch(rows: Sequence[Sequence[int]], pad_id: int, device: torch.devi
     return {"decoder_input_ids": ids.to(device), "decoder_attention_mask": mask.to(device)}
 
 
-def probe_decoder(model: nn.Module, sample: dict[str, torch.Tensor], pool: Sequence[int],
-                  length: int, device: torch.device, name: str) -> dict[str, torch.Tensor]:
-    """`sample` with unpadded decoder inputs of `length` tokens a row (its start token, then
-    the decoder's own tokens cycled): a probe batch of both stacks."""
+def probe_decoder(sample: dict[str, torch.Tensor], decoders: Sequence[Sequence[int]],
+                  length: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """`sample` with unpadded decoder inputs of `length` tokens a row (the first token the
+    decoder reads, then the tokens it reads cycled): a probe batch of both stacks."""
     first = next(v for v in sample.values() if isinstance(v, torch.Tensor))
-    start = decoder_start(model, name)
-    pool = list(pool) or [start]
+    start = decoders[0][0]
+    pool = [t for row in decoders for t in row]
     rows = [[start] + [pool[(r * length + j) % len(pool)] for j in range(length - 1)]
             for r in range(int(first.shape[0]))]
     return {**sample, **decoder_batch(rows, 0, device)}
