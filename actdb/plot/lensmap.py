@@ -10,6 +10,7 @@ otherwise spend it (the first layer's colours are clipped, marked on the colour 
 
 from __future__ import annotations
 
+import json
 import textwrap
 from typing import Any
 
@@ -92,8 +93,16 @@ def lens_spec(db: Database, prompt_id: int, *, model: str | None = None, by: str
         base = resolve_roles(db, [name], role)[0]
     roles = [base] + (["final"] if base != "final" and "final" in roles_present else [])
     params: dict[str, Any] = {"model": name, "prompt_id": int(prompt_id), "roles": roles}
+    text = prompt_text(db, prompt_id)
+    decoder = _decoder_sites(db, name)
+    if decoder:  # an encoder-decoder: the lens reads the tokens its decoder read
+        params["sites"] = decoder
+        n = int(db.sql("SELECT count(*) FROM tokens WHERE model = $m AND prompt_id = $p AND "
+                       "tower = 'decoder'", params={"m": name, "p": int(prompt_id)}
+                       ).fetchall()[0][0])
+        text = f"{text} (its decoder's tokens)"
     meta: dict[str, Any] = {"model": name, "prompt_id": int(prompt_id), "n_tokens": n,
-                            "roles": roles, "by": by, "text": prompt_text(db, prompt_id),
+                            "roles": roles, "by": by, "text": text,
                             "classifier": head_kind(db, name)}
     if by == "anchor":
         if anchors is not None:
@@ -108,7 +117,20 @@ def lens_spec(db: Database, prompt_id: int, *, model: str | None = None, by: str
         sql, meta["token"] = TOKEN_SQL, token
     else:
         sql = LOGIT_SQL
+    if decoder:
+        sql = sql.replace(_WHERE, _WHERE + " AND list_contains($sites, site)")
     return Spec("lens", sql, params, meta)
+
+
+def _decoder_sites(db: Database, model: str) -> list[str]:
+    """An encoder-decoder's decoder sites (whose rows are the tokens its decoder read); empty
+    for any other model."""
+    towers = db.sql("SELECT towers FROM models WHERE model = $m", params={"m": model}
+                    ).fetchall()[0][0]
+    if not towers or not {"encoder", "decoder"} <= set(json.loads(towers)):
+        return []
+    return [r[0] for r in db.sql("SELECT site FROM sites WHERE model = $m AND tower = "
+                                 "'decoder'", params={"m": model}).fetchall()]
 
 
 def _colour_norm(grid: np.ndarray) -> tuple[Normalize, str]:

@@ -276,3 +276,21 @@ def test_a_cluster_partition_holds_each_row_once(
                        .sql(dialect="duckdb")).fetchall()
     every = db.sql("SELECT site, prompt_id, position, model FROM acts").fetchall()
     assert sorted(seen) == sorted(every)
+
+
+def test_the_lens_picture_reads_the_decoders_rows(
+        built: tuple[Path, dict[str, torch.nn.Module]]) -> None:
+    """The lens of an encoder-decoder's input: its decoder's sites, over the tokens its decoder
+    read (the encoder's rows never meet the LM head)."""
+    from actdb.plot.lensmap import lens_data
+
+    store, _ = built
+    data = lens_data(store, 0, model="t5")
+    db = actdb.connect(store)
+    decoder = {r[0] for r in db.sql("SELECT site FROM sites WHERE model = 't5' AND "
+                                    "tower = 'decoder'").fetchall()}
+    read = db.sql("SELECT position, token FROM tokens WHERE model = 't5' AND prompt_id = 0 AND "
+                  "tower = 'decoder' ORDER BY position").fetchall()
+    assert set(data.df["site"]) <= decoder and "final" in set(data.df["site"])
+    for _, rows in data.df.groupby("site"):
+        assert list(zip(rows["position"], rows["token"], strict=True)) == read
