@@ -113,6 +113,11 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--attention", is_flag=True, default=False,
               help="Also store every head's attention weights for each prompt (a second, "
                    "eager forward pass per batch), queried as the view `attention`.")
+@click.option("--lens", "lens", type=click.IntRange(min=0, max=1000), default=None, metavar="K",
+              help="Store the logit lens of every residual row: its top K tokens, log-sum-exp, "
+                   "entropy and the model's own prediction's rank; the lens functions read it "
+                   "(default: 10 on a GPU, 0 (none) on a CPU, where it costs more than the "
+                   "forward pass).")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 @click.pass_context
 def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
@@ -126,6 +131,7 @@ def ingest(ctx: click.Context, store: str, progress: bool | None, quiet: bool,
     \b
     Example:
       actdb ingest runs.actdb --model gpt2 --prompts examples/prompts.txt --batch-size 16
+      actdb ingest runs.actdb --model gpt2 --prompts examples/prompts.txt --lens 10
       actdb ingest runs.actdb --model HuggingFaceTB/SmolLM2-135M-Instruct \\
           --prompts examples/prompts.txt --chat-template
       actdb ingest runs.actdb --model gpt2 --prompts examples/prompts.txt --shard 0/2
@@ -343,6 +349,8 @@ def info(ctx: click.Context, store: str) -> None:
         )
         if m["has_lm_head"]:
             click.echo(f"  logits: {_logit_text(m)}")
+        if m["has_lm_head"] and m.get("head_kind") in (None, "lm"):
+            click.echo(f"  materialized lens: {_lens_text(m)}")
         click.echo(f"  layer weights: {_weights_text(m.get('weights'))}")
         click.echo(f"  {'site':<22} {'layer':>5}  {'role':<10} {'kind':<11} {'d':>5}  "
                    f"{'heads':>5}  {'max rel err':>11}  module")
@@ -353,6 +361,18 @@ def info(ctx: click.Context, store: str) -> None:
                 s["n_heads"])
             click.echo(f"  {s['site']:<22} {s['layer']:>5}  {s['role']:<10} {s['kind']:<11} "
                        f"{s['d']:>5}  {heads!s:>5}  {err_text:>11}  {s['module']}")
+
+
+def _lens_text(m: dict[str, object]) -> str:
+    """Whether the model stores its logit lens, and why not where it does not."""
+    k = _number(m.get("lens_k"))
+    if not k:
+        return ("none (the default on a CPU, where its products with the vocabulary cost more "
+                "than the forward pass; `actdb ingest --lens K` stores it): the lens functions "
+                "multiply by the vocabulary")
+    return (f"top {int(k)} tokens, log-sum-exp, entropy and the prediction's rank per row, "
+            "proven at ingest against the model's logits; top_logits (k <= "
+            f"{int(k)}), entropy, and prob, logprob and token_rank of those tokens read it")
 
 
 def _weights_text(w: dict[str, Any] | None) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import IngestError
+from .lens import check_lens_k
 from .prompts import PromptsLike
 
 
@@ -82,8 +83,12 @@ class IngestOptions:
     labels: str | os.PathLike[str] | Sequence[str] | None = None
     label_template: str | None = None
     attention: bool = False  # store every head's attention weights per prompt
+    # K of the materialized lens (lens.py); None: the device's default, or a resumed model's
+    lens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.lens is not None:
+            check_lens_k(self.lens)
         if self.weights not in ("all", "none"):
             raise IngestError(f"weights must be 'all' or 'none', got {self.weights!r}")
         if self.batch_size < 1:

@@ -51,6 +51,7 @@ def ingest(
     labels: str | os.PathLike[str] | Sequence[str] | None = None,
     label_template: str | None = None,
     attention: bool = False,
+    lens: int | None = None,
 ) -> IngestSummary:
     """Run `model` once over `prompts` and store every norm site's input in `store`.
 
@@ -102,6 +103,15 @@ def ingest(
     ingested, from a second forward pass of each batch with eager attention (the stored
     vectors come from the first, with the model's own attention implementation, unchanged),
     queried as the view `attention` (docs/FORMAT.md, "Attention weights").
+
+    `lens` (K): store the materialized logit lens of every row of every site the lens
+    functions read: its top K tokens and logits, the log-sum-exp and entropy of its logits
+    over the vocabulary, and the rank and logit of the model's own prediction there, computed
+    in the same pass on the ingest's device and proven against the model's logits. `top_logits`
+    (k <= K), `entropy`, and `prob`, `logprob` and `token_rank` of those tokens then read them
+    instead of multiplying by the vocabulary. Default (None): 10 on a GPU, 0 (none) on a CPU,
+    where the products cost more than the forward pass; a model already in the store keeps
+    its own K, and another one is an error.
     """
     if cluster is not None and (inputs is not None or images is not None):
         raise IngestError("a cluster ingest takes prompts only; ingest images and other "
@@ -120,7 +130,7 @@ def ingest(
         chunk_tokens=chunk_tokens, progress=progress, on_plan=on_plan,
         storage_options=storage_options, chat_template=chat_template,
         shard=parse_shard(shard) if shard is not None else None, weights=weights,
-        labels=labels, label_template=label_template, attention=attention)
+        labels=labels, label_template=label_template, attention=attention, lens=lens)
     if cluster is not None:
         from .cluster import ingest_on_cluster  # dask: imported by cluster ingests alone
 

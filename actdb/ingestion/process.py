@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import IngestError
+from ..store.lens_layout import lens_sites
 from ..store.records import ModelRecord, SiteRecord
 from ..store.shard_catalogs import mark_finished, pending_shards, shard_name
 from ..store.store import Store
@@ -30,6 +31,7 @@ from .labels import (
     prove_labels,
     read_labels,
 )
+from .lens import LensMaker, lens_default
 from .load import LoadedModel, load
 from .logits import LogitCheck, LogitFit, LogitTransform, measure_logits
 from .multimodal import mixed_rows
@@ -242,6 +244,8 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
         reg = register(st, m.loaded, found, m.n_layers, m.name, opts.sites, m.limit,
                        opts.chunk_tokens, m.transform, m.classifier, m.towers,
                        zero_shot=m.zero_shot, contrastive=m.contrastive is not None,
+                       lens=_lens_asked(opts, m),
+                       lens_default=lens_default(m.loaded.device) if _has_lens(m) else 0,
                        # the weights' probe passes read token ids alone: not media's
                        weights_from=[t for row in m.ids for t in row if t >= 0]
                        if m.labels is None else []
@@ -279,6 +283,7 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
             opts.on_plan(plan)
         errors = BatchRunner(st, m.loaded, reg, found, batches, batch_size=opts.batch_size,
                              progress=opts.progress, check=_logit_check(m, reg.record),
+                             lens=_lens_maker(m, reg.record),
                              first_recorded=first_recorded, grids=m.grids,
                              backbone=m.contrastive.vision if m.contrastive else None,
                              attention=opts.attention).run()
@@ -319,6 +324,30 @@ def _logit_check(m: ModelSetup, record: ModelRecord) -> LogitCheck | None:
         return None
     recorded = LogitTransform(scale=record.logit_scale, softcap=record.logit_softcap, error=0.0)
     return LogitCheck(final, m.head, recorded, m.loaded.device)
+
+
+def _has_lens(m: ModelSetup) -> bool:
+    """Whether the model has logits a materialized lens can store: an LM head, proven."""
+    return m.head is not None and m.transform is not None and m.final is not None
+
+
+def _lens_asked(opts: IngestOptions, m: ModelSetup) -> int | None:
+    """The K of the materialized lens the ingest was told (None: not told)."""
+    if opts.lens and not _has_lens(m):
+        raise IngestError(f"model {m.name!r} has no LM head whose logits the materialized lens "
+                          "could store (or --sites leaves out its final norm); ingest it "
+                          "without --lens")
+    return opts.lens
+
+
+def _lens_maker(m: ModelSetup, record: ModelRecord) -> LensMaker | None:
+    """What computes the rows of the model's materialized lens, if it stores one."""
+    if not record.lens_k or m.head is None:
+        return None
+    final = next((f for f in m.found if f.record.site == record.final_site), m.final)
+    assert final is not None
+    return LensMaker(record, final, m.head, lens_sites(record, [f.record for f in m.found]),
+                     m.loaded.device)
 
 
 def _labels_asked(opts: IngestOptions, contrastive: Contrastive | None, media: bool,

@@ -200,11 +200,14 @@ def register(
     transform: LogitTransform | None, classifier: ClassifierHead | None = None,
     towers: dict[str, int] | None = None, *, weights_from: list[int] | None = None,
     zero_shot: LabelsHead | None = None, contrastive: bool = False,
+    lens: int | None = None, lens_default: int = 0,
 ) -> Registration:
     """The model's catalog record, and for a new model the work of registering it: that
     runs first on the commit thread, overlapping the first forward passes. `weights_from`:
     token ids to find a new model's layer weights with (None: none stored). `contrastive`:
-    a contrastive model over images, whose head is `zero_shot`'s labels (or none)."""
+    a contrastive model over images, whose head is `zero_shot`'s labels (or none). `lens`:
+    the K of the materialized lens the ingest was told (None: not told, and a new model gets
+    `lens_default`; 0: none), which a model in the store must already have."""
     records = [f.record for f in found]
     # What the catalog says, read on one connection (each open of the file replays its
     # log); the comparisons below run with the file closed, since readers in other
@@ -233,6 +236,11 @@ def register(
         found[:] = [dataclasses.replace(f, record=dataclasses.replace(
             f.record, site=s.site, site_id=s.site_id, role=s.role, layer=s.layer))
             for f, s in zip(found, stored, strict=True)]
+        if lens is not None and lens != (existing.lens_k or 0):
+            raise IngestError(
+                f"model {name!r} is already in the store with a materialized lens of "
+                f"{existing.lens_k or 0} tokens (0: none), not {lens}: resume it with "
+                f"--lens {existing.lens_k or 0}, or pass --name to store this one")
         check_same_weights(st, existing, loaded, found, stored)
         if contrastive:
             _check_same_labels(st, existing, zero_shot, known)
@@ -282,6 +290,7 @@ def register(
         logit_scale=(zero_shot.scale if zero_shot is not None
                      else transform.scale if transform else None),
         config=config.to_dict() if config is not None and hasattr(config, "to_dict") else {},
+        lens_k=(lens_default if lens is None else lens) or None,
     )
     params = {
         f.record.site: (

@@ -3,6 +3,7 @@ rows buffered in the sink and committed in groups on a commit thread, in order."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import IngestError
+from ..store.lens_layout import LENS_FIELDS
 from ..store.records import ModelRecord
 from ..store.store import ActBatch, Store
 from .attention_pass import batch_attention
@@ -23,6 +25,7 @@ from .capture import on_norm_io
 from .fields import SiteSink
 from .grids import GridPlan
 from .inputs import prepare_inputs
+from .lens import LensMaker, LensRows
 from .load import LoadedModel
 from .logits import LOGIT_LIMIT, LogitCheck
 from .multimodal import rows_mask
@@ -97,15 +100,19 @@ class BatchRunner:
                  found: list[FoundSite], batches: list[Batch], *, batch_size: int,
                  progress: bool, check: LogitCheck | None, first_recorded: bool,
                  grids: GridPlan | None = None,
-                 backbone: nn.Module | None = None, attention: bool = False) -> None:
+                 backbone: nn.Module | None = None, attention: bool = False,
+                 lens: LensMaker | None = None) -> None:
         """`backbone`: the module the batches run through where it is not the model's
         base (a contrastive model's vision tower); the logit check runs the whole model.
-        `attention`: also each prompt's attention weights (attention_pass.py)."""
+        `attention`: also each prompt's attention weights (attention_pass.py). `lens`: what
+        computes the materialized lens of each batch's rows (lens.py)."""
         self.st, self.loaded, self.reg, self.found = st, loaded, reg, found
         self.attention = attention
         self._attending = False  # the attention pass runs: the sink takes nothing
         self.batches, self.batch_size, self.progress = batches, batch_size, progress
         self.check, self.first_recorded = check, first_recorded
+        self.lens = lens
+        self.lens_pending: list[dict[str, LensRows]] = []  # each pending batch's lens rows
         self.record = reg.record
         self.records = [f.record for f in found]
         self.start = self.record.n_rows  # the next group's first row
@@ -251,6 +258,13 @@ class BatchRunner:
                     f"fields differ from the model's own by {logit_error:.3g} (relative), "
                     f"more than {LOGIT_LIMIT}; nothing of this batch was committed"
                 )
+        if self.lens is not None:
+            lens_rows = self.lens.batch(sink.out)
+            if check is not None and checked:
+                final = check.final.record.site
+                self.lens.check(self.lens.error(real, lens_rows[final], sink.mask_of(final),
+                                                positions), record.model)
+            self.lens_pending.append(lens_rows)
         self.pending.append((batch, sink.errors, logit_error if recorded else None,
                              self._attention(batch, inputs)))
 
@@ -270,6 +284,12 @@ class BatchRunner:
         # The sink's other buffers, which the next batches fill, are the ones the previous
         # commit wrote: it must be done first.
         acts = self.sink.take()
+        if self.lens_pending:  # each lens site's rows of the group, beside its vectors
+            acts = {site: dataclasses.replace(a, lens={
+                name: np.concatenate([b[site][name] for b in self.lens_pending])
+                for name in LENS_FIELDS}) if site in self.lens_pending[0] else a
+                for site, a in acts.items()}
+            self.lens_pending = []
         if self.in_flight:
             self.in_flight.pop().result()
         self.in_flight.append(self.committer.submit(

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import aggregates, head_kernels, kernels, lens
+from . import aggregates, head_kernels, kernels, lens, stored_lens
 from . import handles as H
 
 # Argument kinds: a vec handle, a list of handles (`list(vec)`), a token (string or id), an
@@ -160,7 +160,7 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
     ),
     TensorFunction(
         name="top_logits", params=(V, _p("k", INT)), returns=TOP_LOGITS,
-        kernel=kernels.top_logits, doc="the k tokens with the largest logit: list of "
+        kernel=stored_lens.top_logits, doc="the k tokens with the largest logit: list of "
                                        "{token_id, token, logit} (logits as in logit()); "
                                        "every row of the LM head is ranked, as the model's "
                                        "logits hold them all: padding rows past the "
@@ -210,7 +210,8 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
     # the computation's error on each logit (query/vocab_scan.py derives it for the bfloat16
     # kernel; the float32 product's is smaller).
     TensorFunction(
-        name="logprob", params=(V, _p("token", TOKEN)), returns="DOUBLE", kernel=lens.logprob,
+        name="logprob", params=(V, _p("token", TOKEN)), returns="DOUBLE",
+        kernel=stored_lens.logprob,
         doc="logit lens: log softmax of logit(v, .) over the vocabulary (the model's logit "
             "transforms applied) at the token, in nats; NULL on inner, q_norm and k_norm "
             "sites; error <= 2 eps + E, where eps = max over tokens t of eps_t = 2^-11 "
@@ -222,14 +223,14 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
         vocabulary_wide=True,
     ),
     TensorFunction(
-        name="prob", params=(V, _p("token", TOKEN)), returns="DOUBLE", kernel=lens.prob,
+        name="prob", params=(V, _p("token", TOKEN)), returns="DOUBLE", kernel=stored_lens.prob,
         doc="logit lens: exp(logprob(v, token)), the token's probability; relative error "
             "<= exp(2 eps + E) - 1 (eps, E as in logprob)",
         vocabulary_wide=True,
     ),
     TensorFunction(
         name="token_rank", params=(V, _p("token", TOKEN)), returns="BIGINT",
-        kernel=lens.token_rank,
+        kernel=stored_lens.token_rank,
         doc="logit lens: 1 + the number of tokens with a larger logit (1: the top token; ties "
             "share the better rank); on a CPU with AVX-512 BF16 exact for the stored vector "
             "(logits compared in float64, a bfloat16 product deciding only the tokens farther "
@@ -239,7 +240,7 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
         vocabulary_wide=True,
     ),
     TensorFunction(
-        name="entropy", params=(V,), returns="DOUBLE", kernel=lens.entropy,
+        name="entropy", params=(V,), returns="DOUBLE", kernel=stored_lens.entropy,
         doc="logit lens: entropy of the next-token distribution in nats; error <= eps * sd "
             "to first order (the stored vector's) + 2 E e^(2E) (sd + E) + 2^-16 (the "
             "computation's), sd the logits' standard deviation under the distribution (eps, "

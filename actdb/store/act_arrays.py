@@ -15,6 +15,7 @@ from .array_group import ArrayGroup, ArrayInfo, Layout
 from .chunk_reads import ChunkReader
 from .chunks import RawLayout
 from .digests import WrittenDigests, chunk_digest
+from .lens_layout import LENS_FIELDS, lens_shapes
 from .object_chunks import ShardedChunks
 from .write_sync import WriteSync
 
@@ -84,16 +85,17 @@ class ActArrays:
             durable.fsync_dir(path / "models" / str(model_id))
 
     def ensure_arrays(self, model_id: int, site: str, *, inner: tuple[int, ...], rows: int,
-                      chunk_tokens: int) -> None:
-        """Create the site's arrays or grow them to at least `rows` token rows."""
+                      chunk_tokens: int, lens: int = 0) -> None:
+        """Create the site's arrays or grow them to at least `rows` token rows; `lens`: the K
+        of the materialized lens the site carries (0: none; lens_layout.py)."""
         label = f"models/{model_id}/acts/{site}"
         path = self.group.path
         self.group.forget(f"{label}/")
-        if not self._site_exists(label):
+        if not self._site_exists(label, lens):
             # New, or metadata a power cut lost (written, not yet synced, when it came: no
             # row of the site can be committed then): the site's files, whole.
             fs = self.durability.file_system_sync()
-            self.group.put_metadata(label, self._site_metadata(inner, rows, chunk_tokens))
+            self.group.put_metadata(label, self._site_metadata(inner, rows, chunk_tokens, lens))
             if fs is not None:  # new files: one syncfs for every site's (`sync`)
                 self.durability.mark_unsynced()
             elif path is not None:
@@ -101,49 +103,52 @@ class ActArrays:
                 durable.fsync_dir((path / label).parent)
             return
         g = self.group.model_group(model_id).require_group(f"acts/{site}")
-        self.create_arrays(g, inner=inner, rows=rows, chunk_tokens=chunk_tokens)
+        self.create_arrays(g, inner=inner, rows=rows, chunk_tokens=chunk_tokens, lens=lens)
         if path is not None:
             # the metadata zarr rewrote (grown arrays), not the chunk files beside it: those
             # are already durable, and a shard ingest running beside this one renames its own
             folder = path / "models" / str(model_id) / "acts" / site
-            for name in ACT_FIELDS:
+            for name in site_fields(lens):
                 durable.fsync_file(folder / name / "zarr.json")
                 durable.fsync_dir(folder / name)
             durable.fsync_file(folder / "zarr.json")
             durable.fsync_dir(folder)
 
-    def _site_exists(self, label: str) -> bool:
+    def _site_exists(self, label: str, lens: int = 0) -> bool:
         """Whether the site `label` and its arrays exist (on object storage, a PUT is whole:
         the site's group is enough)."""
         if self.group.path is None:
             return self.group.exists(label)
-        return all(self.group.exists(f"{label}/{name}") for name in ("", *ACT_FIELDS))
+        return all(self.group.exists(f"{label}/{name}") for name in ("", *site_fields(lens)))
 
-    def _site_metadata(self, inner: tuple[int, ...], rows: int, chunk_tokens: int
-                       ) -> dict[str, bytes]:
+    def _site_metadata(self, inner: tuple[int, ...], rows: int, chunk_tokens: int,
+                       lens: int = 0) -> dict[str, bytes]:
         """A new site's metadata files (its group's and its three arrays'), by path under the
         site's folder. They hold no name, so sites of one shape share them: zarr builds them
         once per shape, not once per array (each costs a dozen round trips through its event
         loop, on the commit thread beside the first forward passes)."""
-        key = (inner, rows, chunk_tokens, self.group.sharded, self.group.objects is None)
+        key = (inner, rows, chunk_tokens, self.group.sharded, self.group.objects is None, lens)
         made = self._site_templates.get(key)
         if made is None:  # two threads at once build the same bytes
             staged: dict[str, Any] = {}
             root = zarr.open_group(zarr.storage.MemoryStore(staged), mode="w", zarr_format=3)
             self.create_arrays(root.require_group("site"), inner=inner, rows=rows,
-                                chunk_tokens=chunk_tokens)
+                                chunk_tokens=chunk_tokens, lens=lens)
             made = self._site_templates[key] = {
                 k.removeprefix("site/"): v.to_bytes() for k, v in staged.items()
                 if k.startswith("site/")}
         return made
 
     def create_arrays(self, g: zarr.Group, *, inner: tuple[int, ...], rows: int,
-                       chunk_tokens: int) -> None:
-        """In the site's group `g`: each field's array, created, or grown to `rows`."""
+                       chunk_tokens: int, lens: int = 0) -> None:
+        """In the site's group `g`: each field's array, created, or grown to `rows`. The lens
+        arrays are chunked as norm and mean are: a writer's aligned range shares none of
+        their files with another's either."""
         specs = {
             "direction": ((*inner,), "float16"),
             "norm": (inner[:-1], "float32"),
             "mean": (inner[:-1], "float32"),
+            **(lens_shapes(lens) if lens else {}),
         }
         for name, (tail, dtype) in specs.items():
             if name in g:
@@ -164,8 +169,7 @@ class ActArrays:
                     chunk_key_encoding={"name": "default", "separator": separator},
                     compressors=[zarr.codecs.Crc32cCodec()], fill_value=0,
                     config={"write_empty_chunks": True},  # missing is damage, never zeros
-                    dimension_names=(("row", "head", "dim") if len(tail) == 2 else ("row", "dim"))
-                    if name == "direction" else ("row", "head")[: 1 + len(tail)],
+                    dimension_names=_dimension_names(name, len(tail)),
                 )
 
     # -- reading -----------------------------------------------------------------------------
@@ -227,10 +231,10 @@ class ActArrays:
 
     def write_rows(self, model_id: int, site: str, start: int, values: dict[str, np.ndarray],
                    *, done: tuple[int, int] | None = None) -> None:
-        """Write token rows [start, start + n) of a site's direction, norm and mean; the
-        direction's rows `done` ([a, b), by `write_whole_chunks`) are written already."""
-        for name in ACT_FIELDS:
-            value = values[name]
+        """Write token rows [start, start + n) of a site's fields (direction, norm, mean and
+        any lens arrays); the direction's rows `done` ([a, b), by `write_whole_chunks`) are
+        written already."""
+        for name, value in values.items():
             if name == "direction" and done is not None and done[0] < done[1]:
                 a, b = done
                 if a > start:
@@ -301,5 +305,18 @@ class ActArrays:
             self.durability.wrote(parent, deferred=defer)
 
 
+def site_fields(lens: int) -> tuple[str, ...]:
+    """The arrays of a site that carries a lens of `lens` tokens (0: none)."""
+    return (*ACT_FIELDS, *LENS_FIELDS) if lens else ACT_FIELDS
+
+
+def _dimension_names(name: str, tail: int) -> tuple[str, ...]:
+    if name == "direction":
+        return ("row", "head", "dim") if tail == 2 else ("row", "dim")
+    if name in LENS_FIELDS:
+        return ("row", "rank" if name != "lens_stats" else "stat")
+    return ("row", "head")[: 1 + tail]
+
+
 __all__ = ["ACT_FIELDS", "SCALAR_CHUNK_FACTOR", "SHARD_CHUNKS", "ActArrays",
-           "default_chunk_tokens", "write_alignment"]
+           "default_chunk_tokens", "site_fields", "write_alignment"]

@@ -7,6 +7,8 @@ Layout (see docs/FORMAT.md):
     models/{model_id}/sites/{site}/gain, bias            float32 [d]
     models/{model_id}/acts/{site}/direction   float16 [rows, d] or [rows, heads, d]
     models/{model_id}/acts/{site}/norm, mean  float32 [rows] or [rows, heads]
+    models/{model_id}/acts/{site}/lens_ids, lens_logits, lens_stats   the materialized lens
+                                              (lens_layout.py), at lens sites of a lens model
 
 Every chunk ends with its CRC-32C (Zarr's `crc32c` codec), checked on every read, here and by
 a plain `zarr.open_group`; format 5 also checks each chunk against the digest the catalog
@@ -158,9 +160,9 @@ class Arrays:
         self.acts.ensure_groups(model_id)
 
     def ensure_act_arrays(self, model_id: int, site: str, *, inner: tuple[int, ...], rows: int,
-                          chunk_tokens: int) -> None:
+                          chunk_tokens: int, lens: int = 0) -> None:
         self.acts.ensure_arrays(model_id, site, inner=inner, rows=rows,
-                                chunk_tokens=chunk_tokens)
+                                chunk_tokens=chunk_tokens, lens=lens)
 
     def act_array(self, model_id: int, site: str, field: str) -> zarr.Array:
         return self.acts.array(model_id, site, field)

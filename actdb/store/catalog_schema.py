@@ -22,13 +22,18 @@ IMAGE_FORMAT_VERSION = 4
 # encoder-decoder, whose rows each belong to one tower (tokens.tower, prompt_runs.tower): an
 # actdb reading version 5 or less would give every site every grid's and tower's rows.
 GRID_FORMAT_VERSION = 6
+# A model that stores the materialized lens (models.lens_k, lens_layout.py): an actdb reading
+# version 6 or less would not know its arrays, and would not verify them.
+LENS_FORMAT_VERSION = 7
 # The newest format this actdb reads and writes (a store is raised to it by the model that
 # needs it, `version_needed`).
-FORMAT_VERSION = GRID_FORMAT_VERSION
+FORMAT_VERSION = LENS_FORMAT_VERSION
 
 
 def version_needed(model: ModelRecord, sites: Sequence[SiteRecord] = ()) -> int:
     """The format version a store must have to hold `model` and its `sites` (0: any)."""
+    if model.lens_k:
+        return LENS_FORMAT_VERSION
     if model.row_towers or any(s.grid is not None for s in sites):
         return GRID_FORMAT_VERSION
     if model.has_embed is False or model.head_kind not in (None, "lm"):
@@ -44,7 +49,7 @@ CREATE TABLE models (
     dtype VARCHAR, max_length INTEGER, sites_glob VARCHAR, chunk_tokens INTEGER,
     n_rows BIGINT, logit_softcap DOUBLE, config JSON, created_at TIMESTAMP DEFAULT now(),
     logit_scale DOUBLE, logit_max_rel_error DOUBLE, params_digest VARCHAR, has_embed BOOLEAN,
-    head_kind VARCHAR, head_position INTEGER, towers JSON
+    head_kind VARCHAR, head_position INTEGER, towers JSON, lens_k INTEGER
 );
 CREATE TABLE prompts (prompt_id BIGINT, text VARCHAR, n_tokens INTEGER);
 CREATE TABLE prompt_runs (
@@ -70,7 +75,7 @@ CREATE TABLE vocab (model VARCHAR, token_id INTEGER, token VARCHAR, piece VARCHA
 _ADDED_COLUMNS = {"models": {"logit_scale": "DOUBLE", "logit_max_rel_error": "DOUBLE",
                              "params_digest": "VARCHAR", "has_embed": "BOOLEAN",
                              "head_kind": "VARCHAR", "head_position": "INTEGER",
-                             "towers": "JSON"},
+                             "towers": "JSON", "lens_k": "INTEGER"},
                   "sites": {"centered": "BOOLEAN", "tower": "VARCHAR", "layout": "VARCHAR",
                             "grid": "INTEGER"},
                   "tokens": {"patch_row": "INTEGER", "patch_col": "INTEGER", "frame": "INTEGER",
@@ -127,5 +132,5 @@ class CatalogSchema:
         self._complete = True
 
 
-__all__ = ["FORMAT_VERSION", "GRID_FORMAT_VERSION", "IMAGE_FORMAT_VERSION",
+__all__ = ["FORMAT_VERSION", "GRID_FORMAT_VERSION", "IMAGE_FORMAT_VERSION", "LENS_FORMAT_VERSION",
            "LOCAL_FORMAT_VERSION", "SCHEMA", "TABLES", "CatalogSchema", "version_needed"]

@@ -86,6 +86,8 @@ class ModelRecord:
     head_position: int | None = None
     # each tower's depth in blocks ({'text': 4, 'vision': 6}); empty in older stores
     towers: dict[str, int] = field(default_factory=dict)
+    # K of the materialized lens stored at its lens sites (lens_layout.py); None or 0: none
+    lens_k: int | None = None
 
     @property
     def row_towers(self) -> bool:

@@ -26,6 +26,7 @@ from .backend import CATALOG_NAME, TENSORS_NAME, TOKENIZERS_NAME, Backend
 from .catalog import FORMAT_VERSION, Catalog
 from .digests import DIGESTS_VERSION, ChunkDigests, digests_table, find_with, load_with
 from .faults import fault
+from .lens_layout import is_lens_site
 from .location import is_remote
 from .records import ModelRecord, SiteRecord
 
@@ -44,6 +45,13 @@ class ActBatch:
     direction: np.ndarray  # float16 [n, d] or [n, heads, d]
     norm: np.ndarray  # float32 [n] or [n, heads]
     mean: np.ndarray  # float32 [n] or [n, heads]
+    # the materialized lens of the rows, by array name (lens_layout.py), at a lens site
+    lens: Mapping[str, np.ndarray] | None = None
+
+    def fields(self) -> dict[str, np.ndarray]:
+        """Every array's rows, by array name."""
+        return {"direction": self.direction, "norm": self.norm, "mean": self.mean,
+                **(self.lens or {})}
 
 
 def open_backend(location: str | os.PathLike[str],
@@ -294,8 +302,9 @@ class Store:
         """Make every site's arrays at least `rows` long (rows past n_rows stay invisible)."""
         def ensure(s: SiteRecord) -> None:
             inner = (s.n_heads, s.d) if s.n_heads else (s.d,)
-            self.arrays.ensure_act_arrays(model.model_id, s.site, inner=inner, rows=rows,
-                                          chunk_tokens=model.chunk_tokens)
+            self.arrays.ensure_act_arrays(
+                model.model_id, s.site, inner=inner, rows=rows, chunk_tokens=model.chunk_tokens,
+                lens=(model.lens_k or 0) if is_lens_site(model, s) else 0)
 
         with self.backend.writing("array metadata"):
             self.arrays.ensure_act_groups(model.model_id)
@@ -343,9 +352,8 @@ class Store:
         with self.backend.writing(f"vectors of model {model.model!r}"):
             done = {site: f.result() for site, f in (ahead or {}).items()}
             list(self._writers.map(
-                lambda item: self.arrays.write_rows(model.model_id, item[0], start, {
-                    "direction": item[1].direction, "norm": item[1].norm,
-                    "mean": item[1].mean}, done=done.get(item[0])),
+                lambda item: self.arrays.write_rows(model.model_id, item[0], start,
+                                                    item[1].fields(), done=done.get(item[0])),
                 acts.items(),
             ))
             self.arrays.sync(self._writers)

@@ -16,6 +16,7 @@ from .arrays import ACT_FIELDS, write_alignment
 from .attention import array_name as attention_array
 from .attention import stored_prompts as attention_prompts
 from .layer_weights import manifest_arrays, read_manifest
+from .lens_layout import LENS_FIELDS, is_lens_site, lens_shapes
 from .records import ModelRecord, SiteRecord
 from .store import Store
 from .upgrade import unused_rows
@@ -195,9 +196,14 @@ def _check_site(store: Store, m: ModelRecord, s: SiteRecord, where: str,
     out = []
     here = f"{where}, site {s.site!r}"
     inner = (s.n_heads, s.d) if s.n_heads else (s.d,)
-    shapes = {"direction": (inner, "float16"), "norm": (inner[:-1], "float32"),
-              "mean": (inner[:-1], "float32")}
-    for field in ACT_FIELDS:
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {
+        "direction": (inner, "float16"), "norm": (inner[:-1], "float32"),
+        "mean": (inner[:-1], "float32")}
+    fields: tuple[str, ...] = ACT_FIELDS
+    if is_lens_site(m, s):
+        shapes.update(lens_shapes(m.lens_k or 0))
+        fields = (*ACT_FIELDS, *LENS_FIELDS)
+    for field in fields:
         tail, dtype = shapes[field]
         try:
             arr = store.arrays.act_array(m.model_id, s.site, field)
@@ -216,7 +222,7 @@ def _check_site(store: Store, m: ModelRecord, s: SiteRecord, where: str,
         return out
     # Every chunk below n_rows but those wholly in the unused rows between shards (never
     # written, maybe absent): present and whole, or (full) read and checksummed.
-    for field in ACT_FIELDS:
+    for field in fields:
         arr = store.arrays.act_array(m.model_id, s.site, field)
         raw = store.arrays.act_layout(m.model_id, s.site, field)
         c = arr.chunks[0]
