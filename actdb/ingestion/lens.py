@@ -77,13 +77,15 @@ class LensMaker:
                               f"site {self.final.site!r}, which --sites leaves out")
         self.block = max(1, min(1024, _BLOCK_VALUES // self.vocab))
 
-    def logits(self, acts: ActBatch, lo: int, hi: int) -> torch.Tensor:
-        """The lens logits [hi - lo, V] of rows lo..hi of a site's stored fields."""
+    def logits(self, site: SiteRecord, acts: ActBatch, lo: int, hi: int) -> torch.Tensor:
+        """The lens logits [hi - lo, V] of rows lo..hi of a site's stored fields. As the
+        query's final_norm view reads them: the stored mean at the final site itself, else
+        the mean of x (query/vectors.py, apply_view)."""
         dev = self.device
         x = (torch.from_numpy(acts.direction[lo:hi]).to(dev).float()
              * torch.from_numpy(acts.norm[lo:hi]).to(dev).unsqueeze(-1))  # [n, d]
-        mean = torch.from_numpy(acts.mean[lo:hi]).to(dev)
         f = self.final
+        mean = (torch.from_numpy(acts.mean[lo:hi]).to(dev) if site.site == f.site else None)
         hn = norms.apply(bool(f.centered), x, gain=self.gain, bias=self.bias, eps=f.eps,
                          mean=mean)  # [n, d]
         pre = hn @ self.w[: self.vocab].T  # [n, V]
@@ -103,7 +105,7 @@ class LensMaker:
             stats = np.empty((n, N_STATS), dtype=np.float32)
             for lo in range(0, n, self.block):
                 hi = min(lo + self.block, n)
-                lg = self.logits(out[s.site], lo, hi)  # [m, V]
+                lg = self.logits(s, out[s.site], lo, hi)  # [m, V]
                 top_v, top_i = top_k(lg, self.k)
                 if s.site == self.final.site:
                     pred[lo:hi] = top_i[:, 0]
