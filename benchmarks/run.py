@@ -75,11 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
     ap.add_argument("--only", choices=["full-scan", "ingest", "start-up", "memory", "images",
-                                       "recompute"],
+                                       "recompute", "lens"],
                     default=None, help="run only the full scan and its checksum cost, only the "
                                        "ingest, only the start-up, only the memory workload, "
-                                       "only the image ingest, or only the stored-vs-recompute "
-                                       "questions")
+                                       "only the image ingest, only the stored-vs-recompute "
+                                       "questions, or only the lens looked up (lens)")
     ap.add_argument("--device", default="cpu",
                     help="where queries, the ingest and the torch baselines run: cpu or cuda")
     ap.add_argument("--keep-going", action="store_true",
@@ -126,11 +126,16 @@ def main(argv: list[str] | None = None) -> None:
 
             ingested = svr.Ingested.build(scale, work)
             step("17. Stored vs recompute", lambda: svr.angle_query(ingested, repeats))
+        if only in (None, "recompute", "lens"):
+            import lens_lookup
+
+            lensed = lens_lookup.LensStore.build(scale, work)
+            step("18. The lens looked up", lambda: lens_lookup.lens_lookup(lensed, repeats))
         if only in (None, "images"):
             import images
 
             step("15. Image ingest", lambda: images.image_ingest(work, repeats, scale.name))
-        if only not in ("ingest", "images", "recompute"):
+        if only not in ("ingest", "images", "recompute", "lens"):
             scan = ScanData.build(scale, work)
             if only in (None, "full-scan"):
                 step("2. Full scan", lambda: scans.full_scan(scan, repeats))

@@ -33,7 +33,7 @@ def is_lens_site(model: ModelRecord, site: SiteRecord) -> bool:
     """Whether `site` of `model` carries the materialized lens: the model stores one, over an
     LM head, and the site is one the lens functions read (a model-width vector per row)."""
     return (bool(model.lens_k) and model.head_kind in (None, "lm") and model.has_lm_head
-            and is_lens_role(site) and site.d == model.d_model)
+            and not model.row_towers and is_lens_role(site) and site.d == model.d_model)
 
 
 def is_lens_role(site: SiteRecord) -> bool:
