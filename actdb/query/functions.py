@@ -164,7 +164,8 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
                                        "{token_id, token, logit} (logits as in logit()); "
                                        "every row of the LM head is ranked, as the model's "
                                        "logits hold them all: padding rows past the "
-                                       "tokenizer's vocabulary have a NULL token",
+                                       "tokenizer's vocabulary have a NULL token; with k <= K "
+                                       "read from the materialized lens (ingest --lens K)",
         vocabulary_wide=True,
     ),
     TensorFunction(
@@ -219,13 +220,16 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
             "sin(uniform_angle(v)) at a LayerNorm), the float16 error of logit(v, t), and "
             "E = (2^-14 + (5d + 8) 2^-23) ||(final_norm(v), 1)|| max_t ||(W_U[t], b_U[t])|| + "
             "2^-16 the computation's (the 1 and b_U only with an LM-head bias; on a CPU with "
-            "AVX-512 BF16 a bfloat16 product whose error is proven below it, elsewhere float32)",
+            "AVX-512 BF16 a bfloat16 product whose error is proven below it, elsewhere float32)"
+            "; read from the materialized lens (ingest --lens K) for a token in its top K or "
+            "the model's own prediction",
         vocabulary_wide=True,
     ),
     TensorFunction(
         name="prob", params=(V, _p("token", TOKEN)), returns="DOUBLE", kernel=stored_lens.prob,
         doc="logit lens: exp(logprob(v, token)), the token's probability; relative error "
-            "<= exp(2 eps + E) - 1 (eps, E as in logprob)",
+            "<= exp(2 eps + E) - 1 (eps, E as in logprob)"
+            "; read from the materialized lens as logprob is",
         vocabulary_wide=True,
     ),
     TensorFunction(
@@ -236,7 +240,9 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
             "(logits compared in float64, a bfloat16 product deciding only the tokens farther "
             "from the token's logit than its proven error), elsewhere compared in float32 "
             "(tokens within E of it may count either way); against the model's own run, "
-            "tokens within 2 eps of the token's logit may swap (eps, E as in logprob)",
+            "tokens within 2 eps of the token's logit may swap (eps, E as in logprob)"
+            "; read from the materialized lens (ingest --lens K) for a token in its top K or "
+            "the model's own prediction",
         vocabulary_wide=True,
     ),
     TensorFunction(
@@ -244,7 +250,8 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
         doc="logit lens: entropy of the next-token distribution in nats; error <= eps * sd "
             "to first order (the stored vector's) + 2 E e^(2E) (sd + E) + 2^-16 (the "
             "computation's), sd the logits' standard deviation under the distribution (eps, "
-            "E as in logprob)",
+            "E as in logprob)"
+            "; read from the materialized lens (ingest --lens K) where stored",
         vocabulary_wide=True,
     ),
     TensorFunction(
