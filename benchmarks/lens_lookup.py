@@ -1,4 +1,4 @@
-"""Workload 18, the lens looked up against the lens recomputed: the questions researchers ask
+"""Workload 19, the lens looked up against the lens recomputed: the questions researchers ask
 first of a logit lens, answered from a store ingested with `--lens 10` (the materialized lens)
 and by running the model again with hooks and multiplying by the vocabulary, as a researcher
 without a store would. The model is workload 1's GPT-2-small-shaped one, over a quarter of its
@@ -132,7 +132,7 @@ def lens_lookup(data: LensStore, repeats: int) -> list[Result]:
     db.close()
     g = data.g
     rank = Result(
-        title="18. The lens looked up: the prediction's rank at every layer",
+        title="19. The lens looked up: the prediction's rank at every layer",
         what=(f"`{' '.join(RANK_QUERY.split())}` over a store of workload 1's model ingested "
               f"with `lens={K}` ({data.n_tokens} tokens x {data.n_layers} pre-attention "
               "sites; the materialized lens), against recomputing the same ranks: the model "
@@ -151,7 +151,7 @@ def lens_lookup(data: LensStore, repeats: int) -> list[Result]:
     rank.ratio("recompute time / stored query time", timed.inverted(), ">= 20",
                timed.inverted().median >= 20)
     pic = Result(
-        title="18b. The lens looked up: the lens picture",
+        title="19b. The lens looked up: the lens picture",
         what=("The data of `actdb plot lens STORE 0` (lens_spec's query: each pre-attention "
               "and the final site's top token at each position of prompt 0, with its "
               f"probability) from the store with `lens={K}`, against recomputing it: prompt 0 "

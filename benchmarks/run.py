@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             import lens_lookup
 
             lensed = lens_lookup.LensStore.build(scale, work)
-            step("18. The lens looked up", lambda: lens_lookup.lens_lookup(lensed, repeats))
+            step("19. The lens looked up", lambda: lens_lookup.lens_lookup(lensed, repeats))
         if only in (None, "images"):
             import images
 

@@ -328,10 +328,11 @@ def _logit_check(m: ModelSetup, record: ModelRecord) -> LogitCheck | None:
 
 def _has_lens(m: ModelSetup) -> bool:
     """Whether the model has logits a materialized lens can store: an LM head, proven, over
-    one stack (an encoder-decoder's rows are each one tower's: not yet)."""
+    text inputs (not yet: an encoder-decoder, whose rows are each one tower's, and inputs with
+    media, whose rows are on several grids)."""
     config = getattr(m.loaded.model, "config", None)
     return (m.head is not None and m.transform is not None and m.final is not None
-            and not getattr(config, "is_encoder_decoder", False))
+            and m.labels is None and not getattr(config, "is_encoder_decoder", False))
 
 
 def _lens_asked(opts: IngestOptions, m: ModelSetup) -> int | None:
@@ -339,8 +340,8 @@ def _lens_asked(opts: IngestOptions, m: ModelSetup) -> int | None:
     if opts.lens and not _has_lens(m):
         raise IngestError(f"model {m.name!r} has no LM head over one stack whose logits the "
                           "materialized lens could store (or --sites leaves out its final "
-                          "norm; an encoder-decoder's lens is not stored yet); ingest it "
-                          "without --lens")
+                          "norm; the lens of an encoder-decoder, or of inputs with media, is "
+                          "not stored yet); ingest it without --lens")
     return opts.lens
 
 
