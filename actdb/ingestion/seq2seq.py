@@ -62,6 +62,12 @@ def decoder_ids(model: nn.Module, tokenizer: Any, prompts: Sequence[Prompt],
     cut to `limit`, and whether they were cut."""
     out: list[list[int]] = []
     cut: list[bool] = []
+    for i, p in enumerate(prompts, 1):  # read as no target, it would silently be the start
+        value = p.extra.get("target")
+        if value is not None and not isinstance(value, str):
+            raise IngestError(f"input {i}'s 'target' is a {type(value).__name__}, not text: "
+                              f"model {name!r} is an encoder-decoder, whose decoder reads "
+                              "the target's tokens; give it as a string")
     targets = [p.target for p in prompts]
     given = [t for t in targets if t is not None]
     labels: list[list[int]] = []

@@ -294,3 +294,20 @@ def test_the_lens_picture_reads_the_decoders_rows(
     assert set(data.df["site"]) <= decoder and "final" in set(data.df["site"])
     for _, rows in data.df.groupby("site"):
         assert list(zip(rows["position"], rows["token"], strict=True)) == read
+
+
+@pytest.mark.parametrize("target", [5, ["a", "dog"]])
+def test_a_target_that_is_no_text_is_one_sentence(
+        built: tuple[Path, dict[str, torch.nn.Module]], tok: Any, target: Any,
+        tmp_path: Path) -> None:
+    """An encoder-decoder's `target` that is no string is refused in one sentence, nothing
+    stored: read as no target, its decoder would silently read the start token alone."""
+    _, models = built
+    store = tmp_path / "s.actdb"
+    with pytest.raises(IngestError, match=r"input 1's 'target' is a \w+, not text") as e:
+        actdb.ingest(store, model=models["t5"], tokenizer=tok, device="cpu", name="t5",
+                     inputs=[{"text": "a new text", "target": target}],
+                     weights="none")
+    assert "\n" not in str(e.value)
+    assert not store.exists() or actdb.connect(store).sql(
+        "SELECT count(*) FROM tokens").fetchall() == [(0,)]
