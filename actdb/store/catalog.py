@@ -157,7 +157,7 @@ class Catalog:
         media, no decoder target)."""
         if not texts:
             return {}
-        have = {c.lower() for c in self.prompt_columns()}
+        have = self._keyed_columns()
         alone = " AND ".join(f"p.{c} IS NULL" for c in ("image", "video", "audio", "target")
                              if c in have) or "true"
         wanted = pa.table({"text": pa.array(list(set(texts)), pa.string())})
@@ -175,7 +175,7 @@ class Catalog:
     def media_prompt_ids(self) -> dict[str, int]:
         """The ids of the prompts with an image, video, audio or decoder target, by their key
         (records.prompt_key, as the ingest's `Prompt.key`)."""
-        have = {c.lower() for c in self.prompt_columns()}  # prompts gains columns: not cached
+        have = self._keyed_columns()
         media = [c for c in ("image", "video", "audio", "target") if c in have]
         if not media:
             return {}
@@ -186,6 +186,14 @@ class Catalog:
             rows = con.execute(f"SELECT p.prompt_id, coalesce(p.text, ''), {cols} FROM prompts p "
                                f"WHERE coalesce({', '.join(media)}) IS NOT NULL").fetchall()
         return {prompt_key(*r[1:]): int(r[0]) for r in rows}
+
+    def _keyed_columns(self) -> set[str]:
+        """The prompts' columns that are part of a prompt's key: its media paths, and a
+        `target` column of text (a column of numbers a user named so is a plain field, as in
+        `Prompt.target`). Not cached: prompts gains columns."""
+        return {c.lower() for c, t in self.prompt_columns().items()
+                if c.lower() in ("image", "video", "audio")
+                or (c.lower() == "target" and t == "VARCHAR")}
 
     def next_prompt_id(self) -> int:
         row = self.one("SELECT coalesce(max(prompt_id) + 1, 0) FROM prompts")

@@ -311,3 +311,18 @@ def test_a_target_that_is_no_text_is_one_sentence(
     assert "\n" not in str(e.value)
     assert not store.exists() or actdb.connect(store).sql(
         "SELECT count(*) FROM tokens").fetchall() == [(0,)]
+
+
+def test_a_target_field_keys_prompts_of_any_model(tmp_path: Path, model_dir: Any) -> None:
+    """For a decoder-only model `target` is a plain field, but a text one still keys the prompt
+    (the same text with two targets is two prompts); a numeric one does not (a label a user
+    named so). Either way the same input again is all done."""
+    gpt2 = str(model_dir("gpt2"))
+    texts = [{"text": "a b c", "target": "x"}, {"text": "a b c", "target": "y"}]
+    numbers = [{"text": "d e f", "target": 1}, {"text": "d e f", "target": 2}]
+    for k, (inputs, new) in enumerate(((texts, 2), (numbers, 1))):
+        store = tmp_path / f"{k}.actdb"
+        first = actdb.ingest(store, model=gpt2, prompts=inputs, device="cpu", weights="none")
+        again = actdb.ingest(store, model=gpt2, prompts=inputs, device="cpu", weights="none")
+        assert (first.prompts_new, again.prompts_new) == (new, 0), inputs
+        assert actdb.connect(store).sql("SELECT count(*) FROM prompts").fetchall() == [(new,)]
