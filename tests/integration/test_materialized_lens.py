@@ -170,3 +170,17 @@ def test_a_resume_keeps_the_lens(lens_store: Path, model_dir: Callable[[str], Pa
     db = actdb.connect(lens_store)
     assert db.verify(full=True) == []
     assert db.sql("SELECT lens_k FROM models").fetchall() == [(K,)]
+
+
+def test_info_says_whether_a_model_stores_the_lens(
+        lens_store: Path, family_store: Callable[[str], Path]) -> None:
+    from click.testing import CliRunner
+
+    from actdb.cli import cli
+
+    res = CliRunner().invoke(cli, ["info", str(lens_store)])
+    assert res.exit_code == 0, res.output
+    assert f"materialized lens: top {K} tokens" in res.output
+    res = CliRunner().invoke(cli, ["info", str(family_store("gpt2"))])  # ingested on a CPU
+    assert res.exit_code == 0, res.output
+    assert "materialized lens: none (the default on a CPU" in res.output
