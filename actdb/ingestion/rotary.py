@@ -6,11 +6,14 @@ makes, at position p, `cos(p * inv_freq)` and `sin(p * inv_freq)` (each half rep
 times its `attention_scaling`), and the attention turns dims i and i + r/2 of each query and
 key by them (`rotate_half`, r = 2 * len(inv_freq); partial rotary leaves dims past r as they
 are). Forms that cannot be applied from these numbers are stated with the reason: interleaved
-pairs (GPT-J, CodeGen), a table that changes with the sequence length (dynamic, LongRoPE),
-several tables (Gemma 3's local and global layers).
+pairs (GPT-J, CodeGen, and any family whose own `rotate_half` pairs dims 2i and 2i + 1: Helium,
+GLM), a table that changes with the sequence length (dynamic, LongRoPE), several tables
+(Gemma 3's local and global layers).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import nn
@@ -32,6 +35,23 @@ def attention_scale(attn: nn.Module) -> float | None:
     return None
 
 
+def _rotates_pairs(model: nn.Module) -> bool:
+    """Whether a `rotate_half` of the model's own modeling modules turns interleaved pairs of
+    dims (2i, 2i + 1: Helium, GLM, ERNIE 4.5) rather than halves, asked of the function."""
+    x = torch.arange(4.0).reshape(1, 4)
+    for name in {type(m).__module__ for m in model.modules()}:
+        fn = getattr(sys.modules.get(name), "rotate_half", None)
+        if not callable(fn):
+            continue
+        try:
+            out = fn(x)
+        except Exception:  # a rotate_half of another signature: not this form
+            continue
+        if isinstance(out, torch.Tensor) and out.tolist() == [[-1.0, 0.0, -3.0, 2.0]]:
+            return True
+    return False
+
+
 def find_rotary(model: nn.Module) -> Rotary | None:
     """The model's rotary embedding (None: it has none)."""
     found = [t for m in model.modules()
@@ -42,7 +62,7 @@ def find_rotary(model: nn.Module) -> Rotary | None:
         return None
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", "")
-    if kind in _INTERLEAVED:
+    if kind in _INTERLEAVED or _rotates_pairs(model):
         return Rotary(reason=f"{kind} rotates interleaved pairs of dims, which qk_score "
                              "does not apply")
     tables = {tuple(float(f) for f in t.detach().float().cpu().tolist()) for t in found}
