@@ -272,8 +272,9 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
     ),
     TensorFunction(
         name="delta", params=(V,), returns="FLOAT[]", kernel=lens.delta,
-        doc="what the sublayer between this residual site (pre_attn or pre_mlp input) and the "
-            "next stored one (pre_mlp, next pre_attn or final) wrote: x_next - x as FLOAT[]; "
+        doc="what the sublayer between this residual site (pre_attn, pre_cross or pre_mlp "
+            "input) and the next stored one of its tower (pre_cross, pre_mlp, next pre_attn or "
+            "final) wrote: x_next - x as FLOAT[]; "
             "NULL elsewhere (a parallel block, as GPT-NeoX's, norms both sublayers' input from "
             "one residual: its pre_attn delta is zero and its pre_mlp delta holds both "
             "sublayers' writes); float16 error: ||error|| <= (2^-11 + sqrt(d) 2^-25 + 2^-23) * "
