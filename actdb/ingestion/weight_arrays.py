@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..activations import identify
 from ..store.layer_weights import array_name
 from .circuits import SVD_BOUND, head_circuits
 from .weight_records import AttentionWeights, MlpWeights, ModelWeights
@@ -84,7 +85,10 @@ def _mlp(m: MlpWeights, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         if host is not None:
             arrays[array_name(m.layer, part, name)] = host
             names.append(name)
+    # the formula the model's own activation computes, found by calling it (activations.py)
+    act, act_error = identify(m.act_fn) if m.act_fn is not None else (None, float("inf"))
     return {"expert": m.expert, "shared": m.shared, "module": m.module,
             "n_neurons": int(m.w_in.shape[0]),
             "gated": m.w_gate is not None, "activation": m.activation, "reads": m.reads,
+            "act": act, "act_error": act_error if act_error < float("inf") else None,
             "arrays": names}

@@ -220,7 +220,7 @@ def _against_stored(src: VectorSource, g: Any, out: np.ndarray, dirs: Directions
     if unit_v:
         out[g.index] = stored_cosines(src, g, du[0])
     else:
-        dots = src.reader.project(g, du[0]).numpy().astype(np.float64)
+        dots = g.project(du[0]).numpy().astype(np.float64)
         out[g.index] = dots * g.norm.cpu().numpy()
 
 

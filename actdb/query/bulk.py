@@ -162,8 +162,7 @@ class BulkEvaluator:
         # Never past the committed rows' unbroken run (a merged sharded ingest leaves unused
         # rows between shards, whose chunks may not exist); a call whose rows straddle such
         # a gap is computed as asked.
-        model_id = self.src.codec.stream(stream).model_id
-        segment_end = self.src.segment_end(model_id, lo)
+        segment_end = self.src.stream_end(stream, lo)
         if hi > segment_end:
             self._walks[wkey] = _Walk(end=hi, size=hi - lo)
             return None

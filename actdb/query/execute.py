@@ -25,6 +25,8 @@ from .sandbox import TABLE_FUNCTIONS
 from .threads import torch_threads
 from .timeout import watching
 from .vectors import VectorSource
+from .weight_views import VIEWS as WEIGHT_VIEWS
+from .weight_views import make_weight_views
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -211,6 +213,10 @@ def _view_udf(src: VectorSource, view: str, box: ErrorBox) -> Callable[[pa.Array
             opened = src.codec.open(pc.drop_null(h) if valid is not None else h)
             if ((opened >> H.VIEW_SHIFT) & H.VIEW_MASK).any():
                 raise QueryError(f"{view}() takes a raw vec, not a view of one")
+            weights = src.codec.weight_rows(opened)
+            if weights is not None and weights.any():
+                raise QueryError(f"{view}() takes a vec of acts (a norm's input), not a weight "
+                                 "row of neurons or circuits (a direction with no norm)")
         except ActdbError as e:
             box.error = e
             raise
@@ -285,6 +291,7 @@ class Functions:
         self._done: set[str] = set()  # UDF and macro both in place
         self._acts = False  # the view `acts` is in place
         self._attention = False  # the view `attention` is in place (attention_view.py)
+        self._weight_views = False  # the views `neurons` and `circuits` are in place
         # The bulk evaluators of the functions of one vector registered so far (their
         # counters are the session's stats).
         self.bulk: list[BulkEvaluator] = []
@@ -302,6 +309,10 @@ class Functions:
                 make_attention_view(self._con, self._src, self._box, self._session,
                                     lambda t: _sqltype(self._con, t))
                 self._attention = True
+            if not self._weight_views and (tables & set(WEIGHT_VIEWS)
+                                           or names & TABLE_FUNCTIONS - _GENERATORS):
+                make_weight_views(self._con, self._src, self._box, self._session, _sqltype)
+                self._weight_views = True
             for name in sorted(wanted - self._done):
                 fn = REGISTRY.get(name)
                 if fn is None:

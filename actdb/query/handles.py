@@ -77,12 +77,15 @@ def arrow_type() -> pa.DataType:
 
 @dataclass(frozen=True, kw_only=True)
 class Stream:
-    """One (model, site, head) of the store; head is -1 at sites without heads."""
+    """One (model, site, head) of the store (kind `acts`; head is -1 at sites without heads),
+    or the rows of one stored weight array (kind `weights`: weight_rows.py; site and head -1)."""
 
     model_id: int
     site_id: int
     head: int
-    n_rows: int  # the model's committed token rows
+    n_rows: int  # the model's committed token rows; a weight array's rows
+    kind: str = "acts"
+    array: str | None = None  # kind `weights`: the array's name under models/{model_id}/
 
 
 @dataclass(frozen=True)
@@ -109,10 +112,29 @@ class Codec:
         if len(key) != KEY_BYTES:
             raise QueryError(f"a handle key is {KEY_BYTES} bytes, not {len(key)}")
         self.key = bytes(key)
-        self.streams = ordered
-        self._model = np.array([s.model_id for s in ordered], dtype=np.int64)
-        self._site = np.array([s.site_id for s in ordered], dtype=np.int64)
-        self._head = np.array([s.head for s in ordered], dtype=np.int64)
+        self.streams: list[Stream] = []
+        self.extend(ordered)
+
+    def extend(self, streams: Iterable[Stream]) -> int:
+        """Number `streams` after those the codec has (whose numbers stay), and return the
+        first new number: the weight streams are added when a weight view is first made."""
+        base = len(self.streams)
+        streams = [*self.streams, *streams]
+        if len(streams) > MAX_STREAMS:
+            raise QueryError(f"the store holds {len(streams)} streams of vectors, more than "
+                             f"the {MAX_STREAMS} a vec handle can name")
+        self._model = np.array([s.model_id for s in streams], dtype=np.int64)
+        self._site = np.array([s.site_id for s in streams], dtype=np.int64)
+        self._head = np.array([s.head for s in streams], dtype=np.int64)
+        self._weight = np.array([s.kind != "acts" for s in streams], dtype=bool)
+        self.streams = streams
+        return base
+
+    def weight_rows(self, fields: np.ndarray) -> np.ndarray | None:
+        """bool [n]: which opened handles name weight rows (None: none can, the common case)."""
+        if not self._weight.any():
+            return None
+        return self._weight[(np.asarray(fields, dtype=np.int64) >> STREAM_SHIFT) & STREAM_MASK]
 
     # -- fields words ----------------------------------------------------------------------
 

@@ -222,7 +222,7 @@ def stored_cosines(src: VectorSource, g: Group, unit: torch.Tensor,
     the stored directions (`FieldReader.project`): clamped to [-1, 1], since a float16
     direction's length is 1 only within 2^-11; NaN for a zero vector, whose direction is all
     zeros (only rows whose product is exactly 0 have their norm read)."""
-    c = src.reader.project(g, unit, at).cpu().numpy()
+    c = g.project(unit, at).cpu().numpy()
     np.clip(c, -1.0, 1.0, out=c)
     if not c.all():  # one pass, no mask, in the usual case of no exact 0
         norm = g.norm if at is None else g.norm[at]

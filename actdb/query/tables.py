@@ -21,7 +21,7 @@ else:
 
 # Catalog tables and the views built on them: a user table may not hide one.
 STORE_TABLES = frozenset({"acts", "models", "prompts", "tokens", "sites", "vocab", "meta",
-                          "prompt_runs", "attention"})
+                          "prompt_runs", "attention", "neurons", "circuits"})
 FORMATS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".jsonl": "json",
            ".ndjson": "json", ".json": "json"}
 

@@ -28,6 +28,8 @@ from .model_weights import ModelWeights
 from .runs import FieldReader
 from .threads import READAHEAD_CHUNKS
 from .tokens import Vocabulary
+from .weight_rows import ROLE as WEIGHT_ROLE
+from .weight_rows import WeightPlan, WeightRows, WeightSpec
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -83,6 +85,11 @@ class Group:
             return
         yield from self.src.x_blocks(self)
 
+    def project(self, v: torch.Tensor, at: np.ndarray | None = None) -> torch.Tensor:
+        """float32 [n] on the CPU: the stored unit directions dotted with `v` (rows `at` of
+        the group, or all): FieldReader.project."""
+        return self.src.reader.project(self, v, at)
+
     @property
     def x(self) -> torch.Tensor:
         """float32 [n, d]: the vector with the group's view applied."""
@@ -130,6 +137,11 @@ class VectorSource:
         self.weights = ModelWeights(store, self.sites, lambda: self.device)
         self.tokens = Vocabulary(store, self.models)
         self.heads = HeadWeights(store, lambda: self.device)  # head_kernels.py
+        # the layer weights as rows (the views neurons and circuits), numbered on first use
+        self.weight_rows = WeightRows(store, self.models, self.weights.gain, self.sites,
+                                      lambda: self.device)
+        self._plan: WeightPlan | None = None
+        self._plan_lock = threading.Lock()
 
     def clear(self) -> None:
         """Forget every chunk read (the next query reads from the store again)."""
@@ -146,6 +158,23 @@ class VectorSource:
             load(torch)
             self._device = resolve_device(self._device)
         return self._device
+
+    def weight_plan(self) -> WeightPlan:
+        """The store's weight streams, added to the codec's on first use (weight_rows.py)."""
+        with self._plan_lock:
+            if self._plan is None:
+                plan = self.weight_rows.plan(len(self.codec.streams))
+                self.codec.extend(plan.streams)
+                self._plan = plan
+            return self._plan
+
+    def stream_end(self, bits: int, row: int) -> int:
+        """`segment_end` for the stream of a fields word shifted right by STREAM_SHIFT: a
+        weight stream's rows run unbroken to its last."""
+        stream = self.codec.stream(bits)
+        if stream.kind != "acts":
+            return stream.n_rows
+        return self.segment_end(stream.model_id, row)
 
     def segment_end(self, model_id: int, row: int) -> int:
         """The end of the unbroken run of committed rows holding `row` (rows past it up to
@@ -210,6 +239,31 @@ class VectorSource:
     def groups(self, handles: np.ndarray) -> Iterator[Group]:
         """Split a batch of opened handles (their fields words: handles.Codec.open) by
         (model, site, view); fields are read when first used."""
+        weights = self.codec.weight_rows(handles)
+        if weights is not None and weights.any():
+            yield from self._weight_groups(handles, weights)
+            if weights.all():
+                return
+            rest = np.nonzero(~weights)[0]
+            for g in self._act_groups(handles[rest]):
+                g.index = rest[g.index]
+                yield g
+            return
+        yield from self._act_groups(handles)
+
+    def _weight_groups(self, handles: np.ndarray, weights: np.ndarray) -> Iterator[Group]:
+        """One group for each weight stream among opened handles (`weights`: which are)."""
+        at = np.nonzero(weights)[0]
+        streams = (handles[at] >> H.STREAM_SHIFT) & H.STREAM_MASK
+        specs = self.weight_plan().specs
+        for stream in np.unique(streams):
+            index = at[streams == stream]
+            rows = handles[index] & H.ROW_MASK
+            order = np.argsort(rows, kind="stable")
+            spec = specs[int(stream)]
+            yield WeightGroup(self, index[order], self.model(spec.model_id), spec, rows[order])
+
+    def _act_groups(self, handles: np.ndarray) -> Iterator[Group]:
         dec = self.codec.decode(handles)
         if dec.one:  # one (model, site, view): most calls, every bulk window
             key = dec.model_id[:1]
@@ -274,6 +328,8 @@ class VectorSource:
     def apply_view(self, model: ModelRecord, site: SiteRecord, view: str, x: torch.Tensor,
                    mean: torch.Tensor | None, heads: np.ndarray | None = None) -> torch.Tensor:
         """A view of raw vectors x; `mean` is their stored mean (None: computed from x)."""
+        if site.role == WEIGHT_ROLE and view != "final_norm":
+            raise not_a_norm_input(site, f"the {view} view")
         if view == "normalized":
             return norms.normalize(self.weights.centered(site), x, site.eps, mean)
         if view == "normed":
@@ -289,6 +345,8 @@ class VectorSource:
                     mean: torch.Tensor | None, heads: np.ndarray | None = None) -> torch.Tensor:
         """y = gain * z + bias with the site's effective gain and bias; a per-head site whose
         heads are separate modules has one gain row per head, picked by `heads`."""
+        if site.role == WEIGHT_ROLE:
+            raise not_a_norm_input(site, "a norm's output")
         gain = self.weights.gain(model, site)
         bias = self.weights.param(model, site, "bias")
         if heads is not None:
@@ -297,6 +355,47 @@ class VectorSource:
             bias = bias[at] if bias is not None and bias.dim() == 2 else bias
         return norms.apply(self.weights.centered(site), x, gain=gain, bias=bias, eps=site.eps,
                            mean=mean)
+
+
+def not_a_norm_input(site: SiteRecord, what: str) -> QueryError:
+    """The one sentence for a weight row where a norm's input was needed."""
+    return QueryError(f"{what} is not defined for {site.site!r}: it is a weight row (neurons, "
+                      "circuits), a direction in the residual stream with no norm of its own; "
+                      "pass a vec of acts")
+
+
+class WeightGroup(Group):
+    """Rows of one weight stream (weight_rows.py): their vectors read whole, float32, with
+    the fold the view states; direction, norm and mean made from them."""
+
+    def __init__(self, src: VectorSource, index: np.ndarray, model: ModelRecord,
+                 spec: WeightSpec, rows: np.ndarray) -> None:
+        site = src.weight_rows.site(spec, src.weight_rows.width(spec))
+        super().__init__(src, index, model, site, "raw", rows,
+                         np.full(len(rows), -1, dtype=np.int64))
+        self.spec = spec
+
+    def _field(self, name: str) -> torch.Tensor:
+        if name not in self._cache:
+            x = self.x
+            n = torch.linalg.vector_norm(x, dim=-1)
+            self._cache["norm"] = n
+            self._cache["mean"] = x.mean(-1)
+            self._cache["direction"] = x / torch.where(n > 0, n, 1.0).unsqueeze(-1)
+        return self._cache[name]
+
+    @property
+    def x(self) -> torch.Tensor:
+        if "x" not in self._cache:
+            self._cache["x"] = self.src.weight_rows.rows(self.spec, self.rows)
+        return self._cache["x"]
+
+    def x_blocks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        yield 0, len(self.rows), self.x
+
+    def project(self, v: torch.Tensor, at: np.ndarray | None = None) -> torch.Tensor:
+        u = self.direction if at is None else self.direction[torch.from_numpy(at)]
+        return (u @ v.to(u.device, torch.float32)).cpu()
 
 
 def _segments(spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
