@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import aggregates, head_kernels, kernels, lens, stored_lens
+from . import aggregates, head_kernels, kernels, lens, neuron_kernels, stored_lens
 from . import handles as H
 
 # Argument kinds: a vec handle, a list of handles (`list(vec)`), a token (string or id), an
@@ -332,6 +332,50 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
             "||q||), g the norm's gain, divided by sin(uniform_angle) at a LayerNorm",
     ),
 )
+
+# Activations read through an MLP's stored neurons (neuron_kernels.py). eps_n below is the
+# float16 error of the neuron's pre-activation: the stored direction's rounding (2^-11 per
+# element) carried through the norm's output y and the neuron's row.
+_NEURON_V = ("v: a row of the site whose output the MLP reads (its pre-MLP norm; post_attn in a "
+             "post-norm block as BERT's), a vec or normed(vec); any other row is an error; a "
+             "mixture of experts is an error (read its experts through neurons)")
+_EPS_N = ("eps_n = 2^-10 sqrt(d) ||g * W[n]|| (W the row the activation reads, g the norm's "
+          "gain), divided by sin(uniform_angle(v)) at a LayerNorm")
+
+
+def _neuron_functions() -> tuple[TensorFunction, ...]:
+    return (
+        TensorFunction(
+            name="neuron_pre", params=(V, _p("neuron", INT)), returns="DOUBLE",
+            kernel=neuron_kernels.neuron_pre,
+            doc="the neuron's pre-activation, the input of the MLP's activation: W_gate[n] . y "
+                "+ b_gate[n] in a gated MLP, W_in[n] . y + b_in[n] otherwise, y = normed(v) "
+                f"(gain * z + bias, as the model computes it); {_NEURON_V}; float16 error: "
+                f"|error| <= eps_n, {_EPS_N}",
+        ),
+        TensorFunction(
+            name="neuron_act", params=(V, _p("neuron", INT)), returns="DOUBLE",
+            kernel=neuron_kernels.neuron_act,
+            doc="the value that multiplies the neuron's W_out row: act(neuron_pre(v, n)), times "
+                "the up projection W_in[n] . y + b_in[n] in a gated MLP; act is the formula "
+                "found at ingest by calling the model's own activation module; float16 error: "
+                "|error| <= L eps_n (ungated), L eps_g |up| + |act(pre)| eps_up + L eps_g eps_up "
+                "(gated: eps_g and eps_up the eps_n of the W_gate and W_in rows), L the largest "
+                f"slope of act near pre (1 ReLU, 1.13 GELU, 1.1 SiLU), {_EPS_N}; {_NEURON_V}",
+        ),
+        TensorFunction(
+            name="active_fraction", params=(V,), returns="DOUBLE",
+            kernel=neuron_kernels.active_fraction,
+            doc="the share of the layer's neurons with act(neuron_pre) > 0: for ReLU exactly "
+                "those with a non-zero activation, for a smooth activation (GELU, SiLU) those "
+                "past its zero (a positive pre-activation), whatever a gate's up projection "
+                "does; exact but for neurons with |neuron_pre| <= eps_n, which may count "
+                f"either way; {_NEURON_V}",
+        ),
+    )
+
+
+FUNCTIONS = (*FUNCTIONS, *_neuron_functions())
 
 REGISTRY: dict[str, TensorFunction] = {f.name: f for f in FUNCTIONS}
 

@@ -82,6 +82,7 @@ class WeightRows:
         self._manifests: dict[int, dict[str, Any] | None] = {}
         self._arrays: OrderedDict[tuple[int, str, str | None], torch.Tensor] = OrderedDict()
         self._bytes = 0
+        self.mlps: dict[tuple[int, str], Any] = {}  # neuron_kernels.layer_mlp's, by site
 
     def manifest(self, model: ModelRecord) -> dict[str, Any] | None:
         """The model's layer-weight manifest (None: stored without), read once."""
@@ -178,13 +179,19 @@ class WeightRows:
             gain = self._fold_gain(spec)
             if gain is not None:
                 rows = rows * gain.to(rows.device, torch.float32)  # [n, d] * [d]
+        self._keep(key, rows)
+        return rows
+
+    def _keep(self, key: tuple[int, str, str | None], value: torch.Tensor) -> None:
+        """Keep an array, the least recently used ones out past _CACHE_BYTES."""
         with self._lock:
-            self._arrays[key] = rows
-            self._bytes += rows.numel() * 4
+            old = self._arrays.pop(key, None)
+            self._bytes -= 0 if old is None else old.numel() * 4
+            self._arrays[key] = value
+            self._bytes += value.numel() * 4
             while self._bytes > _CACHE_BYTES and len(self._arrays) > 1:
                 _, gone = self._arrays.popitem(last=False)
                 self._bytes -= gone.numel() * 4
-        return rows
 
     def _fold_gain(self, spec: WeightSpec) -> torch.Tensor | None:
         model = self.models[spec.model_id]
@@ -210,8 +217,7 @@ class WeightRows:
             s = self.store.arrays.weight(spec.model_id, name)
             assert s is not None
             got = torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32).reshape(-1))
-            with self._lock:
-                self._arrays[key] = got
+            self._keep(key, got)
         return got.double().numpy()[np.asarray(rows, dtype=np.int64)]
 
 
