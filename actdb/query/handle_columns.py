@@ -12,6 +12,8 @@ from sqlglot import exp
 from .handles import VIEWS
 
 _VIEW_FUNCTIONS = frozenset(VIEWS[1:])
+# `vec` of acts, and the vector columns of the weight views (weight_views.py)
+_HANDLE_NAMES = frozenset({"vec", "w_in", "w_gate", "w_out", "u", "v"})
 # DuckDB's type ids of a column of handles: a DECIMAL(38, 0) (handles.py), or the HUGEINT a
 # cast keeping the value gives
 _HANDLE_TYPES = frozenset({"hugeint", "decimal"})
@@ -19,9 +21,10 @@ _HANDLE_TYPES = frozenset({"hugeint", "decimal"})
 
 def handle_columns(query: str, names: list[str], types: list[Any]) -> list[str]:
     """The columns (`names`, of DuckDB `types`) of `query`'s result that hold vec handles:
-    `vec` itself (also through `*`), and views of it (`normalized(vec)`, ...)."""
+    `vec` itself (also through `*`), the weight views' `w_in`, `w_gate`, `w_out`, `u`, `v`,
+    and views of them (`normalized(vec)`, ...)."""
     by_name = dict(zip(names, types, strict=True))
-    found = {n for n in names if n.lower() == "vec"}
+    found = {n for n in names if n.lower() in _HANDLE_NAMES}
     try:
         tree = sqlglot.parse_one(query, read="duckdb")
     except sqlglot.errors.ParseError:
@@ -34,7 +37,7 @@ def handle_columns(query: str, names: list[str], types: list[Any]) -> list[str]:
             if name not in names:
                 continue
             inner = projection.unalias()
-            if isinstance(inner, exp.Column) and inner.name.lower() == "vec":
+            if isinstance(inner, exp.Column) and inner.name.lower() in _HANDLE_NAMES:
                 found.add(name)
             elif isinstance(inner, exp.Func) and _function_name(inner) in _VIEW_FUNCTIONS:
                 found.add(name)

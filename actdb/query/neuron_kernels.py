@@ -93,11 +93,11 @@ def layer_mlp(src: VectorSource, model: ModelRecord, site: SiteRecord, what: str
     found = [(int(e["layer"]), m) for e in manifest.get("layers", []) for m in e.get("mlp", [])
              if m.get("reads") == site.site]
     if not found:
-        read = sorted({str(m.get("reads")) for e in manifest.get("layers", [])
+        sites = sorted({str(m.get("reads")) for e in manifest.get("layers", [])
                        for m in e.get("mlp", []) if m.get("reads")})
         raise QueryError(
             f"{what} reads rows of a site whose output an MLP reads (the pre-MLP norm: "
-            f"{', '.join(read) or 'none in this model'}); site {site.site!r} of model "
+            f"{', '.join(sites) or 'none in this model'}); site {site.site!r} of model "
             f"{model.model!r} is read by no stored MLP")
     layer, mlp = found[0]
     if len(found) > 1 or mlp.get("expert") is not None:

@@ -129,28 +129,28 @@ class WeightRows:
                     heads, dh = int(attn["n_heads"]), int(attn["d_head"])
                     for circuit in ("OV", "QK"):
                         part = f"circuits/{circuit}"
-                        ids = [add(WeightSpec(
+                        uv = [add(WeightSpec(
                             model_id=mid, array=array_name(layer, part, name),
                             label=f"blocks.{layer}.circuits.{circuit}.{name}", layer=layer,
                             module=str(attn.get("module", "")), fold=None,
                             n_rows=heads * dh)) for name in ("u", "v")]
-                        circuits.append((model.model, layer, circuit, heads, dh, *ids,
+                        circuits.append((model.model, layer, circuit, heads, dh, *uv,
                                          rotary and circuit == "QK"))
                 for mlp in entry.get("mlp", []):
                     expert = mlp.get("expert")
                     part = "mlp" if expert is None else f"mlp.{expert}"
                     n = int(mlp["n_neurons"])
-                    ids = []
+                    rows: list[int | None] = []
                     for name in ("W_in", "W_gate", "W_out"):
                         if name not in mlp["arrays"]:
-                            ids.append(None)
+                            rows.append(None)
                             continue
-                        ids.append(add(WeightSpec(
+                        rows.append(add(WeightSpec(
                             model_id=mid, array=array_name(layer, part, name),
                             label=f"blocks.{layer}.{part}.{name}", layer=layer,
                             module=str(mlp.get("module", "")),
                             fold=mlp.get("reads") if name != "W_out" else None, n_rows=n)))
-                    neurons.append((model.model, layer, expert, n, *ids))
+                    neurons.append((model.model, layer, expert, n, *rows))
         return WeightPlan(streams=streams, specs=specs, neurons=neurons, circuits=circuits,
                           without=without)
 

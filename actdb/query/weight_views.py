@@ -24,7 +24,6 @@ from ..errors import ActdbError, QueryError
 from ..lazy import lazy_module
 from . import handles as H
 from .vectors import VectorSource
-from .weight_rows import NO_WEIGHTS
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -34,8 +33,6 @@ else:
     pc = lazy_module("pyarrow.compute")
 
 VIEWS = ("neurons", "circuits")
-# The columns of the views that hold handles (handle_columns.py)
-HANDLE_COLUMNS = ("w_in", "w_gate", "w_out", "u", "v")
 
 SqlType = Callable[[duckdb.DuckDBPyConnection, str], Any]
 
@@ -93,7 +90,7 @@ def make_weight_views(con: duckdb.DuckDBPyConnection, src: VectorSource, box: An
                       session: str, sqltype: SqlType) -> None:
     """Create the temp views `neurons` and `circuits` on `con` (and their tables and UDFs)."""
     plan = src.weight_plan()
-    udf_args = {"type": PythonUDFType.ARROW, "null_handling": FunctionNullHandling.SPECIAL}
+    arrow, special = PythonUDFType.ARROW, FunctionNullHandling.SPECIAL
     if not plan.neurons and not plan.circuits:
         names = ", ".join(repr(m) for m in plan.without) or "none"
         message = (f"the store holds no layer weights, so neither neurons nor circuits has "
@@ -102,7 +99,7 @@ def make_weight_views(con: duckdb.DuckDBPyConnection, src: VectorSource, box: An
                    "to read weights")
         con.create_function(f"_actdb_no_weights_{session}", _refuse_udf(message, box),
                             [sqltype(con, "BIGINT")], sqltype(con, "BOOLEAN"),
-                            side_effects=True, **udf_args)
+                            type=arrow, null_handling=special, side_effects=True)
         refuse = f"_actdb_no_weights_{session}(range)"
         con.execute(f"""CREATE OR REPLACE TEMP VIEW neurons AS SELECT NULL::VARCHAR AS model,
             NULL::INTEGER AS layer, NULL::INTEGER AS expert, NULL::BIGINT AS neuron,
@@ -115,10 +112,10 @@ def make_weight_views(con: duckdb.DuckDBPyConnection, src: VectorSource, box: An
         return
     con.create_function(f"_actdb_weight_handle_{session}", _issue_udf(src, box),
                         [sqltype(con, "BIGINT")], sqltype(con, H.SQL_TYPE),
-                        side_effects=False, **udf_args)
+                        type=arrow, null_handling=special, side_effects=False)
     con.create_function(f"_actdb_sigma_{session}", _sigma_udf(src, box),
                         [sqltype(con, "BIGINT")], sqltype(con, "DOUBLE"),
-                        side_effects=False, **udf_args)
+                        type=arrow, null_handling=special, side_effects=False)
     con.execute("CREATE OR REPLACE TEMP TABLE _actdb_neuron_streams (model VARCHAR, layer "
                 "INTEGER, expert INTEGER, n BIGINT, s_in BIGINT, s_gate BIGINT, s_out BIGINT)")
     con.execute("CREATE OR REPLACE TEMP TABLE _actdb_circuit_streams (model VARCHAR, layer "
