@@ -247,8 +247,8 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
                        lens=_lens_asked(opts, m),
                        lens_default=lens_default(m.loaded.device) if _has_lens(m) else 0,
                        # the weights' probe passes read token ids alone: not media's
-                       weights_from=[t for row in m.ids for t in row if t >= 0]
-                       if m.labels is None else []
+                       weights_from=([t for row in m.ids for t in row if t >= 0]
+                                     if m.labels is None else [])
                        if opts.weights == "all" else None)
         # The model's very first batch is part of the recorded sample; a resumed run (its
         # first batch committed, the error with it) or a later shard does not add its own.
