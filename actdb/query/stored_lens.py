@@ -33,6 +33,7 @@ from . import kernels, lens
 from .kernels import Arg, _check_k, _per_value
 from .lists import ListResults, struct_lists
 from .vectors import VectorSource
+from .weight_rows import ROLE as WEIGHT_ROLE
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -73,7 +74,8 @@ def stored(src: VectorSource, h: np.ndarray) -> tuple[list[Stored], np.ndarray]:
     if not any(m.lens_k for m in src.models.values()):  # a store without the lens: all computed
         return [], np.arange(len(h))
     for g in src.groups(h):
-        if g.view != "raw" or not is_lens_site(g.model, g.site):
+        # a weight row (neurons, circuits) has no stored lens: computed
+        if g.view != "raw" or g.site.role == WEIGHT_ROLE or not is_lens_site(g.model, g.site):
             rest.append(g.index)
             continue
 

@@ -45,7 +45,8 @@ def stored(request: Any, tmp_path_factory: Any) -> tuple[str, Any, Any, Path]:
             if name.endswith(".bias") and "ln" not in name:
                 param.copy_(0.2 * torch.randn(param.shape, generator=gen))
     path = tmp_path_factory.mktemp(family) / "s.actdb"
-    actdb.ingest(path, model=model, tokenizer=tok, prompts=PROMPTS, device="cpu")
+    # a materialized lens (the lens functions read it for acts rows, never for weight rows)
+    actdb.ingest(path, model=model, tokenizer=tok, prompts=PROMPTS, device="cpu", lens=4)
     return family, model, tok, path
 
 
@@ -118,6 +119,17 @@ def test_neurons_are_the_models_rows(stored: tuple[str, Any, Any, Path]) -> None
     row = _np(_mlp(family, model, 1)["W_out"])[5]
     want = np.argsort(-(w_u @ row / np.linalg.norm(w_u, axis=1)))[:3]
     assert [t["token_id"] for t in top] == want.tolist()
+    # the logit lens of a weight row: the row through the final norm, then the LM head
+    (lens,) = db.sql("SELECT top_logits(w_out, 3) FROM neurons WHERE layer = 1 AND "
+                     "neuron = 5").fetchone()
+    final = model.model.norm if family == "llama" else model.transformer.ln_f
+    x = row - row.mean() if family == "gpt2" else row
+    eps = final.eps if family == "gpt2" else final.variance_epsilon
+    z = x / np.sqrt((x**2).mean() + eps)
+    hn = z * _np(final.weight) + (_np(final.bias) if family == "gpt2" else 0.0)
+    logits = w_u @ hn
+    assert [t["token_id"] for t in lens] == np.argsort(-logits)[:3].tolist()
+    assert np.allclose([t["logit"] for t in lens], np.sort(logits)[::-1][:3], atol=1e-4)
 
 
 def test_circuits_are_a_float64_svd_of_the_models_heads(stored: tuple[str, Any, Any, Path]
