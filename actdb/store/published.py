@@ -162,7 +162,8 @@ def compact(source: Path, dest: Path) -> bool:
     con = duckdb.connect(str(dest), config={"threads": 1})
     try:
         here = str((con.execute("SELECT current_database()").fetchone() or ("",))[0])
-        con.execute(f"ATTACH '{source}' AS src (READ_ONLY)")
+        path = str(source).replace("'", "''")  # a SQL string: TMPDIR may hold a quote
+        con.execute(f"ATTACH '{path}' AS src (READ_ONLY)")
         con.execute(f"COPY FROM DATABASE src TO {_quoted(here)}")
         tables = [str(r[0]) for r in con.execute(
             "SELECT table_name FROM duckdb_tables() WHERE database_name = 'src'").fetchall()]

@@ -45,3 +45,18 @@ def test_compacted_catalog_is_the_same_catalog_smaller(tmp_path: Path) -> None:
     assert compact(src, dest)
     assert _rows(dest) == _rows(src)
     assert dest.stat().st_size < src.stat().st_size
+
+
+def test_a_working_folder_with_a_quote_in_its_path_compacts(tmp_path: Path) -> None:
+    """The working copy lives under the temporary folder (TMPDIR), whose path may hold a
+    quote: the copy reads it all the same."""
+    folder = tmp_path / "it's here"
+    folder.mkdir()
+    src = folder / "catalog.duckdb"
+    con = duckdb.connect(str(src))
+    con.execute(SCHEMA)
+    con.execute("INSERT INTO models (model, model_id, config) VALUES ('m', 0, '{}')")
+    con.close()
+    dest = folder / "catalog.duckdb.compacted"
+    assert compact(src, dest)
+    assert _rows(dest) == _rows(src)
