@@ -62,7 +62,7 @@ def decoder_ids(model: nn.Module, tokenizer: Any, prompts: Sequence[Prompt],
     cut to `limit`, and whether they were cut."""
     out: list[list[int]] = []
     cut: list[bool] = []
-    for i, p in enumerate(prompts, 1):  # read as no target, it would silently be the start
+    for i, p in enumerate(prompts):  # read as no target, it would silently be the start
         value = p.extra.get("target")
         if value is not None and not isinstance(value, str):
             raise IngestError(f"input {i}'s 'target' is a {type(value).__name__}, not text: "

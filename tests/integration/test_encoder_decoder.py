@@ -304,7 +304,7 @@ def test_a_target_that_is_no_text_is_one_sentence(
     stored: read as no target, its decoder would silently read the start token alone."""
     _, models = built
     store = tmp_path / "s.actdb"
-    with pytest.raises(IngestError, match=r"input 1's 'target' is a \w+, not text") as e:
+    with pytest.raises(IngestError, match=r"input 0's 'target' is a \w+, not text") as e:
         actdb.ingest(store, model=models["t5"], tokenizer=tok, device="cpu", name="t5",
                      inputs=[{"text": "a new text", "target": target}],
                      weights="none")
