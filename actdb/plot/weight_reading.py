@@ -7,8 +7,10 @@ anchor (the model's default anchor set: unit LM-head rows, or unit embedding row
 head), in both signs, since an SVD fixes a direction only up to its sign: a head "lands near a
 token" by its largest |cosine|. Per neuron, its output row W_out[n] against the anchor of the
 answer the lens section names (the model's top token at the last position, the most frequent
-over the prompts). Read from the stored arrays (store/layer_weights.py) and anchors (the
-query layer's, as `nearest_anchors` ranks them); a store without layer weights gets a sentence.
+over the prompts, the lowest token id among as frequent ones). Read from the stored arrays
+(store/layer_weights.py) and anchors (the query layer's, as `nearest_anchors` ranks them):
+a head writes +v_i or -v_i as its input's component along u_i is positive or negative, and
+`nearest_anchors(v, k)` ranks one sign only. A store without layer weights gets a sentence.
 """
 
 from __future__ import annotations
