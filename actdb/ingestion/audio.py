@@ -31,6 +31,10 @@ def load_audio(media: Media, rate: int) -> np.ndarray:
         samples, given = media.objects["audio"]
         data = np.asarray(samples, dtype=np.float32)
         where = media.audio
+        if data.ndim == 2 and data.shape[1] > data.shape[0]:  # no sound has more channels
+            raise IngestError(f"audio {where!r} is an array of shape {data.shape}, which reads "
+                              "as more channels than samples: give [samples, channels] (a "
+                              "[channels, samples] array transposed)")
     else:
         try:
             import soundfile
