@@ -1124,6 +1124,9 @@ static PyMethodDef methods[] = {
      "cross): rows against a vocabulary in bfloat16 (AVX-512 BF16), each 4 x 64 tile reduced in "
      "registers: mode 0 counts and lists tokens against a threshold band, modes 1-3 sum exp() "
      "for a log-sum-exp (and its moments, or a pair's cross term); see _native_vocab.c."},
+    {"vocab_top", vocab_top, METH_VARARGS,
+     "vocab_top(a, b, V, n, k, cap, threads, e, cand, cand_v, cand_n): the candidates for each row's k "
+     "largest bfloat16 logits, for an exact rescore; see _native_vocab.c."},
     {"vocab_pack", vocab_pack, METH_VARARGS,
      "vocab_pack(w, bias, out, nt, d) -> (max N, finite): a vocabulary split into bfloat16 "
      "pairs and laid out in vocab_scan's panels, with each token's norm; see _native_vocab.c."},

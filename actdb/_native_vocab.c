@@ -45,19 +45,26 @@ typedef struct {
     double *s0, *s1, *s2, *cross;
     Py_ssize_t g_lo, g_hi;
     double *lanes; /* scratch: 8 float64 lanes per row for s0, s1, s2, cross */
+    /* vocab_top: a's pairs per row (ka) meet b's pairs from kb0 on */
+    Py_ssize_t ka, kb0, k, cap;
+    float *top;     /* scratch [n][k]: each row's k best values so far, ascending */
+    int32_t *cand;  /* [n][cap] */
+    float *cand_v;  /* [n][cap]: their values */
+    int64_t *cand_n;
 } VocabJob;
 
 #define VS_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
-/* The 4 x 64 tile of rows a0..a3 against the 4 panels from b: acc[4 * row + panel]. */
-VS_TARGET static void vs_tile(const uint32_t *a, Py_ssize_t k2, const uint32_t *b,
-                              __m512 acc[16]) {
+/* The 4 x 64 tile of rows a0..a3 (`ka` pairs each, `count` of them used) against the 4 panels
+   from b (each `k2` pairs, b already at the first pair used): acc[4 * row + panel]. */
+VS_TARGET static void vs_tile(const uint32_t *a, Py_ssize_t ka, Py_ssize_t count,
+                              const uint32_t *b, Py_ssize_t k2, __m512 acc[16]) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c03 = c00;
     __m512 c10 = c00, c11 = c00, c12 = c00, c13 = c00, c20 = c00, c21 = c00, c22 = c00;
     __m512 c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00;
-    const uint32_t *a0 = a, *a1 = a + k2, *a2 = a + 2 * k2, *a3 = a + 3 * k2;
+    const uint32_t *a0 = a, *a1 = a + ka, *a2 = a + 2 * ka, *a3 = a + 3 * ka;
     const uint32_t *b0 = b, *b1 = b + 16 * k2, *b2 = b + 32 * k2, *b3 = b + 48 * k2;
-    for (Py_ssize_t kk = 0; kk < k2; kk++) {
+    for (Py_ssize_t kk = 0; kk < count; kk++) {
         __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + 16 * kk);
         __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + 16 * kk);
         __m512bh w2 = (__m512bh)_mm512_loadu_si512(b2 + 16 * kk);
@@ -227,6 +234,54 @@ VS_TARGET static void vs_lse(VocabJob *j, Py_ssize_t r, const __m512 *v, const _
     _mm512_storeu_pd(l + 24, cr);
 }
 
+/* Row r's tile into its k best values so far, then the tokens not more than W below the k-th
+   of them listed as candidates (W = e[r] + 2^-21 (|v| + |k-th|)). */
+VS_TARGET static void vs_top(VocabJob *j, Py_ssize_t r, Py_ssize_t tok0, const __m512 *v,
+                             const __mmask16 *valid) {
+    float *top = j->top + r * j->k, vals[16];
+    for (int p = 0; p < 4; p++) {
+        __mmask16 up = _mm512_mask_cmp_ps_mask(valid[p], v[p], _mm512_set1_ps(top[0]),
+                                               _CMP_GT_OQ);
+        if (!up) {
+            continue;
+        }
+        _mm512_storeu_ps(vals, v[p]);
+        while (up) {
+            int bit = __builtin_ctz((unsigned)up);
+            up &= (__mmask16)(up - 1);
+            float val = vals[bit];
+            if (val > top[0]) { /* insert, dropping the smallest */
+                Py_ssize_t i = 0;
+                while (i + 1 < j->k && top[i + 1] < val) {
+                    top[i] = top[i + 1];
+                    i++;
+                }
+                top[i] = val;
+            }
+        }
+    }
+    float vals2[64];
+    for (int p = 0; p < 4; p++) {
+        _mm512_storeu_ps(vals2 + 16 * p, v[p]);
+    }
+    __m512 kth = _mm512_set1_ps(top[0]), slack = _mm512_set1_ps(0x1p-21f);
+    __m512 base = _mm512_set1_ps(j->e[r] + 0x1p-21f * fabsf(top[0]));
+    for (int p = 0; p < 4; p++) {
+        __m512 w = _mm512_fmadd_ps(slack, _mm512_abs_ps(v[p]), base);
+        __mmask16 in = _mm512_mask_cmp_ps_mask(valid[p], v[p], _mm512_sub_ps(kth, w),
+                                               _CMP_NLT_UQ);
+        while (in) {
+            int bit = __builtin_ctz((unsigned)in);
+            in &= (__mmask16)(in - 1);
+            int64_t c = j->cand_n[r]++;
+            if (c < j->cap) {
+                j->cand[r * j->cap + c] = (int32_t)(tok0 + 16 * p + bit);
+                j->cand_v[r * j->cap + c] = vals2[16 * p + bit];
+            }
+        }
+    }
+}
+
 VS_TARGET static void vs_run(VocabJob *j) {
     __m512 acc[16];
     __mmask16 valid[4];
@@ -237,11 +292,13 @@ VS_TARGET static void vs_run(VocabJob *j) {
             valid[p] = left >= 16 ? (__mmask16)0xFFFF
                        : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
         }
-        const uint32_t *b = j->b + 4 * g * 16 * j->k2;
+        const uint32_t *b = j->b + 4 * g * 16 * j->k2 + 16 * j->kb0;
         for (Py_ssize_t r = 0; r < j->n; r += 4) {
-            vs_tile(j->a + r * j->k2, j->k2, b, acc);
+            vs_tile(j->a + r * j->ka, j->ka, j->ka, b, j->k2, acc);
             for (int i = 0; i < 4; i++) {
-                if (j->mode == 0) {
+                if (j->mode == 4) {
+                    vs_top(j, r + i, tok0, acc + 4 * i, valid);
+                } else if (j->mode == 0) {
                     vs_rank(j, r + i, tok0, acc + 4 * i, valid);
                 } else {
                     vs_lse(j, r + i, acc + 4 * i, valid,
@@ -250,7 +307,7 @@ VS_TARGET static void vs_run(VocabJob *j) {
             }
         }
     }
-    if (j->mode != 0) { /* the lanes to one sum per row */
+    if (j->mode != 0 && j->mode != 4) { /* the lanes to one sum per row */
         for (Py_ssize_t r = 0; r < j->n; r++) {
             double *l = j->lanes + r * 32, t[4] = {0, 0, 0, 0};
             for (int q = 0; q < 4; q++) {
@@ -345,7 +402,8 @@ static PyObject *vocab_scan(PyObject *self, PyObject *args) {
                         (const float *)e.buf, (const float *)t0.buf, (const float *)xf.buf,
                         (const float *)wf.buf, bias.len ? (const float *)bias.buf : NULL,
                         (const double *)c.buf, n, k2, V, groups, d, mode, NULL, NULL, NULL,
-                        NULL, NULL, NULL, NULL, groups * k / T, groups * (k + 1) / T, NULL};
+                        NULL, NULL, NULL, NULL, groups * k / T, groups * (k + 1) / T, NULL,
+                        k2, 0, 0, 0, NULL, NULL, NULL, NULL};
         if (mode == 0) {
             j->above = (int64_t *)above.buf + k * n;
             j->band_n = (int64_t *)band_n.buf + k * n;
@@ -391,6 +449,98 @@ done:
     for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) {
         PyBuffer_Release(all[k]);
     }
+    return result;
+}
+
+/* vocab_top(a, b, V, n, k, cap, threads, e, cand, cand_v, cand_n): the candidates for each row's k
+   largest values (mode 4): a holds n rows (a multiple of 4) of the last K' values of b's
+   rows ([n][K'/2] pairs; vocab_top reads b's pairs from K/2 - K'/2 on, K from b's size and
+   V); each row keeps its k largest values so far and lists, in cand[k][r][:cap], every token
+   not more than e[r] + 2^-21 (|v| + |k-th|) below the k-th of them when its tile is seen
+   (thresholds only rise, so a token left out is that far below the row's final k-th value
+   on its thread, and so on all of them), their values in cand_v; cand_n[k][r] counts them
+   all. */
+static PyObject *vocab_top(PyObject *self, PyObject *args) {
+    Py_buffer a, b, e, cand, cand_v, cand_n;
+    Py_ssize_t V, n, k, cap;
+    int threads;
+    if (!PyArg_ParseTuple(args, "y*y*nnnniy*w*w*w*", &a, &b, &V, &n, &k, &cap, &threads, &e,
+                          &cand, &cand_v, &cand_n)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    VocabJob *jobs = NULL;
+    float *top = NULL;
+    pthread_t tids[VS_MAX_THREADS];
+    int T = threads < 1 ? 1 : threads > VS_MAX_THREADS ? VS_MAX_THREADS : threads;
+    Py_ssize_t P = 4 * ((V + 63) / 64), ka = n > 0 ? a.len / 4 / n : 0;
+    Py_ssize_t k2 = P > 0 ? b.len / 4 / (16 * P) : 0;
+    if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512f")) {
+        PyErr_SetString(PyExc_RuntimeError, "vocab_top: this CPU has no AVX-512 BF16");
+        goto done;
+    }
+    if (n <= 0 || n % 4 != 0 || k < 1 || cap < k || threads != T || V < 1 || ka <= 0 ||
+        ka > k2 || vs_check(&a, 4, n * ka, "a") || vs_check(&b, 4, P * 16 * k2, "b") ||
+        vs_check(&e, 4, n, "e") || vs_check(&cand, 4, T * n * cap, "cand") ||
+        vs_check(&cand_v, 4, T * n * cap, "cand_v") ||
+        vs_check(&cand_n, 8, T * n, "cand_n")) {
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_ValueError, "vocab_top: n %zd, k %zd, cap %zd, threads %d or "
+                         "widths (%zd of %zd pairs) out of range", n, k, cap, threads, ka, k2);
+        }
+        goto done;
+    }
+    jobs = calloc((size_t)T, sizeof *jobs);
+    top = malloc((size_t)(T * n * k) * sizeof *top);
+    if (jobs == NULL || top == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < T * n * k; i++) {
+        top[i] = -INFINITY;
+    }
+    Py_ssize_t groups = P / 4;
+    for (int t = 0; t < T; t++) {
+        VocabJob *j = jobs + t;
+        memset(j, 0, sizeof *j);
+        j->a = (const uint32_t *)a.buf;
+        j->b = (const uint32_t *)b.buf;
+        j->e = (const float *)e.buf;
+        j->n = n, j->k2 = k2, j->V = V, j->groups = groups, j->mode = 4;
+        j->g_lo = groups * t / T, j->g_hi = groups * (t + 1) / T;
+        j->ka = ka, j->kb0 = k2 - ka, j->k = k, j->cap = cap;
+        j->top = top + t * n * k;
+        j->cand = (int32_t *)cand.buf + t * n * cap;
+        j->cand_v = (float *)cand_v.buf + t * n * cap;
+        j->cand_n = (int64_t *)cand_n.buf + t * n;
+        memset(j->cand_n, 0, (size_t)n * 8);
+    }
+    int started = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int t = 1; t < T; t++) {
+        if (pthread_create(&tids[t], NULL, vs_thread, jobs + t) != 0) {
+            break;
+        }
+        started = t;
+    }
+    vs_run(jobs);
+    for (int t = 1; t <= started; t++) {
+        pthread_join(tids[t], NULL);
+    }
+    for (int t = started + 1; t < T; t++) {
+        vs_run(jobs + t);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    free(jobs);
+    free(top);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&e);
+    PyBuffer_Release(&cand);
+    PyBuffer_Release(&cand_v);
+    PyBuffer_Release(&cand_n);
     return result;
 }
 

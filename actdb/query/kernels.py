@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import QueryError
 from ..lazy import lazy_module
-from . import topk
+from . import topk, vocab_scan
 from .dots import row_dots
 from .lists import ListResults, float_lists, struct_lists
 from .threads import threads_for, torch_threads
@@ -418,8 +418,7 @@ def _topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
             vals, order = torch.sort(_to_logits(model, pre), dim=-1, descending=True, stable=True)
             ids = torch.gather(ids, 1, order)
         else:
-            vals, ids = topk.topk(block, w, b, k, lowp=lowp, transform=(
-                None if model is None else lambda v: _to_logits(model, v)))
+            vals, ids = _topk_block(block, w, b, k, lowp, model)
         flat = ids.cpu().numpy().astype(np.int64).reshape(-1)
         # an LM head may have more rows than the vocabulary has strings: those are NULL
         strings = tokens.take(pa.array(flat, mask=flat >= len(tokens)))
@@ -429,6 +428,29 @@ def _topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
             "token_id": pa.array(flat), "token": strings,
             label: pa.array(vals.double().cpu().numpy().reshape(-1)),
         }, ok[lo : lo + block.shape[0]].cpu().numpy()))
+
+
+def _topk_block(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
+                lowp: torch.dtype | None, model: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk.topk of a block of rows, the LM head's candidates from the bfloat16 kernel where
+    it runs (vocab_scan.top_k: the same float32 top k), rows it cannot take by topk.py."""
+    transform = None if model is None else (lambda v: _to_logits(model, v))
+    if model is None or k > vocab_scan.TOP_MAX_K or not vocab_scan.top_usable(x.device):
+        return topk.topk(x, w, b, k, lowp=lowp, transform=transform)
+    head = vocab_scan.pack(w, b)
+    ok = vocab_scan.takes(x, head)
+    vals = torch.empty((x.shape[0], k), dtype=x.dtype)
+    ids = torch.empty((x.shape[0], k), dtype=torch.long)
+    at = torch.nonzero(ok).flatten()
+    if len(at):
+        v, i, done = vocab_scan.top_k(x[at], w, b, k, head)
+        vals[at], ids[at] = v, i
+        ok[at[~done]] = False
+    rest = torch.nonzero(~ok).flatten()
+    if len(rest):
+        v, i = topk.topk(x[rest], w, b, k, lowp=lowp, transform=None)
+        vals[rest], ids[rest] = v, i
+    return (transform(vals) if transform is not None else vals), ids
 
 
 def top_dims(src: VectorSource, h: np.ndarray, out: ListResults, k: Arg) -> None:

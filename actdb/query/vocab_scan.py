@@ -71,6 +71,7 @@ import numpy as np
 
 from ..lazy import lazy_module
 from . import topk
+from .dots import row_dots
 from .threads import threads_for
 
 if TYPE_CHECKING:
@@ -268,6 +269,99 @@ def ranks(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tid: torch.T
 
 def _float32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
+
+
+# -- top_logits ----------------------------------------------------------------------------
+
+TOP_MAX_K = 64  # larger k: topk.py's path
+TOP_CAP = 512  # candidates listed per row and thread; a row with more takes topk.py's path
+
+
+def top_factor(d: int, bias: bool) -> float:
+    """The one-product error over X N_t: x_hi . w_hi (+ the bias's three parts) against
+    x . w + b, (2u + u^2 + u^3) A_t left out, the float32 sum of d + 4 terms g_(d+4)
+    (1 + u)^2 A_t."""
+    return 2 * U + U**2 + U**3 + _gamma(d + 4) * (1 + U) ** 2
+
+
+def rescore_factor(d: int) -> float:
+    """g_(d+1): a float32 rescore's error over X N_t (d products and sums, and the bias)."""
+    return _gamma(d + 1)
+
+
+def top_usable(device: torch.device) -> bool:
+    """Whether top_logits' candidates can come from the kernel here (any logit transform:
+    ranks are taken before it)."""
+    if os.environ.get(ENV, "auto").lower() in ("off", "0", "no", "false"):
+        return False
+    if device.type != "cpu" or _native is None or not hasattr(_native, "vocab_top"):
+        return False
+    return topk.lowp_dtype(device) is not None and _cpu_has_avx512_bf16()
+
+
+def top_k(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int, head: Packed
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values [n, k], ids [n, k], done [n]): the k largest float32 logits (row_dots + b, as
+    `logit` computes them; ties lower id first, as topk.py lists them) of rows x [n, d] that
+    `takes` (`done` False for a row with too many candidates: topk.py's path takes it).
+
+    The kernel's one bfloat16 product a_t (x_hi . w_hi, + b) is within E_t = f X N_t + tiny of
+    the exact logit s_t (f = `top_factor`) and a rescore r_t within e_t = g_(d+1) X N_t +
+    2^-24 |r_t| of s_t. Each row keeps its k largest a so far and lists every token within
+    W = 2 (f + g_(d+1)) X max N + 2 tiny (+ the kernel's slack for |a| and the k-th) below the
+    k-th of them when seen. Let theta be the row's final k-th largest a: the k tokens with
+    a >= theta are listed, and each has r >= theta - E - e; a token left out had a < theta - W,
+    so r < theta - W + E + e, below all k of them. The k best rescores of the listed tokens
+    are therefore the float32 top k, ties broken by id as topk.py does."""
+    n = x.shape[0]
+    d = head.d
+    scale = row_scale(x, head)
+    e = _up((2 * (top_factor(d, head.bias) + rescore_factor(d)) * scale * head.n_max
+             + 2 * _tiny(head, scale)) * (1 + 2.0**-18))
+    hi = x.bfloat16()
+    cols = [hi]
+    if head.bias:
+        cols.append(torch.ones((n, 3), dtype=torch.bfloat16))
+    have = d + (3 if head.bias else 0)
+    if have < head.width - 2 * d:
+        cols.append(torch.zeros((n, head.width - 2 * d - have), dtype=torch.bfloat16))
+    a = torch.cat(cols, -1)
+    rows = n + (-n) % 4
+    if rows > n:
+        a = torch.cat([a, torch.zeros((rows - n, a.shape[1]), dtype=torch.bfloat16)])
+        e = torch.cat([e, torch.zeros(rows - n, dtype=torch.float32)])
+    T = _threads(rows, head)
+    cand = np.empty((T, rows, TOP_CAP), dtype=np.int32)
+    cand_v = np.empty((T, rows, TOP_CAP), dtype=np.float32)
+    count = np.empty((T, rows), dtype=np.int64)
+    _native.vocab_top(a.contiguous().view(torch.int32).numpy(), head.panels.numpy(),
+                      head.vocab, rows, k, TOP_CAP, T, e.contiguous().numpy(), cand, cand_v,
+                      count)
+    count = count[:, :n]
+    done = torch.from_numpy((count <= TOP_CAP).all(0))
+    listed = np.minimum(count, TOP_CAP)  # [T, n]
+    # Every thread's candidates side by side; a row's final k-th largest value among them
+    # (its k best tokens are all listed) then drops those listed under a lower threshold.
+    keep = np.arange(TOP_CAP)[None, None, :] < listed[:, :, None]  # [T, n, cap]
+    vals_a = np.where(keep, cand_v[:, :n], -np.inf).transpose(1, 0, 2).reshape(n, -1)
+    ids_a = np.where(keep, cand[:, :n].astype(np.int64), head.vocab)
+    ids_a = ids_a.transpose(1, 0, 2).reshape(n, -1)
+    kk = min(k, vals_a.shape[1])
+    theta = -np.partition(-vals_a, kk - 1, axis=1)[:, kk - 1]  # [n]
+    e_np = e[:n].numpy().astype(np.float64)
+    floor = (theta - e_np)[:, None] - 2.0**-21 * (np.abs(vals_a) + np.abs(theta)[:, None])
+    ids_a = np.where(vals_a >= floor, ids_a, head.vocab)
+    m = max(k, int((ids_a < head.vocab).sum(1).max()) if n else k)
+    ids = np.sort(ids_a, axis=1)[:, :m]  # ascending: the listed ids first, V after
+    ids_t = torch.from_numpy(ids)  # ascending: ties keep the lower id
+    none = ids_t == head.vocab
+    safe = ids_t.clamp(max=head.vocab - 1)
+    vals = row_dots(w[safe], x.unsqueeze(1), overwrite=True)  # [n, m]
+    if b is not None:
+        vals += b[safe]
+    vals[none] = -math.inf
+    vals, at = torch.sort(vals, dim=-1, descending=True, stable=True)
+    return vals[:, :k], torch.gather(ids_t, 1, at[:, :k]), done
 
 
 # -- log-sum-exp and its relatives ----------------------------------------------------------

@@ -34,10 +34,11 @@ def exact_logits(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarr
     return out
 
 
-def adversarial(seed: int, bias: bool, *, big: bool = True):
+def adversarial(seed: int, bias: bool, *, big: bool = True, top: bool = False):
     """(x [n, D], w [V, D], b, tid [n]) float32 with the ties and near-ties a wrong margin
     or a skipped rescore miscounts; `big`: a row and two anchors of large norm (which make
-    the log-sum-exp's uniform bound, max over the anchors, loose)."""
+    the log-sum-exp's uniform bound, max over the anchors, loose); `top`: the targets are
+    each row's largest logit (the ties then sit at the top, for top_logits)."""
     g = np.random.default_rng(seed)
     w = (g.standard_normal((V, D)) * 0.05).astype(np.float32)
     x = g.standard_normal((12, D)).astype(np.float32) * 3
@@ -48,6 +49,9 @@ def adversarial(seed: int, bias: bool, *, big: bool = True):
     b = (g.standard_normal(V) * 0.1).astype(np.float32) if bias else None
     tid = g.integers(0, V, len(x))
     tid[3] = 11
+    if top:
+        tid = (x.astype(np.float64) @ w.astype(np.float64).T
+               + (b if b is not None else 0.0)).argmax(-1)
     x64 = x.astype(np.float64)
     for i, t in enumerate(tid):
         # A duplicated anchor: a tie that counts as not larger.
@@ -64,6 +68,13 @@ def adversarial(seed: int, bias: bool, *, big: bool = True):
             w[200 + 10 * i + j] = (w64 + eps * band * unit).astype(np.float32)
             if b is not None:
                 b[200 + 10 * i + j] = b[t]
+        if top:  # rows that bfloat16 rounds differently, each just below the target exactly
+            for j in range(20):
+                r = w64 * (1 + g.uniform(-2.0**-8, 2.0**-8, D))
+                r += (x64[i] @ w64 - 2e-5 * band / 1.4e-4 - x64[i] @ r) * unit
+                w[400 + 20 * i + j] = r.astype(np.float32)
+                if b is not None:
+                    b[400 + 20 * i + j] = b[t]
     return x, w, b, tid
 
 
@@ -172,3 +183,36 @@ def test_threads_share_the_vocabulary_with_the_same_answers(monkeypatch):
     np.testing.assert_allclose(s3.lse, s1.lse, rtol=0, atol=2.0**-16)
     assert s1.mean is not None and s3.mean is not None
     np.testing.assert_allclose(s3.mean, s1.mean, rtol=0, atol=2.0**-16)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_top_k_is_the_float32_top_k(bias):
+    """top_logits' candidates from the kernel: the same answer as topk.py's float32 path
+    (float32 rescores, ties lower id first) on rows whose largest logit is duplicated and
+    surrounded by near-ties; the ids are the exact top k wherever float32 separates them."""
+    from actdb.query import topk
+    from actdb.query.kernels import _topk_block
+
+    x, w, b, _ = adversarial(6, bias, big=False, top=True)
+    wt, bt = torch.from_numpy(w), None if b is None else torch.from_numpy(b)
+    head = vs.pack(wt, bt)
+    s = exact_logits(x, w, b)
+    model = SimpleNamespace(logit_scale=None, logit_softcap=None)
+    for k in (1, 5):
+        _, _, done = vs.top_k(torch.from_numpy(x), wt, bt, k, head)
+        # the zero row's logits are the bias, or tie everywhere without one: then too many
+        # candidates, and topk.py's path takes it
+        assert done.tolist() == [i != 5 or bias for i in range(len(x))]
+        vals, ids = _topk_block(torch.from_numpy(x), wt, bt, k, torch.bfloat16, model)
+        want_v, want_i = topk.topk(torch.from_numpy(x), wt, bt, k, lowp=None, transform=None)
+        np.testing.assert_array_equal(ids.numpy(), want_i.numpy())
+        np.testing.assert_array_equal(vals.numpy(), want_v.numpy())
+        # against the exact logits: ties (the duplicate) lower id first, values within float32
+        order = np.lexsort((np.broadcast_to(np.arange(V), s.shape), -s), axis=-1)[:, :k]
+        mag = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+        sep = np.diff(-np.sort(-s, -1)[:, : k + 1], axis=-1).min(-1) < -1e-5 * mag.max(-1)
+        np.testing.assert_array_equal(ids.numpy()[sep], order[sep])
+        err = np.abs(vals.numpy() - np.take_along_axis(s, ids.numpy(), -1))
+        assert (err <= (D + 2) * 2.0**-23 * np.take_along_axis(mag, ids.numpy(), -1)
+                + 2.0**-23 * np.abs(vals.numpy())).all()
+        assert sep.sum() >= 4
