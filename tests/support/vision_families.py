@@ -26,10 +26,14 @@ SIZES: dict[str, Any] = dict(
     num_layers=2, max_position_embeddings=128, vision_feature_layer=-1,
     # DETR-style models' convolutional backbone from transformers, not timm's (not installed)
     use_timm_backbone=False, use_pretrained_backbone=False)
-# A text decoder's, besides (the vocabulary is the survey tokenizer's).
+# A text decoder's, besides (the vocabulary is the survey tokenizer's, whose special tokens
+# are 0; four layers, so that a hybrid's pattern of linear and full attention keeps one of
+# each).
 TEXT: dict[str, Any] = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
-                            shared_expert_intermediate_size=32, tie_word_embeddings=False)
+                            shared_expert_intermediate_size=32, tie_word_embeddings=False,
+                            pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                            num_hidden_layers=4)
 
 OVERRIDES: dict[str, dict[str, Any]] = {
     "bit": dict(num_groups=2, embedding_size=16),
@@ -116,14 +120,51 @@ def _sized(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
 
 def _resized(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
     """A sub-config's fields with `sizes` applied, less its per-layer lists (one entry a
-    layer of its default depth), which its constructor derives again for the new depth."""
+    layer of its default depth), which its constructor derives again for the new depth, its
+    per-layer settings keyed by layers past the new depth, and its multimodal rotary sections
+    scaled to the new head width."""
     have = config.to_dict()
     sized = _sized(config, sizes)
     depth = have.get("num_hidden_layers")
+    new_depth = sized.get("num_hidden_layers", depth)
     if "num_hidden_layers" in sized and isinstance(depth, int):
         have = {k: v for k, v in have.items()
                 if not (isinstance(v, list) and len(v) == depth and k not in sized)}
+        have = {k: ({i: c for i, c in v.items() if int(i) < new_depth}
+                    if isinstance(v, dict) and v and all(str(i).isdigit() for i in v) else v)
+                for k, v in have.items()}
+    head = sized.get("head_dim", have.get("head_dim"))
+    if not head and "num_attention_heads" in sized and "hidden_size" in sized:
+        head = sized["hidden_size"] // sized["num_attention_heads"]
+    for k, v in list(have.items()):
+        if isinstance(v, dict) and isinstance(v.get("mrope_section"), list) and head:
+            have[k] = {**v, "mrope_section": _sections(v["mrope_section"], int(head) // 2)}
+    rope = have.get("rope_parameters")
+    if (isinstance(rope, dict) and "mrope_section" not in rope and head
+            and _uses_mrope(config)):
+        # multimodal rotary sections that the model's code defaults for its full width
+        have["rope_parameters"] = {**rope, "mrope_section": _sections([2, 3, 3],
+                                                                      int(head) // 2)}
     return {**have, **sized}
+
+
+def _uses_mrope(config: Any) -> bool:
+    """Whether the config's model family splits rotary dimensions into sections (Qwen2-VL's
+    multimodal rotary embedding), read from its modeling code."""
+    import importlib
+    import inspect
+
+    module = type(config).__module__.replace(".configuration_", ".modeling_")
+    try:
+        return "mrope_section" in inspect.getsource(importlib.import_module(module))
+    except (ImportError, OSError, TypeError):
+        return False
+
+
+def _sections(parts: list[int], total: int) -> list[int]:
+    """`parts` scaled to sum to `total` (each at least 1), the last taking the rounding."""
+    scaled = [max(1, p * total // sum(parts)) for p in parts[:-1]]
+    return [*scaled, total - sum(scaled)]
 
 
 def config_for(model_type: str, *, vocab_size: int | None = None) -> Any:

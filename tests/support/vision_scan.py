@@ -25,6 +25,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -176,11 +177,14 @@ def scan(family: Family, work: Path) -> Outcome:
         try:
             with torch.no_grad():
                 model(**runs[0])
-        except Exception:
-            # A model that reads text with its image (ShieldGemma 2), or an image as tokens
-            # (ImageGPT's colour clusters): actdb is to refuse it in one sentence, which the
-            # ingest below says; otherwise the failure is the survey config's.
-            if family.kind == "multimodal" or "input_ids" not in reads:
+        except Exception as e:
+            # A model that reads text with its image (ShieldGemma 2, BLIP, IDEFICS), or an
+            # image as tokens (ImageGPT's colour clusters): actdb is to refuse it in one
+            # sentence, which the ingest below says; otherwise the failure is the survey
+            # config's.
+            needs_image = re.search(r"pixel|image|patches|encoder_outputs", str(e))
+            if (family.kind == "multimodal" and not needs_image) or (
+                    family.kind != "multimodal" and "input_ids" not in reads):
                 raise
         stage = "ingest"
         store = work / f"{family.model_type}.actdb"
