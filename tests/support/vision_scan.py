@@ -21,6 +21,7 @@ stage that failed.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import logging
@@ -55,6 +56,14 @@ class Outcome:
                 f"{self.detail}")
 
 
+@functools.cache
+def _tokenizer() -> Any:
+    """The text tokenizer of the multimodal families (a small BPE, trained once)."""
+    from support.tiny_models import build_family_tokenizer
+
+    return build_family_tokenizer("llama")
+
+
 class _Timeout(Exception):
     pass
 
@@ -66,9 +75,7 @@ def _alarm(*_: object) -> None:
 def _inputs(family: Family, size: int, work: Path) -> tuple[list[dict[str, Any]], Any, Any]:
     """(actdb inputs, processor, tokenizer) for the family's kind."""
     if family.kind == "multimodal":
-        from support.tiny_models import build_family_tokenizer
-
-        return [{"text": t} for t in TEXTS], None, build_family_tokenizer("llama")
+        return [{"text": t} for t in TEXTS], None, _tokenizer()
     if family.kind == "video":
         from transformers import VideoMAEImageProcessor
 
@@ -164,11 +171,7 @@ def scan(family: Family, work: Path) -> Outcome:
 
     stage = "build"
     try:
-        vocab = None
-        if family.kind == "multimodal":
-            from support.tiny_models import build_family_tokenizer
-
-            vocab = len(build_family_tokenizer("llama"))
+        vocab = len(_tokenizer()) if family.kind == "multimodal" else None
         model, size = build(family, vocab_size=vocab)
         inputs, processor, tokenizer = _inputs(family, size, work / family.model_type)
         runs = _model_inputs(family, inputs, processor, tokenizer, model)
