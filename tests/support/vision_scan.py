@@ -296,6 +296,7 @@ def main() -> None:
     import torch
 
     import actdb  # noqa: F401 - imported once, before the children are forked
+    import actdb.ingestion.process  # noqa: F401 - the ingest's modules too
 
     torch.set_num_threads(1)  # tiny models, and the machine is shared
     work = Path(tempfile.mkdtemp(prefix="actdb-vision-scan-"))
