@@ -7,10 +7,11 @@ anchor (the model's default anchor set: unit LM-head rows, or unit embedding row
 head), in both signs, since an SVD fixes a direction only up to its sign: a head "lands near a
 token" by its largest |cosine|. Per neuron, its output row W_out[n] against the anchor of the
 answer the lens section names (the model's top token at the last position, the most frequent
-over the prompts, the lowest token id among as frequent ones). Read from the stored arrays
-(store/layer_weights.py) and anchors (the query layer's, as `nearest_anchors` ranks them):
-a head writes +v_i or -v_i as its input's component along u_i is positive or negative, and
-`nearest_anchors(v, k)` ranks one sign only. A store without layer weights gets a sentence.
+over the prompts, the lowest token id among as frequent ones), through the view `neurons`.
+The heads are read from the stored arrays (store/layer_weights.py) and anchors (the query
+layer's, as `nearest_anchors` ranks them): a head writes +v_i or -v_i as its input's component
+along u_i is positive or negative, and `nearest_anchors(v, k)` over the view `circuits` ranks
+one sign only. A store without layer weights gets a sentence.
 """
 
 from __future__ import annotations
@@ -83,27 +84,20 @@ def read_heads(db: Any, model: str, ranks: int = RANKS) -> list[HeadReading]:
     return out
 
 
+NEURONS_SQL = """\
+SELECT layer, expert, neuron, cosine_to_anchor(w_out, $token) AS cosine
+FROM neurons WHERE model = $model AND cosine IS NOT NULL
+ORDER BY cosine DESC, layer, expert, neuron
+LIMIT $k"""
+
+
 def read_neurons(db: Any, model: str, token_id: int, k: int = NEURONS_SHOWN
                  ) -> pd.DataFrame:
     """The k neurons (any layer, expert) whose W_out row has the largest cosine with the
-    token's anchor: layer, expert, neuron, cosine."""
-    record, anchors, _ = _anchors(db, model)
-    store = db.source.store
-    manifest = read_manifest(store.arrays, record.model_id) or {}
-    anchor = anchors[token_id]
-    rows = []
-    for entry in manifest.get("layers", []):
-        for mlp in entry.get("mlp", []):
-            part = "mlp" if mlp.get("expert") is None else f"mlp.{mlp['expert']}"
-            w = store.arrays.weight(record.model_id, array_name(int(entry["layer"]), part,
-                                                                "W_out")).astype(np.float64)
-            norms = np.linalg.norm(w, axis=1)
-            cos = np.where(norms > 0, (w @ anchor) / np.where(norms > 0, norms, 1.0), np.nan)
-            for n in np.argsort(-np.nan_to_num(cos, nan=-2.0))[:k]:
-                rows.append((int(entry["layer"]), mlp.get("expert"), int(n), float(cos[n])))
-    df = pd.DataFrame(rows, columns=["layer", "expert", "neuron", "cosine"])
-    return df.sort_values(["cosine", "layer", "neuron"], ascending=[False, True, True]
-                          ).head(k).reset_index(drop=True)
+    token's anchor, through the view `neurons`: layer, expert, neuron, cosine."""
+    df: pd.DataFrame = db.sql(NEURONS_SQL, params={"model": model, "token": int(token_id),
+                                                   "k": k}).df()
+    return df
 
 
 def weight_reading(db: Any, model: str) -> Section:
@@ -156,9 +150,11 @@ def weight_reading(db: Any, model: str) -> Section:
         figure=_figure(df, model, neurons, answer), claim=claim, finding=finding,
         numbers=numbers,
         source=(f"The stored circuits (models/{record.model_id}/weights/{{layer}}/circuits/OV/"
-                "v and sigma) against the unit anchors nearest_anchors(v, 1) ranks, and each "
-                "MLP's W_out rows against the answer's anchor, the answer from:\n"
-                + ANSWER_SQL.replace("$model", f"'{model}'")),
+                "v and sigma) against the unit anchors nearest_anchors(v, 1) ranks, in both "
+                "signs; the answer, then the neurons pointing at it:\n"
+                + ANSWER_SQL.replace("$model", f"'{model}'") + ";\n"
+                + NEURONS_SQL.replace("$model", f"'{model}'").replace(
+                    "$token", str(answer_id)).replace("$k", str(NEURONS_SHOWN)) + ";"),
     )
 
 
