@@ -94,6 +94,7 @@ class Database:
         # every CLI query would open.
         self._parser = self.con.cursor()
         sandbox.lock(self._parser)
+        self._checked = plan.CheckedQueries()
         self._cluster: Any = None
         if cluster is not None:
             from .distributed import Cluster
@@ -151,7 +152,7 @@ class Database:
             raise QueryError(f"a query is a string of SQL, not {type(query).__name__}")
         seconds = check_seconds(timeout) if timeout is not None else self.timeout
         params = _bindable(params)
-        runnable, calls, tables = plan.check(query, self._parser, self._known)
+        runnable, calls, tables = self._checked.check(query, self._parser, self._known)
         try:
             # the tensor functions it calls and the view `acts`, on first use
             self._functions.register(calls, tables)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import difflib
 import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -70,6 +72,34 @@ def check(query: str, con: duckdb.DuckDBPyConnection, known: Callable[[], set[st
     for node in tree.find_all(exp.Anonymous):
         _check_call(node, known)
     return runnable, calls, tables
+
+
+class CheckedQueries:
+    """`check`'s answers for the last `size` queries a connection checked, by their text:
+    the answer is a function of the text alone (the parser cursor never sees the store, and
+    the names of known functions are read once a connection), so a query run again (a
+    selective query in a loop, with other parameters) skips the two parses. Refusals are not
+    kept: a refused query is checked afresh each time."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._done: OrderedDict[str, tuple[str, frozenset[str], frozenset[str]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, query: str, con: duckdb.DuckDBPyConnection, known: Callable[[], set[str]]
+              ) -> tuple[str, set[str], set[str]]:
+        with self._lock:
+            hit = self._done.get(query)
+            if hit is not None:
+                self._done.move_to_end(query)
+        if hit is None:
+            runnable, calls, tables = check(query, con, known)
+            hit = (runnable, frozenset(calls), frozenset(tables))
+            with self._lock:
+                self._done[query] = hit
+                while len(self._done) > self.size:
+                    self._done.popitem(last=False)
+        return hit[0], set(hit[1]), set(hit[2])
 
 
 def _too_deep() -> QueryError:
