@@ -9,6 +9,8 @@ from pathlib import Path
 
 from method import Ratio
 
+APART = Path(__file__).with_name("measured_apart.md")
+
 
 @dataclass(kw_only=True)
 class Result:
@@ -128,4 +130,8 @@ def write_report(path: Path, results: list[Result], mach: dict[str, str], *, com
         lines += [f"- {label}: {value}" for label, value in r.figures]
         if r.notes:
             lines += ["", *r.notes]
+    # The figures of scripts run apart from the suite, kept where this rewrite cannot lose them.
+    apart = (APART.read_text().split("-->", 1)[-1].strip() if APART.exists() else "")
+    if apart:
+        lines += ["", apart]
     path.write_text("\n".join(lines) + "\n")

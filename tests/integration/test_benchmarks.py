@@ -29,7 +29,8 @@ def test_tiny_benchmark_writes_every_workload(tmp_path: Path) -> None:
                   "torch matmul", "output_hidden_states", "hand-written hook cache", "peak RSS"):
         assert label in text
     # Every timed ratio is the median of its rounds, printed with their spread (lo..hi).
-    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ")][1:]
+    table = text.split("\n\n## ")[0]  # today's table, before the machine and the workloads
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ")][1:]
     timed = [(float(r[2]), r[3], r[4]) for r in rows if r[3] != "-"]
     assert len(timed) >= 15
     for median, spread, rounds in timed:
