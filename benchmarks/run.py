@@ -6,7 +6,7 @@ back to back in alternating order, with the spread printed (method.py). Writes B
 (or `--output`) with the machine described, its load, and the command.
 
     python benchmarks/run.py [--scale full|medium|tiny] [--output BENCHMARKS.md]
-                             [--workdir bench-data] [--only full-scan|ingest|start-up|memory]
+                             [--workdir bench-data] [--only full-scan,selective,...]
                              [--device cpu|cuda] [--keep-going]
 """
 
@@ -67,6 +67,21 @@ SCALES = {
 }
 
 
+# The workloads on the synthetic scan store, and those that ingest a model of their own.
+SCAN_WORKLOADS = ("full-scan", "selective", "nearest", "contention", "functions", "aggregates",
+                  "start-up", "memory", "storage")
+WORKLOADS = ("ingest", "recompute", "lens", "images", *SCAN_WORKLOADS)
+
+
+def _workloads(text: str) -> set[str]:
+    names = {w.strip() for w in text.split(",") if w.strip()}
+    unknown = sorted(names - set(WORKLOADS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown workloads {unknown}; they are "
+                                         f"{', '.join(WORKLOADS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scale", choices=sorted(SCALES), default="full")
@@ -74,12 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", type=Path, default=Path("bench-data"))
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
-    ap.add_argument("--only", choices=["full-scan", "ingest", "start-up", "memory", "images",
-                                       "recompute", "lens"],
-                    default=None, help="run only the full scan and its checksum cost, only the "
-                                       "ingest, only the start-up, only the memory workload, "
-                                       "only the image ingest, only the stored-vs-recompute "
-                                       "questions, or only the lens looked up (lens)")
+    ap.add_argument("--only", default=None, type=_workloads,
+                    help="a comma-separated list of the workloads to run, of "
+                         f"{', '.join(WORKLOADS)} (full-scan: the full scan and its checksum "
+                         "cost; recompute runs the lens looked up too); all by default")
     ap.add_argument("--device", default="cpu",
                     help="where queries, the ingest and the torch baselines run: cpu or cuda")
     ap.add_argument("--keep-going", action="store_true",
@@ -116,42 +129,46 @@ def main(argv: list[str] | None = None) -> None:
             results.append(r)
         report()
 
-    only = args.only
+    only: set[str] = args.only or set(WORKLOADS)
     try:
-        if only in (None, "ingest"):
+        if "ingest" in only:
             step("1. Ingest overhead",
                  lambda: ingest_cost.ingest_overhead(scale, work, repeats))
-        if only in (None, "recompute"):
+        if "recompute" in only:
             import stored_vs_recompute as svr
 
             ingested = svr.Ingested.build(scale, work)
             step("17. Stored vs recompute", lambda: svr.angle_query(ingested, repeats))
-        if only in (None, "recompute", "lens"):
+        if only & {"recompute", "lens"}:
             import lens_lookup
 
             lensed = lens_lookup.LensStore.build(scale, work)
             step("19. The lens looked up", lambda: lens_lookup.lens_lookup(lensed, repeats))
-        if only in (None, "images"):
+        if "images" in only:
             import images
 
             step("15. Image ingest", lambda: images.image_ingest(work, repeats, scale.name))
-        if only not in ("ingest", "images", "recompute", "lens"):
+        if only & set(SCAN_WORKLOADS):
             scan = ScanData.build(scale, work)
-            if only in (None, "full-scan"):
+            if "full-scan" in only:
                 step("2. Full scan", lambda: scans.full_scan(scan, repeats))
                 step("7. Checksum cost", lambda: scans.checksum_cost(scan, repeats))
-            if only is None:
+            if "selective" in only:
                 step("3. Selective query", lambda: scans.selective(scan, repeats))
+            if "nearest" in only:
                 step("4. Nearest anchors", lambda: nearest.nearest(scan, repeats))
+            if "contention" in only:
                 step("8. Full scan under contention", lambda: scans.contention(scan, repeats))
+            if "functions" in only:
                 step("12. Other functions",
                      lambda: scan_functions.function_scans(scan, repeats))
+            if "aggregates" in only:
                 step("13. Vector aggregates", lambda: scan_functions.aggregates(scan, repeats))
-            if only in (None, "start-up"):
+            if "start-up" in only:
                 step("9. Start-up", lambda: footprint.start_up(scan, repeats))
-            if only in (None, "memory"):
+            if "memory" in only:
                 step("6. Memory", lambda: footprint.memory(scan))
-            if only is None:
+            if "storage" in only:
                 step("5. Storage", lambda: footprint.storage(scan))
     finally:
         if not args.keep:
