@@ -244,7 +244,9 @@ def register(
         check_same_weights(st, existing, loaded, found, stored)
         if contrastive:
             _check_same_labels(st, existing, zero_shot, known)
-        return Registration(record=existing, token_str=known)
+        # a model stored without a vocabulary (no tokenizer, no labels) has none to read, as
+        # `write` leaves a new one's
+        return Registration(record=existing, token_str=known or [None])
     model = loaded.model
     embed, lm_head, lm_bias, tied = _weights(model)
     projection = None

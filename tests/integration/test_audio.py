@@ -263,6 +263,14 @@ def test_a_wav2vec2_encoders_rows_are_its_frames(tmp_path: Path) -> None:
                  inputs=[{"audio": (s, RATE)} for s in sounds])
     seen, _ = _hooked(model, dict(fe(sounds, sampling_rate=RATE, return_tensors="pt")))
     _same_as_hooked(store, "w2v", seen)
+    # a later ingest into the store (a model without a tokenizer: an empty vocabulary) adds
+    # its new sound
+    sounds.append(_noisy(RATE, 700.0, 0.25))
+    more = actdb.ingest(store, model=model, processor=fe, name="w2v", device="cpu",
+                        weights="none", inputs=[{"audio": (s, RATE)} for s in sounds])
+    assert (more.prompts_new, more.prompts_skipped) == (1, 2)
+    seen, _ = _hooked(model, dict(fe(sounds, sampling_rate=RATE, return_tensors="pt")))
+    _same_as_hooked(store, "w2v", seen)
     with pytest.raises(actdb.errors.IngestError, match="give sounds of one length"):
         actdb.ingest(store, model=model, processor=fe, name="w2v", device="cpu",
                      weights="none", inputs=[{"audio": (_noisy(RATE, 300.0, 0.3), RATE)},
