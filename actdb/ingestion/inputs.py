@@ -83,7 +83,12 @@ def check_inputs(prompts: Sequence[Prompt], model: nn.Module, name: str) -> None
     """Refuse, in one sentence, inputs of a kind the model does not read, and media files
     that are not there: before anything is stored."""
     kinds = takes(model)
-    reads = ", ".join(sorted(kinds)) or "no input actdb knows"
+    if not kinds:  # Pix2Struct reads flattened patches, a Perceiver autoencoder its `inputs`
+        known = sorted({n for names in _TAKES.values() for n in names})
+        raise IngestError(
+            f"model {name!r} reads no input actdb knows ({type(model).__name__}'s forward has "
+            f"none of the arguments {', '.join(known)})")
+    reads = ", ".join(sorted(kinds))
     for i, p in enumerate(prompts):
         given = set(p.media.fields()) if p.media else set()
         if p.text:
