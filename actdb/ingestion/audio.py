@@ -54,10 +54,15 @@ def load_audio(media: Media, rate: int) -> np.ndarray:
         data = data.mean(axis=1)
     if data.ndim != 1 or data.size == 0:
         raise IngestError(f"audio {where!r} holds no samples")
-    return resample(data, int(given), rate).astype(np.float32)
+    return resample(data, int(given), rate, where=str(where)).astype(np.float32)
 
 
-def resample(data: np.ndarray, given: int, rate: int) -> np.ndarray:
+# The most samples a sound may have after resampling: 2^28 float32 (1 GiB, hours of sound at a
+# feature extractor's rate); past it a sound is a damaged header, not speech.
+MAX_SAMPLES = 1 << 28
+
+
+def resample(data: np.ndarray, given: int, rate: int, *, where: str = "a sound") -> np.ndarray:
     """`data` at `given` samples a second, at `rate`: polyphase filtering (module docstring)."""
     if given == rate:
         return data
@@ -67,6 +72,13 @@ def resample(data: np.ndarray, given: int, rate: int) -> np.ndarray:
         raise IngestError(f"resampling a sound from {given} Hz to {rate} Hz needs the scipy "
                           "package: pip install 'actdb[audio]'") from None
 
+    if given <= 0:
+        raise IngestError(f"audio {where!r}'s sample rate is {given} Hz, which no sound has")
+    if data.size * rate / given > MAX_SAMPLES:  # a damaged header's tiny rate
+        raise IngestError(f"audio {where!r}: {data.size} samples at {given} Hz would be "
+                          f"{data.size * rate // given} samples at {rate} Hz, more than the "
+                          f"{MAX_SAMPLES} actdb reads (about {MAX_SAMPLES // rate // 3600} hours): "
+                          "is its sample rate right?")
     g = math.gcd(given, rate)
     return np.asarray(resample_poly(data, rate // g, given // g))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,15 +143,24 @@ def load_image(media: Media) -> Any:
                           f"({type(e).__name__}: {_first_line(e)})") from None
 
 
+def natural_key(path: Path) -> tuple[tuple[int, int | str], ...]:
+    """A file name's sort key with its runs of digits as numbers: frames named f1 .. f10
+    without zero padding keep their order (a string sort puts f10 before f2)."""
+    return tuple((0, int(part)) if part.isdigit() else (1, part)
+                 for part in re.split(r"(\d+)", path.name) if part)
+
+
 def load_video(media: Media) -> list[Any]:
-    """The input's video as a list of RGB frames (numpy [H, W, 3]): a folder's image files
-    sorted by name, or a video file decoded by PyAV."""
+    """The input's video as a list of RGB frames (numpy [H, W, 3]): a folder's image files in
+    natural order (numbers in names compared as numbers: f2 before f10), or a video file
+    decoded by PyAV."""
     import numpy as np
 
     assert media.video is not None
     path = resolve(media, media.video)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        files = sorted((p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES),
+                       key=natural_key)
         if not files:
             raise IngestError(f"video folder {media.video!r} holds no image files")
         return [np.asarray(load_image(Media(image=str(f)))) for f in files]

@@ -27,3 +27,12 @@ def test_channels_first_is_refused_in_one_sentence() -> None:
     # the same sound laid out [samples, channels] is its channels' mean (the reference)
     got = load_audio(_pair(stereo.T.copy()), RATE)
     np.testing.assert_allclose(got, stereo.mean(0), atol=1e-7)
+
+
+@pytest.mark.parametrize("rate", [1, 0])
+def test_a_rate_no_sound_has_is_one_sentence_not_gigabytes(rate: int) -> None:
+    """A damaged header's rate of 1 Hz would resample 100k samples to 1.6e9 (6 GB)."""
+    media = Media(audio="bad.wav", objects={"audio": (np.zeros(100_000, np.float32), rate)})
+    with pytest.raises(IngestError, match="bad.wav") as e:
+        load_audio(media, RATE)
+    assert "\n" not in str(e.value)
