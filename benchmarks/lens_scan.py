@@ -1,4 +1,4 @@
-"""Workload 20, the logit lens without a materialized lens: the rank of the model's final
+"""Workload 21, the logit lens without a materialized lens: the rank of the model's final
 prediction at every pre-attention site (`token_rank` against `top_logits` of the final site)
 and the lens picture (`actdb.plot.lens_data`: `top_logits` and `prob`), on a store ingested
 from the GPT-2-small-shaped model (random weights, seed 0, vocabulary 50257 x 768). actdb's
@@ -89,7 +89,7 @@ def lens_scan(work: Path, tokens: int, rounds: int) -> Result:
     db.close()
 
     res = Result(
-        title="20. Logit lens, computed (no materialized lens)",
+        title="21. Logit lens, computed (no materialized lens)",
         what=(f"`{' '.join(RANK_SQL.split())}` over {n_rank:,} pre-attention rows "
               f"({scale.prompts} prompts x 128 tokens x 12 layers) of a store ingested from the "
               "GPT-2-small-shaped model (random weights, vocabulary 50257 x 768), and the lens "
