@@ -25,11 +25,13 @@ MLP = re.compile(r"^(mlp|feed_forward|ffn|intermediate|feedforward|block_sparse_
 def is_norm_module(module: nn.Module) -> bool:
     """An nn.LayerNorm, or a module named like a norm that holds no layers of a block (Wav2Vec2
     names its encoder and its blocks for their layout: Wav2Vec2EncoderStableLayerNorm,
-    Wav2Vec2EncoderLayerStableLayerNorm, which hold attention and projections)."""
+    Wav2Vec2EncoderLayerStableLayerNorm, which hold attention and projections). The norm's own
+    weight is no projection's, even as a matrix (Cohere's per-head q_norm: [heads, d_head])."""
     name = type(module).__name__
     return isinstance(module, nn.LayerNorm) or (
         name.endswith(("RMSNorm", "LayerNorm"))
-        and not any(isinstance(m, nn.ModuleList) or is_projection(m) for m in module.modules()))
+        and not any(isinstance(m, nn.ModuleList) or is_projection(m)
+                    for m in module.modules() if m is not module))
 
 
 def is_projection(module: nn.Module) -> bool:
