@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import pytest
@@ -80,16 +81,21 @@ def test_a_tensor_function_in_flight_stops(store: Path, monkeypatch: pytest.Monk
     """One UDF call made slow inside (a vocabulary-wide block a row, each taking 20 ms: about
     12 s for the store's rows in one call), where DuckDB's interrupt cannot reach: the check
     between blocks stops it near the limit."""
-    to_logits = lens._to_logits
+    to_logits, lse = lens._to_logits, lens.vocab_scan.lse
 
     def slow(model: object, scores: object) -> object:
         time.sleep(0.02)
         return to_logits(model, scores)
 
+    def slow_lse(*args: Any, **kwargs: Any) -> Any:  # the bfloat16 kernel's path, where usable
+        time.sleep(0.02)
+        return lse(*args, **kwargs)
+
     with actdb.connect(store, device="cpu") as db:
         db.sql(REFERENCE).fetchall()
         monkeypatch.setattr(lens, "_BLOCK", 1)
         monkeypatch.setattr(lens, "_to_logits", slow)
+        monkeypatch.setattr(lens.vocab_scan, "lse", slow_lse)
         err, took = _stopped(lambda: db.sql("SELECT entropy(vec) FROM acts",
                                             timeout=LIMIT).fetchall())
         assert "time limit" in str(err)
