@@ -27,7 +27,7 @@ from .data import (
     store_models,
 )
 from .report_vision import VISION_SECTIONS, is_image_lens
-from .section import TOP_DIMS, Section, lens_roles, stays_from
+from .section import TOP_DIMS, Section, answer_dims_sql, lens_roles, stays_from
 from .weight_reading import weight_reading
 
 # An eigenvalue "vanishes" when it is this many times below the layer's median eigenvalue.
@@ -182,22 +182,7 @@ def _emergence(db: Any, model: str) -> Section:
     )
 
 
-DIMS_SQL = """\
-WITH answer AS (
-    SELECT a.prompt_id, a.vec, top_logits(a.vec, 1)[1].token_id AS token_id, s.d
-    FROM acts a JOIN sites s ON s.model = a.model AND s.site = a.site
-    WHERE a.model = $model AND a.position_from_end = 0
-      AND a.site = (SELECT final_site FROM models WHERE model = $model)
-), parts AS (
-    SELECT dim, logit_contribution(vec, dim, token_id) AS c
-    FROM (SELECT vec, token_id, unnest(range(d)) AS dim FROM answer)
-)
-SELECT dim, avg(c) AS mean_contribution, avg(abs(c)) AS mean_abs,
-       sum(avg(abs(c))) OVER () AS total_abs, count(*) OVER () AS n_dims
-FROM parts
-GROUP BY dim
-ORDER BY mean_abs DESC, dim
-LIMIT $k"""
+DIMS_SQL = answer_dims_sql("a.position_from_end = 0")
 
 
 def _dims(db: Any, model: str) -> Section:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .data import is_missing, model_row
-from .section import TOP_DIMS, Section, lens_roles, stays_from
+from .section import TOP_DIMS, Section, answer_dims_sql, lens_roles, stays_from
 
 # The rows an image model's head reads: its class token, or the final norm's pooled row.
 HEAD_ROWS = "('<cls>', '<pooled>')"
@@ -35,22 +35,7 @@ FROM ranked
 GROUP BY layer, site
 ORDER BY layer, site"""
 
-CLASS_DIMS_SQL = f"""\
-WITH answer AS (
-    SELECT a.prompt_id, a.vec, top_logits(a.vec, 1)[1].token_id AS token_id, s.d
-    FROM acts a JOIN sites s ON s.model = a.model AND s.site = a.site
-    WHERE a.model = $model AND a.token IN {HEAD_ROWS}
-      AND a.site = (SELECT final_site FROM models WHERE model = $model)
-), parts AS (
-    SELECT dim, logit_contribution(vec, dim, token_id) AS c
-    FROM (SELECT vec, token_id, unnest(range(d)) AS dim FROM answer)
-)
-SELECT dim, avg(c) AS mean_contribution, avg(abs(c)) AS mean_abs,
-       sum(avg(abs(c))) OVER () AS total_abs, count(*) OVER () AS n_dims
-FROM parts
-GROUP BY dim
-ORDER BY mean_abs DESC, dim
-LIMIT $k"""
+CLASS_DIMS_SQL = answer_dims_sql(f"a.token IN {HEAD_ROWS}")
 
 _VILAS = ("Projecting a vision transformer's tokens onto its classifier's class embeddings "
           "(Vilas et al., 2023)")

@@ -49,3 +49,24 @@ def stays_from(layers: list[int], shares: list[float], at_least: float = 0.5) ->
             break
         stays = int(layer)
     return stays
+
+
+def answer_dims_sql(rows: str) -> str:
+    """The dims that push the final site's top token most, on average over the `rows` (a SQL
+    condition on `acts a`: the position each input's head reads)."""
+    return f"""\
+WITH answer AS (
+    SELECT a.prompt_id, a.vec, top_logits(a.vec, 1)[1].token_id AS token_id, s.d
+    FROM acts a JOIN sites s ON s.model = a.model AND s.site = a.site
+    WHERE a.model = $model AND {rows}
+      AND a.site = (SELECT final_site FROM models WHERE model = $model)
+), parts AS (
+    SELECT dim, logit_contribution(vec, dim, token_id) AS c
+    FROM (SELECT vec, token_id, unnest(range(d)) AS dim FROM answer)
+)
+SELECT dim, avg(c) AS mean_contribution, avg(abs(c)) AS mean_abs,
+       sum(avg(abs(c))) OVER () AS total_abs, count(*) OVER () AS n_dims
+FROM parts
+GROUP BY dim
+ORDER BY mean_abs DESC, dim
+LIMIT $k"""
