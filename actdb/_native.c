@@ -130,168 +130,8 @@ static void dots_avx2(const uint16_t *x, const float *v, float *out, Py_ssize_t 
 #endif
 
 
-/* -- CRC-32C (Castagnoli), as Zarr's crc32c codec and the crc32c package compute it ----------
+#include "_native_crc.c" /* crc32c: the CRC-32C on the fastest path this CPU has */
 
-   With SSE4.2, three streams of the crc32 instruction over three consecutive blocks, joined by
-   shifting the earlier streams' CRCs over the later blocks' lengths (a linear map over GF(2),
-   tabulated at import); without it, a table a byte. The method is Mark Adler's (crc32c.c,
-   zlib licence). tests/unit/test_native.py checks both paths against the crc32c package. */
-
-#define CRC_POLY 0x82f63b78u
-#define CRC_LONG 8192
-#define CRC_SHORT 256
-
-static uint32_t crc_table[256];
-static uint32_t crc_long[4][256], crc_short[4][256];
-static int crc_hw = 0;
-
-static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
-    uint32_t sum = 0;
-    while (vec) {
-        if (vec & 1) {
-            sum ^= *mat;
-        }
-        vec >>= 1;
-        mat++;
-    }
-    return sum;
-}
-
-static void gf2_square(uint32_t *square, const uint32_t *mat) {
-    for (int n = 0; n < 32; n++) {
-        square[n] = gf2_times(mat, mat[n]);
-    }
-}
-
-/* The operator that appends `len` zero bytes to a CRC (len a power of two at least 1). */
-static void crc_zeros_op(uint32_t *even, size_t len) {
-    uint32_t odd[32];
-    uint32_t row = 1;
-    odd[0] = CRC_POLY; /* one zero bit */
-    for (int n = 1; n < 32; n++) {
-        odd[n] = row;
-        row <<= 1;
-    }
-    gf2_square(even, odd); /* two zero bits */
-    gf2_square(odd, even); /* four zero bits */
-    /* odd: one zero byte's operator minus one squaring; square until len is consumed */
-    do {
-        gf2_square(even, odd);
-        len >>= 1;
-        if (len == 0) {
-            return;
-        }
-        gf2_square(odd, even);
-        len >>= 1;
-    } while (len);
-    memcpy(even, odd, sizeof odd);
-}
-
-static void crc_zeros(uint32_t zeros[4][256], size_t len) {
-    uint32_t op[32];
-    crc_zeros_op(op, len);
-    for (uint32_t n = 0; n < 256; n++) {
-        zeros[0][n] = gf2_times(op, n);
-        zeros[1][n] = gf2_times(op, n << 8);
-        zeros[2][n] = gf2_times(op, n << 16);
-        zeros[3][n] = gf2_times(op, n << 24);
-    }
-}
-
-static uint32_t crc_shift(uint32_t zeros[4][256], uint32_t crc) {
-    return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^ zeros[2][(crc >> 16) & 0xff] ^
-           zeros[3][crc >> 24];
-}
-
-static void crc_init(void) {
-    for (uint32_t n = 0; n < 256; n++) {
-        uint32_t c = n;
-        for (int k = 0; k < 8; k++) {
-            c = c & 1 ? (c >> 1) ^ CRC_POLY : c >> 1;
-        }
-        crc_table[n] = c;
-    }
-    crc_zeros(crc_long, CRC_LONG);
-    crc_zeros(crc_short, CRC_SHORT);
-}
-
-static uint32_t crc32c_portable(const unsigned char *p, size_t len) {
-    uint32_t crc = 0xffffffffu;
-    while (len--) {
-        crc = crc_table[(crc ^ *p++) & 0xff] ^ (crc >> 8);
-    }
-    return crc ^ 0xffffffffu;
-}
-
-#ifdef ACTDB_X86
-__attribute__((target("sse4.2")))
-static uint32_t crc32c_sse42(const unsigned char *next, size_t len) {
-    uint64_t crc0 = 0xffffffffu, crc1, crc2;
-    uint64_t word;
-    while (len && ((uintptr_t)next & 7) != 0) {
-        crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
-        len--;
-    }
-    for (size_t block = CRC_LONG; block >= CRC_SHORT; block = CRC_SHORT) {
-        uint32_t (*zeros)[256] = block == CRC_LONG ? crc_long : crc_short;
-        while (len >= 3 * block) {
-            const unsigned char *end = next + block;
-            crc1 = 0;
-            crc2 = 0;
-            do {
-                memcpy(&word, next, 8);
-                crc0 = _mm_crc32_u64(crc0, word);
-                memcpy(&word, next + block, 8);
-                crc1 = _mm_crc32_u64(crc1, word);
-                memcpy(&word, next + 2 * block, 8);
-                crc2 = _mm_crc32_u64(crc2, word);
-                next += 8;
-            } while (next < end);
-            crc0 = crc_shift(zeros, (uint32_t)crc0) ^ crc1;
-            crc0 = crc_shift(zeros, (uint32_t)crc0) ^ crc2;
-            next += 2 * block;
-            len -= 3 * block;
-        }
-        if (block == CRC_SHORT) {
-            break;
-        }
-    }
-    while (len >= 8) {
-        memcpy(&word, next, 8);
-        crc0 = _mm_crc32_u64(crc0, word);
-        next += 8;
-        len -= 8;
-    }
-    while (len) {
-        crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
-        len--;
-    }
-    return (uint32_t)crc0 ^ 0xffffffffu;
-}
-#endif
-
-static uint32_t crc32c_of(const unsigned char *p, size_t len, int portable) {
-#ifdef ACTDB_X86
-    if (crc_hw && !portable) {
-        return crc32c_sse42(p, len);
-    }
-#endif
-    return crc32c_portable(p, len);
-}
-
-static PyObject *py_crc32c(PyObject *self, PyObject *args) {
-    Py_buffer b;
-    int portable = 0;
-    if (!PyArg_ParseTuple(args, "y*|p", &b, &portable)) {
-        return NULL;
-    }
-    uint32_t crc;
-    Py_BEGIN_ALLOW_THREADS
-    crc = crc32c_of((const unsigned char *)b.buf, (size_t)b.len, portable);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&b);
-    return PyLong_FromUnsignedLong(crc);
-}
 
 /* -- reading a run of chunk files -----------------------------------------------------------
 
@@ -432,7 +272,7 @@ static PyObject *py_read_chunks(PyObject *self, PyObject *args) {
             if (stored_out != NULL) {
                 stored_out[i] = stored;
             }
-            if (check && crc32c_of(data, (size_t)nbytes, 0) != stored) {
+            if (check && crc32c_of(data, (size_t)nbytes) != stored) {
                 got[i] = -1;
                 stop = i + 1;
                 break;
@@ -1144,7 +984,8 @@ static PyMethodDef methods[] = {
      "C-contiguous, v float32 [d], out float32 [n]; each row reduced on its own in a fixed "
      "order; the GIL released. portable=True runs the plain C path (tests)."},
     {"crc32c", py_crc32c, METH_VARARGS,
-     "crc32c(data, portable=False): the CRC-32C of a buffer's bytes, the GIL released."},
+     "crc32c(data, path=None): the CRC-32C of a buffer's bytes, the GIL released; on the "
+     "fastest path this CPU has (CRC_PATH), or on `path`, one of CRC_PATHS (tests)."},
     {"read_chunks", py_read_chunks, METH_VARARGS,
      "read_chunks(paths, buf, nbytes, crc, check[, crcs]): a run of chunk files read into `buf`, "
      "their sizes (None: missing; -1: right size, wrong CRC-32C) in a list."},
@@ -1166,7 +1007,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     crc_init();
 #ifdef ACTDB_X86
     __builtin_cpu_init();
-    crc_hw = __builtin_cpu_supports("sse4.2");
     /* all three checked: a virtual machine may hide F16C while showing AVX2 and FMA */
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c")) {
@@ -1177,8 +1017,7 @@ PyMODINIT_FUNC PyInit__native(void) {
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddStringConstant(m, "PATH", chosen_name) < 0 ||
-                      PyModule_AddStringConstant(m, "CRC_PATH", crc_hw ? "sse4.2" : "portable")
-                          < 0)) {
+                      crc_add_constants(m) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

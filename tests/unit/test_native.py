@@ -83,16 +83,42 @@ def test_f16_dots_refuse_wrong_shapes() -> None:
         _native.f16_dots(x[:, ::2], np.zeros(4, np.float32), np.empty(4, np.float32))
 
 
-def test_crc32c_matches_the_crc32c_package() -> None:
+def _crc32c_bitwise(data: bytes) -> int:
+    """CRC-32C one bit at a time, from the polynomial alone (reflected 0x82F63B78)."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_crc32c_paths() -> None:
+    """Every path this CPU has (portable, sse4.2, avx512) against the crc32c package over
+    lengths around each path's block sizes (the AVX-512 path's 64 and 256 bytes, the SSE4.2
+    path's 3 x 256 and 3 x 8192) at unaligned starts, and against a bitwise reference."""
+    paths = _native.CRC_PATHS
+    assert paths[0] == "portable" and paths[-1] == _native.CRC_PATH
+    for path in paths:
+        assert _native.crc32c(b"123456789", path) == 0xE3069283  # the standard check value
     rng = np.random.default_rng(1)
-    for n in (0, 1, 7, 8, 9, 255, 256, 767, 768, 769, 3 * 256, 3 * 8192 - 1, 3 * 8192,
-              3 * 8192 + 5, 196_608, 196_611, 1 << 20):
-        data = rng.integers(0, 256, n + 3, dtype=np.uint8)
-        for offset in (0, 1, 3):  # unaligned starts take the byte-wise head
+    lengths = [0, 1, 7, 8, 9, 63, 64, 65, 255, 256, 257, 319, 320, 511, 512, 575, 767, 768,
+               769, 1000, 4097, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 5, 196_608, 196_611,
+               (1 << 20) + 13]
+    lengths += rng.integers(256, 4096, 12).tolist()  # odd lengths past the folding minimum
+    for n in lengths:
+        data = rng.integers(0, 256, n + 64, dtype=np.uint8)
+        for offset in (0, 1, 3, 37):  # unaligned starts
             part = data[offset : offset + n]
             expected = crc32c.crc32c(part.tobytes())
-            assert _native.crc32c(part) == expected, (n, offset)
-            assert _native.crc32c(part, True) == expected, (n, offset)
+            for path in paths:
+                assert _native.crc32c(part, path) == expected, (path, n, offset)
+            assert _native.crc32c(part) == expected
+    for n in (5, 300, 777):
+        part = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert {_native.crc32c(part, path) for path in paths} == {_crc32c_bitwise(part)}
+    with pytest.raises(ValueError, match="no path 'sse9' on this CPU"):
+        _native.crc32c(b"", "sse9")
 
 
 def _layout(folder: Path, *, crc: bool, chunks_n: int = 5) -> tuple[RawLayout, np.ndarray]:
