@@ -68,6 +68,45 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "perceiver": dict(num_latents=16, d_latents=32, d_model=32, num_self_attends_per_block=2,
                       num_self_attention_heads=2, num_cross_attention_heads=1,
                       image_size=IMAGE),
+    # Multimodal families whose validators tie their towers' sizes together. Token ids a
+    # model replaces with image or audio features are the survey tokenizer's last (ids the
+    # survey's texts never read); a dict for a sub-config amends its sized fields.
+    "apertus1p5": dict(
+        image_token_id=396, audio_token_id=397, image_token_offset=200, audio_token_offset=300,
+        vision_config=dict(codebook_size=100, base_channels=32, latent_channels=32,
+                           channel_multiplier=[1, 1], num_res_blocks=1, attn_resolutions=[],
+                           resolution=IMAGE),
+        audio_config=dict(codebook_size=100, codebook_dim=32, decoder_hidden_size=32,
+                          decoder_intermediate_size=64, decoder_num_layers=1,
+                          decoder_attention_num_groups=4, upsampling_ratios=[2, 2],
+                          num_filters=8)),
+    # rotary parameters per layer type, none by default (which its rotary embedding indexes)
+    "cohere_compass": dict(text_config=dict(
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        rope_parameters={t: dict(rope_type="default", rope_theta=10000.0,
+                                 mrope_section=[2, 3, 3])
+                         for t in ("sliding_attention", "full_attention")})),
+    # latent (MLA) attention, indexed and sliding, its sliding layers' widths per layer; a
+    # vision tower of dense then expert MLPs; adapters to the text width
+    "dots3_note": dict(
+        text_config=dict(
+            q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, head_dim=16, index_head_dim=16, index_n_heads=2, index_topk=8,
+            shared_experts_intermediate_size=32, sliding_window=8,
+            layer_types=["indexed_attention"] * 2 + ["sliding_attention"] * 2,
+            per_layer_config={i: dict(num_attention_heads=2, num_key_value_heads=2,
+                                      q_lora_rank=16, kv_lora_rank=16, head_dim=16,
+                                      qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)
+                              for i in (2, 3)},
+            rope_parameters={t: dict(rope_type="default", rope_theta=10000.0)
+                             for t in ("indexed_attention", "sliding_attention")}),
+        vision_config=dict(adapter_in_dim=32, adapter_out_dim=32, moe_intermediate_size=32,
+                           num_local_experts=4, mlp_layer_types=["dense", "sparse"],
+                           per_layer_config={1: dict(num_local_experts=4,
+                                                     num_experts_per_tok=2)}),
+        audio_config=dict(adapter_input_size=32, adapter_out_dim=32, downsample_hidden_size=16,
+                          feature_size=16),
+        image_token_id=396, video_token_id=397, audio_token_id=398),
 }
 
 
@@ -140,7 +179,7 @@ def _resized(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
         if isinstance(v, dict) and isinstance(v.get("mrope_section"), list) and head:
             have[k] = {**v, "mrope_section": _sections(v["mrope_section"], int(head) // 2)}
     rope = have.get("rope_parameters")
-    if (isinstance(rope, dict) and "mrope_section" not in rope and head
+    if (isinstance(rope, dict) and rope and "mrope_section" not in rope and head
             and _uses_mrope(config)):
         # multimodal rotary sections that the model's code defaults for its full width
         have["rope_parameters"] = {**rope, "mrope_section": _sections([2, 3, 3],
@@ -183,7 +222,10 @@ def config_for(model_type: str, *, vocab_size: int | None = None) -> Any:
         kwargs[name] = _resized(sub, sizes)
     if vocab_size is not None and "vocab_size" in default.to_dict():
         kwargs.update(_sized(default, {**TEXT, "vocab_size": vocab_size}))
-    kwargs.update(OVERRIDES.get(model_type, {}))
+    for name, value in OVERRIDES.get(model_type, {}).items():
+        # a dict for a sub-config amends its sized fields; anything else replaces the field
+        kwargs[name] = ({**kwargs[name], **value} if isinstance(value, dict)
+                        and isinstance(kwargs.get(name), dict) else value)
     config = AutoConfig.for_model(model_type, **kwargs)
     if config.architectures is None:  # auto classes iterate it where a type has several
         config.architectures = []
