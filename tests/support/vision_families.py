@@ -35,6 +35,10 @@ TEXT: dict[str, Any] = dict(num_experts=4, num_local_experts=4, num_experts_per_
                             pad_token_id=0, bos_token_id=0, eos_token_id=0,
                             num_hidden_layers=4)
 
+INKLING: dict[str, Any] = dict(
+    unpadded_vocab_size=400, swa_num_attention_heads=2, swa_num_key_value_heads=2,
+    swa_head_dim=16, n_layers_per_attn_res_block=2, layer_types=["hybrid_sliding", "hybrid"] * 2)
+
 OVERRIDES: dict[str, dict[str, Any]] = {
     "bit": dict(num_groups=2, embedding_size=16),
     # its stage s reads drop-path rate s of a list as long as its depth: depth[s] > s
@@ -107,6 +111,21 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         audio_config=dict(adapter_input_size=32, adapter_out_dim=32, downsample_hidden_size=16,
                           feature_size=16),
         image_token_id=396, video_token_id=397, audio_token_id=398),
+    "fun_asr_nano": dict(adaptor_config=dict(intermediate_size=8)),  # a quarter of the text width
+    "granite_docling": dict(vision_config=dict(out_hidden_size=32)),  # the text width
+    # latent (MLA) attention whose rotary slice is the head width the rotary sections fill
+    "hy_v4_vl": dict(text_config=dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                                      qk_rope_head_dim=16, v_head_dim=16, index_head_dim=16,
+                                      index_n_heads=2, index_topk=8),
+                     vision_config=dict(out_hidden_size=32, max_image_size=64)),
+    # the vision projection to the text width; sliding and full layers alternating, in
+    # attention-residual blocks of two; the loop's middle two layers run twice
+    "inkling2": dict(vision_config=dict(text_hidden_size=32, projection_hidden_dim=64),
+                     text_config=dict(INKLING)),
+    "inkling2_loop": dict(vision_config=dict(text_hidden_size=32, projection_hidden_dim=64),
+                          text_config=dict(INKLING, loop_layer_index_start=2,
+                                           loop_layer_index_end=4, loop_num_passes=2,
+                                           loop_gate_rank=8)),
 }
 
 
