@@ -126,6 +126,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                           text_config=dict(INKLING, loop_layer_index_start=2,
                                            loop_layer_index_end=4, loop_num_passes=2,
                                            loop_gate_rank=8)),
+    "molmo2": dict(adapter_config=dict(vision_feature_layer=[-1, -2])),  # of two layers
+    # an audio encoder's patch size per layer, its output at the text width; the vision
+    # adapter reads 2 x 2 merged patches
+    "muse_spark": dict(audio_config=dict(patch_sizes=[4, 4], out_hidden_size=32),
+                       text_config=dict(moe_hidden_size=32), out_hidden_size=4 * 32,
+                       projector_hidden_size=64),
 }
 
 
