@@ -39,6 +39,10 @@ INKLING: dict[str, Any] = dict(
     unpadded_vocab_size=400, swa_num_attention_heads=2, swa_num_key_value_heads=2,
     swa_head_dim=16, n_layers_per_attn_res_block=2, layer_types=["hybrid_sliding", "hybrid"] * 2)
 
+# A speech encoder nested a level down, which the common sizes do not reach.
+SPEECH: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=2, num_mel_bins=16)
+
 OVERRIDES: dict[str, dict[str, Any]] = {
     "bit": dict(num_groups=2, embedding_size=16),
     # its stage s reads drop-path rate s of a list as long as its depth: depth[s] > s
@@ -132,6 +136,17 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "muse_spark": dict(audio_config=dict(patch_sizes=[4, 4], out_hidden_size=32),
                        text_config=dict(moe_hidden_size=32), out_hidden_size=4 * 32,
                        projector_hidden_size=64),
+    # a word timestamp head's blank class, its last
+    "nemo_speechlm": dict(
+        word_timestamp_config=dict(blank_token_id=399),
+        # a hybrid text decoder (Mamba, attention, experts) whose pattern names its layers
+        text_config=dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
+                         mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=16,
+                         chunk_size=16, moe_shared_expert_intermediate_size=32),
+        audio_config=dict(asr_config=dict(SPEECH),
+                          diarization_config=dict(audio_config=dict(SPEECH),
+                                                  head_config=dict(audio_hidden_size=32,
+                                                                   hidden_size=16)))),
 }
 
 
@@ -247,14 +262,24 @@ def config_for(model_type: str, *, vocab_size: int | None = None) -> Any:
         kwargs[name] = _resized(sub, sizes)
     if vocab_size is not None and "vocab_size" in default.to_dict():
         kwargs.update(_sized(default, {**TEXT, "vocab_size": vocab_size}))
-    for name, value in OVERRIDES.get(model_type, {}).items():
-        # a dict for a sub-config amends its sized fields; anything else replaces the field
-        kwargs[name] = ({**kwargs[name], **value} if isinstance(value, dict)
-                        and isinstance(kwargs.get(name), dict) else value)
+    kwargs = _amended(kwargs, OVERRIDES.get(model_type, {}))
     config = AutoConfig.for_model(model_type, **kwargs)
     if config.architectures is None:  # auto classes iterate it where a type has several
         config.architectures = []
     return config
+
+
+def _amended(fields: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with `changes`: a dict for a (nested) sub-config amends its fields, anything
+    else replaces the field."""
+    out = dict(fields)
+    for name, value in changes.items():
+        old = out.get(name)
+        if hasattr(old, "to_dict"):  # a nested sub-config left as a config object
+            old = old.to_dict()
+        out[name] = (_amended(old, value) if isinstance(value, dict) and isinstance(old, dict)
+                     else value)
+    return out
 
 
 def image_processor(size: int = IMAGE) -> Any:
