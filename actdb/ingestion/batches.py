@@ -21,10 +21,18 @@ from .rows import Work
 Batch = list[Work]
 
 
-def plan_batches(work: list[Work], batch_size: int) -> list[Batch]:
+def plan_batches(work: list[Work], batch_size: int, *, by_length: bool = False
+                 ) -> list[Batch]:
     """`work` in input order, cut into consecutive batches of `batch_size` prompts (the last
-    may be shorter)."""
-    return [work[i : i + batch_size] for i in range(0, len(work), batch_size)]
+    may be shorter). `by_length` (a model whose activations depend on padding, padding.py):
+    each batch holds prompts of one length only, in input order within a length, the lengths
+    in order of their first prompt, so that no batch is padded."""
+    if not by_length:
+        return [work[i : i + batch_size] for i in range(0, len(work), batch_size)]
+    groups: dict[int, list[Work]] = {}
+    for w in work:
+        groups.setdefault(w.n_rows, []).append(w)
+    return [g[i : i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
 
 
 def left_to_run(batches: list[Batch], done: set[int]) -> list[Batch]:

@@ -36,6 +36,7 @@ from .load import LoadedModel, load
 from .logits import LogitCheck, LogitFit, LogitTransform, measure_logits
 from .multimodal import mixed_rows
 from .options import IngestOptions, IngestPlan, IngestSummary
+from .padding import depends_on_padding, padding_change
 from .prompts import Prompt, apply_chat_template
 from .register import register
 from .run import BatchRunner, forward_kwargs
@@ -70,6 +71,8 @@ class ModelSetup:
     warnings: list[str] = dataclasses.field(default_factory=list)
     contrastive: Contrastive | None = None  # a contrastive model over images: its vision tower
     zero_shot: LabelsHead | None = None  # its labels' anchors, proven
+    # batches of one prompt length only: the model's activations depend on padding
+    by_length: bool = False
 
 
 def ingest_here(opts: IngestOptions) -> IngestSummary:
@@ -181,6 +184,16 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
     # The final site whose output the LM head reads: the last of them (sites._final_path).
     final = next((f for f in reversed(found) if f.record.role == "final"), None)
     warnings: list[str] = []
+    by_length = False
+    if not media and not seq2seq and opts.batch_size > 1:  # text batches are padded
+        change = padding_change(loaded, found, ids, forward_kwargs(loaded.model))
+        by_length = depends_on_padding(loaded, change)
+        if by_length:
+            warnings.append(
+                f"model {name!r}: its activations depend on the batch's padding (a prompt's "
+                f"norm inputs in a padded batch differ from those it gives alone by "
+                f"{change:.2g}, relative): its prompts are batched only with prompts of their "
+                "own length, unpadded")
     classifier = None
     if classifier_module is not None and final is not None:
         classifier, why = prove_classifier(loaded.model, classifier_module, final, sample)
@@ -219,7 +232,8 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
                       limit=limit, found=found, n_layers=n_layers, head=head,
                       transform=transform, final=final, classifier=classifier,
                       labels=media_positions, towers=towers, warnings=warnings, grids=grids,
-                      contrastive=contrastive, zero_shot=zero_shot, decoders=decoders)
+                      contrastive=contrastive, zero_shot=zero_shot, decoders=decoders,
+                      by_length=by_length)
 
 
 def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
@@ -259,7 +273,7 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
         warnings = m.warnings + fields_not_stored(st, m.prompts, known)
         records = [f.record for f in found]
         # The plan: which prompts share a forward pass, the same for every shard and run.
-        batches = plan_batches(work, opts.batch_size)
+        batches = plan_batches(work, opts.batch_size, by_length=m.by_length)
         if shard_of is not None:
             if not work:  # no shard catalog: an empty one would block unsharded ingests
                 return IngestSummary(
