@@ -4,8 +4,9 @@ functions read the class token as they read a text model's positions.
 
 The head is stored where an LM head is, and accepted only where the model's own logits are
 `W . final_norm(x)[position] + b` for one position (the class token), which `prove_classifier`
-measures on a sample against the model's outputs; the ingest then checks it again batch by
-batch (logits.LogitCheck), as it does an LM head's logits.
+measures on a sample against the model's outputs, or the mean of that over every position of
+the final site (a head that averages its positions: pooling.py); the ingest then checks it
+again batch by batch (logits.LogitCheck), as it does an LM head's logits.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from .capture import output_tensor
 from .layouts import FEATURE_MAPS, as_rows
 from .logits import model_logits
+from .pooling import prove_pooled
 from .sites import FoundSite
 
 # Worst relative error of the head's logits recomputed from the final norm's output (float32
@@ -31,11 +33,15 @@ _HEAD_NAMES = ("classifier", "score", "head", "fc")
 
 @dataclass(frozen=True, kw_only=True)
 class ClassifierHead:
-    """A classification head: a linear layer from the final norm's output at `position`."""
+    """A classification head: a linear layer from the final norm's output at `position`, or
+    (`pool` 'mean') the mean over the final site's rows of each row's product with it (the
+    linear layers between the norm and the mean folded into it)."""
 
     module: nn.Linear
     labels: list[str]
-    position: int = 0
+    final: FoundSite  # the site whose output it reads (models.final_site)
+    position: int | None = 0  # None: every row (pool)
+    pool: str | None = None  # 'mean': the logits are the mean of the rows' logits
     error: float = 0.0  # worst relative error of the proof
 
 
@@ -108,4 +114,25 @@ def prove_classifier(model: nn.Module, head: nn.Linear, final: FoundSite,
     if not err <= _PROOF_LIMIT:
         return None, (f"its logits are not its head's product with the final norm's output at "
                       f"the class token (relative error {err:.3g}: it pools another way)")
-    return ClassifierHead(module=head, labels=labels, position=0, error=err), ""
+    return ClassifierHead(module=head, labels=labels, final=final, position=0,
+                          error=err), ""
+
+
+def prove_head(model: nn.Module, head: nn.Linear, final: FoundSite,
+               sample: Mapping[str, torch.Tensor]) -> tuple[ClassifierHead | None, str]:
+    """The head as the class token's (`prove_classifier`), else as the mean of every row's
+    logits (`pooling.prove_pooled`); else None and the sentence that says why not."""
+    found, why = prove_classifier(model, head, final, sample)
+    if found is not None:
+        return found, ""
+    pooled, why_pooled = prove_pooled(model, head, final, sample)
+    if pooled is None:
+        return None, why_pooled or why
+    composed = nn.Linear(pooled.weight.shape[1], pooled.weight.shape[0],
+                         device=head.weight.device, dtype=torch.float32)
+    composed.requires_grad_(False)
+    composed.weight.copy_(pooled.weight.float())
+    assert composed.bias is not None
+    composed.bias.copy_(pooled.bias.float())
+    return ClassifierHead(module=composed, labels=label_names(model, head.out_features),
+                          final=final, position=None, pool="mean", error=pooled.error), ""

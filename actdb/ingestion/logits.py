@@ -223,9 +223,12 @@ class LogitCheck:
                  device: torch.device, *, position: int | None = None,
                  projection: torch.Tensor | None = None,
                  inputs: Mapping[str, torch.Tensor] | None = None,
-                 read: Callable[[Any], torch.Tensor] | None = None) -> None:
+                 read: Callable[[Any], torch.Tensor] | None = None,
+                 pooled: bool = False) -> None:
         """`position`: a classifier's, the one position its logits read (else every one
-        may be checked). A contrastive model's labels (labels.py): `projection` P [p, d],
+        may be checked); `pooled`: a classifier whose logits are the mean of the logits of
+        an input's rows (pooling.py), all of them read. A contrastive model's labels
+        (labels.py): `projection` P [p, d],
         the head's products are divided by ||P y||; `inputs`, what its forward pass takes
         beside the images (the labels' token ids); `read`, its logits from its output."""
         self.final = final
@@ -233,6 +236,7 @@ class LogitCheck:
         self.inputs = dict(inputs or {})
         self.read = read or model_logits
         self.position = position
+        self.pooled = pooled
         self.head = head
         self.transform = transform
         # The head's own device: with a device map it may not be the model's first device.
@@ -244,7 +248,9 @@ class LogitCheck:
         """Up to 4 positions spread over the batch's length (the first and the last among
         them): logits only for these. Each costs a product with the whole LM head for every
         row of the batch, twice (the model's, and ours from the store). A classifier's: the
-        position it reads."""
+        position it reads (a pooled one's logits are one row an input: 0)."""
+        if self.pooled:
+            return torch.tensor([0])
         if self.position is not None:
             return torch.tensor([self.position])
         return torch.unique(torch.linspace(0, t - 1, min(t, 4)).round().long())
@@ -252,10 +258,15 @@ class LogitCheck:
     @torch.no_grad()
     def error(self, real: torch.Tensor, acts: ActBatch, mask: torch.Tensor,
               positions: torch.Tensor) -> float:
-        """Worst relative error over the real tokens at `positions`; real [B, P, V]."""
+        """Worst relative error over the real tokens at `positions`; real [B, P, V] (a
+        pooled classifier's [B, 1, V], compared with the mean of each input's rows)."""
         rows = (torch.cumsum(mask.reshape(-1).long(), 0) - 1).reshape(mask.shape)  # [B, T]
-        m = mask[:, positions].cpu()  # [B, P]
-        idx = rows[:, positions].cpu()[m].numpy()
+        if self.pooled:  # every row of an input, averaged below
+            m = mask.any(dim=1, keepdim=True).cpu()  # [B, 1]: inputs with rows
+            idx = rows.cpu()[mask.cpu()].numpy()
+        else:
+            m = mask[:, positions].cpu()  # [B, P]
+            idx = rows[:, positions].cpu()[m].numpy()
         if len(idx) == 0:
             return 0.0
         s = self.final.record
@@ -278,6 +289,13 @@ class LogitCheck:
                 part = part + hb[lo : lo + _VOCAB_BLOCK].float()
             parts.append(part)
         mine = self.transform.apply(torch.cat(parts, dim=-1))  # [n, V]
+        if self.pooled:  # each input's rows are consecutive: their mean, an input a row
+            counts = mask.sum(dim=1).cpu()
+            owner = torch.repeat_interleave(torch.arange(len(counts)), counts).to(mine.device)
+            sums = torch.zeros(len(counts), mine.shape[1], device=mine.device).index_add_(
+                0, owner, mine)
+            mine = (sums / counts.clamp_min(1).to(mine.device).unsqueeze(-1))[
+                (counts > 0).to(mine.device)]
         theirs = real.to(self.device).float()[m.to(real.device)][:, : mine.shape[1]]
         diff = torch.linalg.vector_norm(mine - theirs, dim=-1)
         return float((diff / torch.linalg.vector_norm(theirs, dim=-1).clamp_min(1e-30)).max())

@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from ..store.shard_catalogs import mark_finished, pending_shards, shard_name
 from ..store.store import Store
 from .batches import cycled, length_limit, plan_batches, probe_batch, to_device, tokenize
 from .grids import GridPlan, grid_positions, plan_grids
-from .heads import ClassifierHead, find_classifier, prove_classifier
+from .heads import ClassifierHead, find_classifier, prove_head
 from .inputs import Positions, check_inputs, prepare_inputs, read_inputs
 from .labels import (
     DEFAULT_TEMPLATE,
@@ -45,6 +46,8 @@ from .shards import enter_shard, nothing_to_do
 from .sites import FoundSite, find_sites, norm_modules_of
 from .work import fields_not_stored, plan_work
 
+_HEAD_SITES = 3  # sites a classification head's proof tries, from the last
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSetup:
@@ -62,6 +65,7 @@ class ModelSetup:
     transform: LogitTransform | None
     final: FoundSite | None  # the final site the LM head reads
     classifier: ClassifierHead | None = None  # an image classifier's head, proven
+    head_note: str | None = None  # why a classifier's head is not stored as anchors
     # what each position of a media input is (each input's where text and images go together)
     labels: Positions | list[Positions] | None = None
     grids: GridPlan | None = None  # where each site's rows lie among a media input's
@@ -195,10 +199,13 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
                 f"{change:.2g}, relative): its prompts are batched only with prompts of their "
                 "own length, unpadded")
     classifier = None
-    if classifier_module is not None and final is not None:
-        classifier, why = prove_classifier(loaded.model, classifier_module, final, sample)
-        if classifier is None:
-            warnings.append(f"model {name!r}: {why}; stored without the 'classifier' anchors")
+    head_note = None
+    if classifier_module is not None:
+        classifier, head_note = _classifier(loaded.model, classifier_module, found, sample)
+        if classifier is None and head_note:
+            warnings.append(f"model {name!r}: {head_note}")
+        elif classifier is not None:
+            final = classifier.final  # the site its logits read
     zero_shot = None
     if contrastive is not None and labels is None:
         warnings.append(f"model {name!r} is a contrastive model ingested without --labels: "
@@ -231,9 +238,28 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
     return ModelSetup(loaded=loaded, name=name, prompts=prompts, ids=ids, truncated=truncated,
                       limit=limit, found=found, n_layers=n_layers, head=head,
                       transform=transform, final=final, classifier=classifier,
+                      head_note=head_note,
                       labels=media_positions, towers=towers, warnings=warnings, grids=grids,
                       contrastive=contrastive, zero_shot=zero_shot, decoders=decoders,
                       by_length=by_length)
+
+
+def _classifier(model: nn.Module, module: nn.Linear, found: list[FoundSite],
+                sample: Mapping[str, torch.Tensor]) -> tuple[ClassifierHead | None, str | None]:
+    """The classification head, proven on the site its logits read: the final site, else an
+    earlier final site (SigLIP's classifier averages `post_layernorm`'s rows, beside its
+    attention head's own norm), else, in a post-norm tower without one, the last site (the
+    last block's norm gives the last hidden state); or None and the note that says why not
+    (None where there is no site to read)."""
+    finals = [f for f in reversed(found) if f.record.role == "final"]
+    candidates = (finals or found[-1:])[:_HEAD_SITES]
+    why = None
+    for site in candidates:
+        head, reason = prove_head(model, module, site, sample)
+        if head is not None:
+            return head, None
+        why = why or reason  # the last final site's reason: where a head is expected
+    return None, None if why is None else f"{why}; stored without the 'classifier' anchors"
 
 
 def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
@@ -258,6 +284,7 @@ def _into_store(opts: IngestOptions, m: ModelSetup) -> IngestSummary:
         reg = register(st, m.loaded, found, m.n_layers, m.name, opts.sites, m.limit,
                        opts.chunk_tokens, m.transform, m.classifier, m.towers,
                        zero_shot=m.zero_shot, contrastive=m.contrastive is not None,
+                       head_note=m.head_note,
                        lens=_lens_asked(opts, m),
                        lens_default=lens_default(m.loaded.device) if _has_lens(m) else 0,
                        # the weights' probe passes read token ids alone: not media's
@@ -333,7 +360,7 @@ def _logit_check(m: ModelSetup, record: ModelRecord) -> LogitCheck | None:
     if m.classifier is not None and final is not None and record.head_kind == "classifier":
         return LogitCheck(final, m.classifier.module, LogitTransform(
             scale=None, softcap=None, error=0.0), m.loaded.device,
-            position=record.head_position)
+            position=record.head_position, pooled=record.head_pool == "mean")
     if m.head is None or final is None or not record.has_lm_head:
         return None
     recorded = LogitTransform(scale=record.logit_scale, softcap=record.logit_softcap, error=0.0)

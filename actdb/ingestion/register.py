@@ -200,12 +200,15 @@ def register(
     transform: LogitTransform | None, classifier: ClassifierHead | None = None,
     towers: dict[str, int] | None = None, *, weights_from: list[int] | None = None,
     zero_shot: LabelsHead | None = None, contrastive: bool = False,
-    lens: int | None = None, lens_default: int = 0,
+    lens: int | None = None, lens_default: int = 0, head_note: str | None = None,
 ) -> Registration:
     """The model's catalog record, and for a new model the work of registering it: that
     runs first on the commit thread, overlapping the first forward passes. `weights_from`:
     token ids to find a new model's layer weights with (None: none stored). `contrastive`:
-    a contrastive model over images, whose head is `zero_shot`'s labels (or none). `lens`:
+    a contrastive model over images, whose head is `zero_shot`'s labels (or none);
+    `classifier`, a classification head proven (its rows the anchors: a head that averages its
+    positions, composed with the linear layers before its mean); `head_note`, why a
+    classifier's head is not stored. `lens`:
     the K of the materialized lens the ingest was told (None: not told, and a new model gets
     `lens_default`; 0: none), which a model in the store must already have."""
     records = [f.record for f in found]
@@ -253,6 +256,10 @@ def register(
     if contrastive:  # its text tower's embedding is no anchor of the vision tower's sites
         embed = lm_head = lm_bias = None
         tied = False
+    if classifier is not None:
+        lm_head = classifier.module.weight.detach().float().cpu().numpy()
+        cb = classifier.module.bias
+        lm_bias = None if cb is None else cb.detach().float().cpu().numpy()
     if zero_shot is not None:
         lm_head = zero_shot.weight.float().numpy()
         head_bias = zero_shot.head().bias
@@ -267,7 +274,8 @@ def register(
     if lm_head is not None and embed is None and classifier is None and zero_shot is None:
         lm_head = lm_bias = None  # a classification head not proven: no anchors of it
         vocab_size = 0
-    final = next((s.site for s in reversed(records) if s.role == "final"), None)
+    final = (classifier.final.record.site if classifier is not None  # the site it reads
+             else next((s.site for s in reversed(records) if s.role == "final"), None))
     widest = max(s.d * (s.n_heads or 1) for s in records)
     record = ModelRecord(
         model=name, model_id=model_id, source=loaded.source,
@@ -281,6 +289,8 @@ def register(
                    else "lm" if lm_head is not None or tied else None),
         head_position=(classifier.position if classifier is not None
                        else zero_shot.position if zero_shot is not None else None),
+        head_pool=classifier.pool if classifier is not None else None,
+        head_note=head_note,
         towers=dict(towers or {}),
         tied_embeddings=tied, final_site=final, dtype=str(loaded.dtype).removeprefix("torch."),
         max_length=limit, sites_glob=sites_glob,

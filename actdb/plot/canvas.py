@@ -45,11 +45,13 @@ def new_figure(width: float, height: float) -> Figure:
     return fig
 
 
-def show_token(token: Any, limit: int = 12) -> str:
-    """A token as text with its whitespace made visible; long ones are cut with an ellipsis."""
+def show_token(token: Any, limit: int = 12, *, label: bool = False) -> str:
+    """A token as text with its whitespace made visible; long ones are cut with an ellipsis.
+    `label`: a class label's name ('tabby cat', an image classifier's vocabulary), whose
+    spaces are words' spaces, shown as they are."""
     if is_missing(token):
         return "—"
-    text = visible_token(str(token))
+    text = " ".join(str(token).split()) if label else visible_token(str(token))
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

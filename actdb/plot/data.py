@@ -156,6 +156,22 @@ def model_roles(db: Database, model: str, *, full_width: bool = False) -> list[s
     return [r[0] for r in rows]
 
 
+def block_role(db: Database, model: str) -> str | None:
+    """The role a lens reads one site a layer of: pre_attn, else post_mlp, else the model's
+    own blocks' norm (ConvNeXt's, after its depthwise convolution, has no attention to be
+    before: `other`), the full-width role at the most layers besides embed and final."""
+    roles = model_roles(db, model)
+    for role in ("pre_attn", "post_mlp"):
+        if role in roles:
+            return role
+    rows = db.sql(
+        "SELECT s.role FROM sites s JOIN models m USING (model) WHERE s.model = $model "
+        "AND s.d = m.d_model AND s.role NOT IN ('embed', 'final') AND s.layer >= 0 "
+        "GROUP BY s.role ORDER BY count(DISTINCT s.layer) DESC, min(s.site_id) LIMIT 1",
+        params={"model": model}).fetchall()
+    return str(rows[0][0]) if rows else None
+
+
 def resolve_roles(db: Database, models: Sequence[str], roles: str | Sequence[str] | None
                   ) -> list[str]:
     """Roles asked for (each must exist in some model); default: every role at model width."""

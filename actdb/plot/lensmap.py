@@ -27,6 +27,7 @@ from .data import (
     PlotData,
     PlotError,
     Spec,
+    block_role,
     head_kind,
     is_missing,
     model_roles,
@@ -84,11 +85,12 @@ def lens_spec(db: Database, prompt_id: int, *, model: str | None = None, by: str
                         "it does not apply to --by anchor")
     roles_present = model_roles(db, name)
     if role is None:
-        base = "pre_attn" if "pre_attn" in roles_present else "post_mlp"
-        if base not in roles_present:
-            raise PlotError(f"model {name!r} has neither pre_attn nor post_mlp sites; "
+        found = block_role(db, name)
+        if found is None:
+            raise PlotError(f"model {name!r} has no norm in its blocks at its width; "
                             f"choose a role with --role (its roles are "
                             f"{', '.join(roles_present)})")
+        base = found
     else:
         base = resolve_roles(db, [name], role)[0]
     roles = [base] + (["final"] if base != "final" and "final" in roles_present else [])
@@ -117,9 +119,31 @@ def lens_spec(db: Database, prompt_id: int, *, model: str | None = None, by: str
         sql, meta["token"] = TOKEN_SQL, token
     else:
         sql = LOGIT_SQL
-    if decoder:
+    # A hierarchical model's early stages are narrower than its head (ConvNeXt's, Swin's):
+    # the lens reads the sites of the head's width.
+    narrow = _narrow_sites(db, name, roles)
+    if narrow:
+        kept = [s for s in params.get("sites", _role_sites(db, name, roles))
+                if s not in narrow]
+        params["sites"] = kept
+    if decoder or narrow:
         sql = sql.replace(_WHERE, _WHERE + " AND list_contains($sites, site)")
     return Spec("lens", sql, params, meta)
+
+
+def _role_sites(db: Database, model: str, roles: list[str]) -> list[str]:
+    return [r[0] for r in db.sql("SELECT site FROM sites WHERE model = $m AND "
+                                 "list_contains($roles, role)",
+                                 params={"m": model, "roles": roles}).fetchall()]
+
+
+def _narrow_sites(db: Database, model: str, roles: list[str]) -> set[str]:
+    """The sites of `roles` narrower than the model's width (a hierarchical model's early
+    stages), which no head reads."""
+    return {r[0] for r in db.sql(
+        "SELECT s.site FROM sites s JOIN models m USING (model) WHERE s.model = $m AND "
+        "list_contains($roles, s.role) AND s.d <> m.d_model",
+        params={"m": model, "roles": roles}).fetchall()}
 
 
 def _decoder_sites(db: Database, model: str) -> list[str]:
@@ -160,12 +184,14 @@ def lens_figure(spec: Spec, df: pd.DataFrame) -> Figure:
     tokens = {int(p): t for p, t in zip(df["position"], df["token"], strict=True)}
     value = "cosine" if by == "anchor" else "prob"
     label = {"anchor": "anchor", "logit": "top_token"}[by] if token is None else "rank"
+    # a classifier's or a contrastive model's anchors are label names, not text tokens
+    named = m.get("classifier") in ("classifier", "labels")
     for site, pos, lab, v in zip(df["site"], df["position"], df[label], df[value],
                                  strict=True):
         i, j = row[site], col[int(pos)]
         grid[i, j] = np.nan if is_missing(v) else float(v)
         labels[i][j] = (str(int(lab)) if token is not None and not is_missing(lab)
-                        else show_token(lab, 8))
+                        else show_token(lab, 8, label=named))
 
     n_cols, n_rows = len(positions), len(rows)
     dense = n_cols > 60  # too many columns to label each cell readably
@@ -184,9 +210,10 @@ def lens_figure(spec: Spec, df: pd.DataFrame) -> Figure:
                 ax.text(j, i, labels[i][j], ha="center", va="center", fontsize=8,
                         color="black" if light else "white", gid=f"cell {i} {j}")
         ax.set_xticks(range(n_cols))
-        ax.set_xticklabels([show_token(tokens[p]) for p in positions], rotation=60,
-                           ha="right", rotation_mode="anchor")
-        ax.set_xlabel(f"input token (positions 0 to {n_cols - 1}, ␣ marks a space)")
+        names = [show_token(tokens[p]) for p in positions]
+        ax.set_xticklabels(names, rotation=60, ha="right", rotation_mode="anchor")
+        spaced = ", ␣ marks a space" if any("␣" in t for t in names) else ""
+        ax.set_xlabel(f"input token (positions 0 to {n_cols - 1}{spaced})")
     else:  # every few positions, by number
         step = -(-n_cols // 40)
         ticks = list(range(0, n_cols, step))

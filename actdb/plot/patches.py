@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .data import PlotError, Spec, resolve_model
+from .data import PlotError, Spec, block_role, resolve_model
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -23,15 +23,16 @@ if TYPE_CHECKING:
 def patches_spec(db: Database, prompt_id: int, *, model: str | None = None,
                  layer: int | None = None, token: str | int | None = None,
                  frame: int = 0) -> Spec:
-    """The SQL of the picture: every patch row of the prompt at the pre-attention and final
-    sites (or at `layer`), its top label and that label's probability (or `token`'s)."""
+    """The SQL of the picture: every patch row of the prompt at the blocks' norms (the
+    pre-attention ones where there is attention) and final sites of the head's width (or at
+    `layer`), its top label and that label's probability (or `token`'s)."""
     name = resolve_model(db, model)
     found = db.sql("SELECT count(*) FROM acts WHERE model = $m AND prompt_id = $p AND "
                    "patch_row IS NOT NULL", params={"m": name, "p": int(prompt_id)}).fetchall()
     if not found[0][0]:
         raise PlotError(f"prompt {prompt_id} of model {name!r} has no patches: `plot patches` "
                         "draws an image input's patches (ingest --images)")
-    where = "layer = $layer" if layer is not None else "role IN ('pre_attn', 'final')"
+    where = "layer = $layer" if layer is not None else "list_contains($roles, role)"
     read = "$token" if token is not None else "top_logits(vec, 1)[1].token"
     sql = f"""SELECT layer, site, patch_row, patch_col,
        top_logits(vec, 1)[1].token AS top,
@@ -39,10 +40,15 @@ def patches_spec(db: Database, prompt_id: int, *, model: str | None = None,
 FROM acts
 WHERE model = $m AND prompt_id = $p AND patch_row IS NOT NULL
   AND coalesce(frame, 0) = $frame AND {where}
+  -- a hierarchical model's early stages are narrower than its head: not read
+  AND site IN (SELECT s.site FROM sites s JOIN models USING (model)
+               WHERE s.model = $m AND s.d = models.d_model)
 ORDER BY layer, site, patch_row, patch_col"""
     params: dict[str, Any] = {"m": name, "p": int(prompt_id), "frame": int(frame)}
     if layer is not None:
         params["layer"] = int(layer)
+    else:  # the blocks' norms (pre_attn where there is attention: data.block_role), final
+        params["roles"] = [block_role(db, name) or "pre_attn", "final"]
     if token is not None:
         params["token"] = token
     image = db.sql("SELECT * FROM prompts WHERE prompt_id = $p",

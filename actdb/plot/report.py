@@ -19,6 +19,7 @@ from .data import (
     OUTLIER_FACTOR,
     DbOrPath,
     Spec,
+    block_role,
     head_kind,
     model_roles,
     model_row,
@@ -37,6 +38,10 @@ VANISHING = 1e-3
 def _residual_roles(db: Any, model: str) -> list[str]:
     roles = model_roles(db, model, full_width=True)
     chosen: list[str] = [r for r in ("pre_attn", "pre_mlp", "final") if r in roles]
+    if not {"pre_attn", "pre_mlp", "post_attn", "post_mlp"} & set(roles):
+        # neither pre- nor post-norm blocks (ConvNeXt's): the blocks' own norms
+        base = block_role(db, model)
+        chosen = [r for r in roles if r in (base, "final")]
     return chosen or roles
 
 

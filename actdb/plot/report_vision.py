@@ -48,6 +48,8 @@ def is_image_lens(db: Any, model: str) -> bool:
     kind = row.get("head_kind")
     if kind not in ("classifier", "labels") or not bool(row.get("has_lm_head")):
         return False
+    if row.get("head_pool") == "mean":  # its answer is every position's mean: no class token
+        return False
     return not (kind == "labels" and is_missing(row.get("head_position")))
 
 

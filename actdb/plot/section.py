@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from .data import model_roles
+from .data import block_role, model_roles
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,9 +33,10 @@ TOP_DIMS = 10  # the dims a report's dims section shows
 
 
 def lens_roles(db: Any, model: str) -> list[str]:
-    """The roles a lens reads, one site a layer: pre_attn (else post_mlp), and final."""
+    """The roles a lens reads, one site a layer: pre_attn (else post_mlp, else the blocks'
+    own norms: data.block_role), and final."""
     roles = model_roles(db, model)
-    base = "pre_attn" if "pre_attn" in roles else "post_mlp"
+    base = block_role(db, model)
     return [r for r in (base, "final") if r in roles]
 
 

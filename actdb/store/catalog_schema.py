@@ -49,7 +49,8 @@ CREATE TABLE models (
     dtype VARCHAR, max_length INTEGER, sites_glob VARCHAR, chunk_tokens INTEGER,
     n_rows BIGINT, logit_softcap DOUBLE, config JSON, created_at TIMESTAMP DEFAULT now(),
     logit_scale DOUBLE, logit_max_rel_error DOUBLE, params_digest VARCHAR, has_embed BOOLEAN,
-    head_kind VARCHAR, head_position INTEGER, towers JSON, lens_k INTEGER
+    head_kind VARCHAR, head_position INTEGER, towers JSON, lens_k INTEGER, head_pool VARCHAR,
+    head_note VARCHAR
 );
 CREATE TABLE prompts (prompt_id BIGINT, text VARCHAR, n_tokens INTEGER);
 CREATE TABLE prompt_runs (
@@ -75,7 +76,8 @@ CREATE TABLE vocab (model VARCHAR, token_id INTEGER, token VARCHAR, piece VARCHA
 _ADDED_COLUMNS = {"models": {"logit_scale": "DOUBLE", "logit_max_rel_error": "DOUBLE",
                              "params_digest": "VARCHAR", "has_embed": "BOOLEAN",
                              "head_kind": "VARCHAR", "head_position": "INTEGER",
-                             "towers": "JSON", "lens_k": "INTEGER"},
+                             "towers": "JSON", "lens_k": "INTEGER", "head_pool": "VARCHAR",
+                             "head_note": "VARCHAR"},
                   "sites": {"centered": "BOOLEAN", "tower": "VARCHAR", "layout": "VARCHAR",
                             "grid": "INTEGER"},
                   "tokens": {"patch_row": "INTEGER", "patch_col": "INTEGER", "frame": "INTEGER",

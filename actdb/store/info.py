@@ -30,7 +30,9 @@ def describe(store: Store) -> StoreInfo:
         for c in ("logit_scale", "logit_softcap", "logit_max_rel_error")
     ) + (", m.head_kind" if "head_kind" in have else ", NULL::VARCHAR AS head_kind") + (
         ", m.head_position" if "head_position" in have else ", NULL::INTEGER AS head_position"
-    ) + (", m.lens_k" if "lens_k" in have else ", NULL::INTEGER AS lens_k")
+    ) + (", m.lens_k" if "lens_k" in have else ", NULL::INTEGER AS lens_k") + "".join(
+        f", m.{c}" if c in have else f", NULL::VARCHAR AS {c}"
+        for c in ("head_pool", "head_note"))
     models = con.execute(
         "SELECT m.model, m.model_id, m.architecture, m.d_model, m.n_layers, m.vocab_size, "
         "m.n_sites, "

@@ -84,6 +84,13 @@ class ModelRecord:
     # the position whose final-site vector a classifier or a contrastive model's projection
     # reads (0: the class token); None for labels read from a pooled output no site holds
     head_position: int | None = None
+    # 'mean' where a classifier's logits are the mean over an input's final-site rows of each
+    # row's logits (a head that averages its positions: Swin's; head_position is then None);
+    # None: the head reads one position
+    head_pool: str | None = None
+    # why the model's head is not stored as anchors (a classifier whose logits no site's rows
+    # give: an attention pool, the class token beside the patches' mean); None otherwise
+    head_note: str | None = None
     # each tower's depth in blocks ({'text': 4, 'vision': 6}); empty in older stores
     towers: dict[str, int] = field(default_factory=dict)
     # K of the materialized lens stored at its lens sites (lens_layout.py); None or 0: none

@@ -121,16 +121,31 @@ def test_grids_are_consistent_in_the_catalog(family: tuple) -> None:
 def test_pooled_head_is_proven_and_reads_the_model(family: tuple) -> None:
     mt, store, logits, _ = family
     db = actdb.connect(store)
-    head = db.sql("SELECT head_kind FROM models").fetchall()[0][0]
-    if mt == "swin":  # its head averages the final norm's positions: not one row's product
-        assert head is None
+    head = db.sql("SELECT head_kind, head_position, head_pool FROM models").fetchall()[0]
+    if mt == "swin":
+        # its head averages the final norm's positions: each position's logits are its vote,
+        # and their mean is the model's own logits
+        assert head == ("classifier", None, "mean")
+        n_labels = logits.shape[1]
+        cols = ", ".join(f"avg(logit(vec, {t}))" for t in range(n_labels))
+        got = db.sql(f"SELECT prompt_id, count(*), {cols} FROM acts WHERE site = 'final' "
+                     "GROUP BY prompt_id ORDER BY prompt_id").fetchall()
+        assert [r[1] for r in got] == [_positions(db, "final")] * N_IMAGES
+        np.testing.assert_allclose([r[2:] for r in got], logits.numpy(), rtol=2e-3,
+                                   atol=2e-3 * float(logits.abs().max()))
         return
-    assert head == "classifier"
+    assert head == ("classifier", 0, None)
     rows = db.sql("SELECT top_logits(vec, 1)[1].token_id, top_logits(vec, 1)[1].logit "
                   "FROM acts WHERE site = 'final' ORDER BY prompt_id").fetchall()
     assert [r[0] for r in rows] == logits.argmax(-1).tolist()
     np.testing.assert_allclose([r[1] for r in rows], logits.max(-1).values.numpy(),
                                rtol=2e-3, atol=2e-3)
+
+
+def _positions(db: actdb.Database, site: str) -> int:
+    """The positions an input gives `site` (its grid's)."""
+    return int(db.sql("SELECT count(*) FROM acts WHERE site = $s AND prompt_id = 0",
+                      params={"s": site}).fetchall()[0][0])
 
 
 def test_a_store_with_grids_is_format_6(family: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
