@@ -264,8 +264,15 @@ def _count(n: int, noun: str) -> str:
 def _head_text(m: dict[str, object]) -> str:
     """What the model's head is, in the words of `info`'s model line."""
     kind = m.get("head_kind")
+    if kind == "classifier" and m.get("head_pool") == "mean":
+        return ("classifier head averaging its positions (its labels are the vocabulary; each "
+                "position's logits at the final site are its vote, the model's answer their "
+                "mean), ")
     if kind == "classifier":
         return "classifier head (its labels are the vocabulary), "
+    note = m.get("head_note")
+    if isinstance(note, str) and note:
+        return f"no head anchors ({note}), "
     if kind == "labels":
         lens = ("a zero-shot lens on the class token" if _number(m.get("head_position"))
                 is not None else "no lens: its image embedding pools every position")
@@ -279,6 +286,9 @@ def _logit_text(m: dict[str, object]) -> str:
     """How the model's logits are made, and how well the store reproduces them."""
     scale, cap = _number(m.get("logit_scale")), _number(m.get("logit_softcap"))
     pre = "W_U . final_norm(x) + b_U"
+    if m.get("head_kind") == "classifier" and m.get("head_pool") == "mean":
+        pre = ("mean over an input's positions of W . final_norm(x) + b (W, b: the head "
+               "composed with the linear layers before its mean)")
     if m.get("head_kind") == "labels":  # labels.py: a cosine with each label's embedding
         pre = ("W . y / ||P y|| + b (y = final_norm(x), W = the labels read through P)"
                if _number(m.get("head_position")) is not None else

@@ -151,9 +151,22 @@ def _chain(seen: _Seen, rows: torch.Tensor, limit: float) -> list[nn.Linear]:
         raise _Refused(
             f"its head reads vectors of width {want.shape[-1]} that are not the mean of the "
             f"final norm's rows (width {rows.shape[-1]}), nor of a linear layer's outputs on "
-            "them (it reads the class token beside the patches' mean, an attention pool, or "
-            "a mean over some positions only)")
+            f"them ({_what_it_reads(rows, want, limit)})")
     return chain
+
+
+def _what_it_reads(rows: torch.Tensor, want: torch.Tensor, limit: float) -> str:
+    """What a head that reads no mean of every row reads, where the rows say it."""
+    d = rows.shape[-1]
+    if rows.shape[1] > 1 and want.shape[-1] == 2 * d and max(
+            _relative(want[:, :d], rows[:, 0]), _relative(want[:, d:], rows[:, 1:].mean(1))
+    ) <= limit:
+        return "it reads the class token beside the mean of the other positions"
+    if rows.shape[1] > 1 and want.shape[-1] == d and _relative(
+            want, rows[:, 1:].mean(1)) <= limit:
+        return "it reads the mean of the positions after the first"
+    return ("it reads another tensor, or pools another way: an attention pool, a mean over "
+            "some positions only")
 
 
 def _compose(head: nn.Linear, chain: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor]:

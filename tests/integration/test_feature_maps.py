@@ -190,3 +190,30 @@ def test_hierarchical_blocks_count_across_stages(tmp_path: Path) -> None:
             want[f"swin.encoder.layers.{s}.downsample.norm"] = (sum(depths[:s + 1]), "other")
     assert got == want
     assert db.sql("SELECT n_layers FROM models").fetchall() == [(sum(depths),)]
+
+
+def test_pictures_read_the_blocks_norms_of_the_heads_width(family: tuple) -> None:
+    """ConvNeXt has no attention (no pre_attn sites): the lens and patches pictures, and the
+    report's lens, read its blocks' own norms without being told a role, and only those as wide
+    as its head (its first stage is narrower). The reference is the model's modules' widths."""
+    from actdb.plot import lens_data
+    from actdb.plot.patches import patches_spec
+    from actdb.plot.section import lens_roles
+
+    mt, store, logits, inputs = family
+    if mt != "convnext":
+        return
+    db = actdb.connect(store)
+    width = int(db.sql("SELECT d_model FROM models").fetchall()[0][0])
+    wide = {module for module, (x, _, _) in inputs.items()
+            if x.shape[-1] == width and "embeddings" not in module
+            and "downsampling" not in module}
+    module_of = dict(db.sql("SELECT site, module FROM sites").fetchall())
+    assert lens_roles(db, db.sql("SELECT model FROM models").fetchall()[0][0]) == [
+        "other", "final"]
+    lens = lens_data(db, 0, device="cpu").df
+    assert {module_of[s] for s in lens["site"]} == wide
+    final = lens[lens["site"] == "final"]  # the head's own logits, as the model's
+    assert final["top_id"].tolist() == [int(logits[0].argmax())]
+    patches = patches_spec(db, 0).run(db).df
+    assert {module_of[s] for s in patches["site"]} == wide - {"convnext.layernorm"}
