@@ -114,6 +114,21 @@ def _lm_groups(src: VectorSource, h: np.ndarray) -> Iterator[Group]:
     return (g for g in src.groups(h) if g.site.role not in OFF_STREAM_ROLES)
 
 
+def _head_groups(src: VectorSource, h: np.ndarray, name: str) -> Iterator[Group]:
+    """`_lm_groups` for a function that reads rows through the final norm and LM head (the
+    logit lens): an encoder-decoder's encoder rows are refused, since its LM head reads the
+    decoder's final norm and the encoder's output reaches the decoder only through
+    cross-attention, so no logits were ever proven for them."""
+    for g in _lm_groups(src, h):
+        if g.site.tower == "encoder" and g.model.row_towers:
+            raise QueryError(
+                f"{name} reads a row through the LM head of model {g.model.model!r}, which "
+                f"reads its decoder's final norm; site {g.site.site!r} is its encoder's, whose "
+                "output meets the decoder only through cross-attention, so no logits are "
+                "proven there: keep to the decoder's sites (WHERE site NOT LIKE 'encoder.%')")
+        yield g
+
+
 def _degrees(cos: torch.Tensor) -> torch.Tensor:
     return torch.rad2deg(torch.arccos(cos.clamp(-1.0, 1.0)))
 
@@ -262,7 +277,7 @@ def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: 
 
 
 def logit(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: Arg) -> None:
-    for g in _lm_groups(src, h):
+    for g in _head_groups(src, h, "logit"):
         _require_width("logit", g, src.weights.unembed_width(g.model), "the LM head's width")
         combos = _per_value([token, ttype], g.index)
         # each token's row of W_U and b_U (model_weights.py: read alone while few are asked for)
@@ -277,7 +292,7 @@ def logit(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: 
 
 def logit_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: Arg,
                        token: Arg, ttype: Arg) -> None:
-    for g in _lm_groups(src, h):
+    for g in _head_groups(src, h, "logit_contribution"):
         _require_width("logit_contribution", g, src.weights.unembed_width(g.model),
                        "the LM head's width")
         combos = _per_value([dim, token, ttype], g.index)
@@ -389,7 +404,7 @@ def nearest_anchors(src: VectorSource, h: np.ndarray, out: ListResults, k: Arg,
 
 
 def top_logits(src: VectorSource, h: np.ndarray, out: ListResults, k: Arg) -> None:
-    for g in _lm_groups(src, h):
+    for g in _head_groups(src, h, "top_logits"):
         w, b = src.weights.unembed(g.model)
         _require_width("top_logits", g, w.shape[1], "the LM head's width")
         hn = _final_normed(src, g)

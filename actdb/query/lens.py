@@ -20,7 +20,7 @@ from ..errors import QueryError
 from ..lazy import lazy_module
 from . import vocab_scan
 from .dots import row_dots
-from .kernels import Arg, _final_normed, _lm_groups, _per_value, _require_width, _to_logits
+from .kernels import Arg, _final_normed, _head_groups, _per_value, _require_width, _to_logits
 from .lists import ListResults, float_lists
 from .threads import threads_for, torch_threads
 from .timeout import check
@@ -42,7 +42,7 @@ class LensRows:
         self.src, self.name = src, name
         self.model_id = np.full(len(h), -1, dtype=np.int64)
         self.hn: dict[int, torch.Tensor] = {}  # model_id -> [n, d], rows of other models 0
-        for g in _lm_groups(src, h):
+        for g in _head_groups(src, h, name):
             w, _ = src.weights.unembed(g.model)
             _require_width(name, g, w.shape[1], "the LM head's width")
             mid = g.model.model_id

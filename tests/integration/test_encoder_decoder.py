@@ -326,3 +326,32 @@ def test_a_target_field_keys_prompts_of_any_model(tmp_path: Path, model_dir: Any
         again = actdb.ingest(store, model=gpt2, prompts=inputs, device="cpu", weights="none")
         assert (first.prompts_new, again.prompts_new) == (new, 0), inputs
         assert actdb.connect(store).sql("SELECT count(*) FROM prompts").fetchall() == [(new,)]
+
+
+LENS_CALLS = ["top_logits(vec, 1)", "logit(vec, 5)", "logit_contribution(vec, 0, 5)",
+              "logprob(vec, 5)", "prob(vec, 5)", "token_rank(vec, 5)", "entropy(vec)",
+              "logit_diff(vec, 5, 6)", "kl_to(vec, vec)"]
+
+
+@pytest.mark.parametrize("call", LENS_CALLS, ids=[c.split("(")[0] for c in LENS_CALLS])
+def test_the_lens_refuses_encoder_rows(built: tuple[Path, dict[str, torch.nn.Module]],
+                                       call: str) -> None:
+    """The LM head reads the decoder's final norm; no logits are proven for an encoder row
+    (its stack's output meets the decoder only through cross-attention), so each function
+    that reads a row through the head refuses encoder rows in one sentence and reads decoder
+    rows (the lens of the decoder's final site is the model's own logits, checked above)."""
+    from actdb.errors import QueryError
+
+    store, _ = built
+    db = actdb.connect(store)
+    with pytest.raises(QueryError, match=r"^[^\n]*site 'encoder\.blocks\.1\.ln1' is its "
+                       r"encoder's[^\n]*WHERE site NOT LIKE 'encoder\.%'\)$"):
+        db.sql(f"SELECT {call} FROM acts WHERE model = 't5' AND prompt_id = 0 "
+               "AND site = 'encoder.blocks.1.ln1'").fetchall()
+    got = db.sql(f"SELECT {call} FROM acts WHERE model = 't5' AND prompt_id = 0 AND "
+                 "site NOT LIKE 'encoder.%'").fetchall()
+    assert got and all(g[0] is not None for g in got)
+    # a geometric comparison with the unembedding's rows is no lens: encoder rows keep it
+    cos = db.sql("SELECT cosine_to_anchor(vec, 5) FROM acts WHERE model = 't5' AND "
+                 "prompt_id = 0 AND site = 'encoder.blocks.1.ln1'").fetchall()
+    assert cos and all(c[0] is not None for c in cos)
