@@ -34,6 +34,7 @@ from .sites import FoundSite
 _PROOF_LIMIT = {torch.float32: 1e-4, torch.float64: 1e-4}
 _PROOF_LIMIT_16 = 2e-2
 _MAX_LINEAR = 3  # linear layers between the norm and the mean that are followed
+_MAX_SKIPPED = 8  # leading positions (a class token, registers) a refusal's diagnosis tries
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,15 +157,18 @@ def _chain(seen: _Seen, rows: torch.Tensor, limit: float) -> list[nn.Linear]:
 
 
 def _what_it_reads(rows: torch.Tensor, want: torch.Tensor, limit: float) -> str:
-    """What a head that reads no mean of every row reads, where the rows say it."""
-    d = rows.shape[-1]
-    if rows.shape[1] > 1 and want.shape[-1] == 2 * d and max(
-            _relative(want[:, :d], rows[:, 0]), _relative(want[:, d:], rows[:, 1:].mean(1))
-    ) <= limit:
-        return "it reads the class token beside the mean of the other positions"
-    if rows.shape[1] > 1 and want.shape[-1] == d and _relative(
-            want, rows[:, 1:].mean(1)) <= limit:
-        return "it reads the mean of the positions after the first"
+    """What a head that reads no mean of every row reads, where the rows say it: the class
+    token beside the mean of the positions from some k on (DINOv2's; past its registers), or
+    that mean alone."""
+    d, n = rows.shape[-1], rows.shape[1]
+    for k in range(1, min(n, _MAX_SKIPPED + 1)):
+        after = "the other positions" if k == 1 else f"the positions from {k} on"
+        if want.shape[-1] == 2 * d and max(
+                _relative(want[:, :d], rows[:, 0]),
+                _relative(want[:, d:], rows[:, k:].mean(1))) <= limit:
+            return f"it reads the class token beside the mean of {after}"
+        if want.shape[-1] == d and _relative(want, rows[:, k:].mean(1)) <= limit:
+            return f"it reads the mean of {after}"
     return ("it reads another tensor, or pools another way: an attention pool, a mean over "
             "some positions only")
 

@@ -105,7 +105,7 @@ def lens_spec(db: Database, prompt_id: int, *, model: str | None = None, by: str
         text = f"{text} (its decoder's tokens)"
     meta: dict[str, Any] = {"model": name, "prompt_id": int(prompt_id), "n_tokens": n,
                             "roles": roles, "by": by, "text": text,
-                            "classifier": head_kind(db, name)}
+                            "classifier": head_kind(db, name), "pooled": _pooled(db, name)}
     if by == "anchor":
         if anchors is not None:
             params["anchors"] = anchors
@@ -144,6 +144,13 @@ def _narrow_sites(db: Database, model: str, roles: list[str]) -> set[str]:
         "SELECT s.site FROM sites s JOIN models m USING (model) WHERE s.model = $m AND "
         "list_contains($roles, s.role) AND s.d <> m.d_model",
         params={"m": model, "roles": roles}).fetchall()}
+
+
+def _pooled(db: Database, model: str) -> bool:
+    """Whether the model's head averages its positions (models.head_pool; older stores have
+    no such column: no)."""
+    df = db.sql("SELECT * FROM models WHERE model = $m", params={"m": model}).df()
+    return bool(len(df)) and df.iloc[0].get("head_pool") == "mean"
 
 
 def _decoder_sites(db: Database, model: str) -> list[str]:
@@ -233,7 +240,10 @@ def lens_figure(spec: Spec, df: pd.DataFrame) -> Figure:
     elif token is None:
         cbar.set_label("probability of the top token (logit lens)")
         head = "Logit lens"
-        what = ("Each cell: the label the classifier's distribution puts first at that "
+        what = ("Each cell: the label that position's vote puts first at that layer, coloured "
+                "by its probability (the head averages its positions: the model's answer is "
+                "the mean of the final row's votes)" if m.get("pooled")
+                else "Each cell: the label the classifier's distribution puts first at that "
                 "layer, coloured by its probability" if m.get("classifier") == "classifier"
                 else "Each cell: the label the zero-shot distribution (softmax over the "
                 "labels) puts first at that layer, coloured by its probability"

@@ -131,6 +131,7 @@ def test_the_lens_picture_writes_label_names_as_they_are(wav2vec2: dict[str, Any
     shown = {name if len(name) <= 8 else name[:7] + "…" for name in LABELS.values()}
     assert shown & set(texts)  # cells name their top label (cut at 8 characters), as is
     assert not any("␣" in t for t in texts)
+    assert any("position's vote" in t for t in texts)  # what one row's lens is, said
 
 
 def test_a_head_beside_the_class_token_is_refused_and_said(tmp_path: Path) -> None:
