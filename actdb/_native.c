@@ -5,6 +5,9 @@
    against the module's output, the GIL released, on the calling thread or shared with a pool
    of POSIX threads (below, "The hook's rows shared among threads").
 
+   f16_dots_crc(x, v, out, rows, crcs): f16_dots with each chunk's CRC-32C checked in the same
+   pass (where DOTS_CRC; _native_crc.c).
+
    read_chunks(paths, buf, nbytes, crc, check[, crcs]): the chunk files of a run read into their
    places in one buffer and their CRC-32C checked (and handed back, for the digests recorded for
    their places), with the GIL released for the whole run (below).
@@ -357,6 +360,63 @@ done:
     PyBuffer_Release(&x);
     PyBuffer_Release(&v);
     PyBuffer_Release(&out);
+    return result;
+}
+
+/* f16_dots_crc(x, v, out, rows, crcs) -> int: f16_dots's products (the AVX2 path's bits)
+   with each chunk of `rows` rows checked against its CRC-32C, crcs[c] (uint32), in the same
+   pass (dots_crc_avx512 in _native_crc.c); the first chunk that fails, or -1; the GIL
+   released. Where DOTS_CRC (AVX2, FMA, F16C and the AVX-512 CRC path), for d a multiple of 64
+   and whole chunks. */
+static int dots_crc_ok(void) {
+#ifdef ACTDB_X86
+    return chosen == dots_avx2 && crc_best == CRC_AVX512;
+#else
+    return 0;
+#endif
+}
+
+static PyObject *f16_dots_crc(PyObject *self, PyObject *args) {
+    Py_buffer x, v, out, crcs;
+    Py_ssize_t rows;
+    if (!PyArg_ParseTuple(args, "y*y*w*ny*", &x, &v, &out, &rows, &crcs)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (check(&x, 2, "x") || check(&v, 4, "v") || check(&out, 4, "out") ||
+        check(&crcs, 4, "crcs")) {
+        goto done;
+    }
+    Py_ssize_t d = v.len / 4, n = out.len / 4;
+    if (d == 0 || x.len / 2 % d != 0 || x.len / 2 / d != n) {
+        PyErr_Format(PyExc_ValueError, "f16_dots_crc: x holds %zd values, not %zd rows of %zd",
+                     x.len / 2, n, d);
+        goto done;
+    }
+    if (!dots_crc_ok()) {
+        PyErr_SetString(PyExc_RuntimeError, "f16_dots_crc: not on this CPU (DOTS_CRC)");
+        goto done;
+    }
+    if (d % 64 != 0 || rows <= 0 || n % rows != 0 || crcs.len / 4 != n / rows) {
+        PyErr_Format(PyExc_ValueError,
+                     "f16_dots_crc: %zd rows of %zd values in chunks of %zd rows, with %zd "
+                     "CRCs (d a multiple of 64, whole chunks, a CRC a chunk)",
+                     n, d, rows, crcs.len / 4);
+        goto done;
+    }
+    Py_ssize_t bad = -1;
+#ifdef ACTDB_X86
+    Py_BEGIN_ALLOW_THREADS
+    bad = dots_crc_avx512((const uint16_t *)x.buf, (const float *)v.buf, (float *)out.buf, n, d,
+                          rows, (const uint32_t *)crcs.buf);
+    Py_END_ALLOW_THREADS
+#endif
+    result = PyLong_FromSsize_t(bad);
+done:
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&crcs);
     return result;
 }
 
@@ -983,6 +1043,10 @@ static PyMethodDef methods[] = {
      "f16_dots(x, v, out, portable=False): out[i] = sum_j x[i, j] * v[j], x float16 [n, d] "
      "C-contiguous, v float32 [d], out float32 [n]; each row reduced on its own in a fixed "
      "order; the GIL released. portable=True runs the plain C path (tests)."},
+    {"f16_dots_crc", f16_dots_crc, METH_VARARGS,
+     "f16_dots_crc(x, v, out, rows, crcs) -> int: f16_dots's products with each chunk of "
+     "`rows` rows checked against its CRC-32C crcs[c] in the same pass; the first chunk that "
+     "fails, or -1; the GIL released. Where DOTS_CRC, for d a multiple of 64."},
     {"crc32c", py_crc32c, METH_VARARGS,
      "crc32c(data, path=None): the CRC-32C of a buffer's bytes, the GIL released; on the "
      "fastest path this CPU has (CRC_PATH), or on `path`, one of CRC_PATHS (tests)."},
@@ -1017,7 +1081,8 @@ PyMODINIT_FUNC PyInit__native(void) {
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddStringConstant(m, "PATH", chosen_name) < 0 ||
-                      crc_add_constants(m) < 0)) {
+                      crc_add_constants(m) < 0 ||
+                      PyModule_AddObject(m, "DOTS_CRC", PyBool_FromLong(dots_crc_ok())) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -142,10 +142,8 @@ class RunWalk:
     def dots(self, r: int, vv: np.ndarray) -> np.ndarray:
         """float32: every row of run r (a field of unit directions, no heads) dotted with
         `vv`, read now (the run is not kept: its products are; counted where used)."""
-        data = self._load(r)()
-        out = np.empty(len(data), dtype=np.float32)
-        _native.f16_dots(data, vv, out)
-        return out
+        return self.reader.store.arrays.read_dots(*self.where, r * RUN_CHUNKS, self.count(r),
+                                                  vv)
 
 
 

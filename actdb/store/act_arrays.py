@@ -13,7 +13,7 @@ import numpy as np
 from . import durable
 from .array_group import ArrayGroup, ArrayInfo, Layout
 from .chunk_reads import ChunkReader
-from .chunks import RawLayout
+from .chunks import RawLayout, row_dots
 from .digests import WrittenDigests, chunk_digest
 from .lens_layout import LENS_FIELDS, lens_shapes
 from .object_chunks import ShardedChunks
@@ -210,6 +210,18 @@ class ActArrays:
                                 expect=self.reader.expect(raw.label))
         parts = [self.read_chunk(model_id, site, field, first + i) for i in range(count)]
         return parts[0] if count == 1 else np.concatenate(parts)
+
+    def read_dots(self, model_id: int, site: str, field: str, first: int, count: int,
+                  v: np.ndarray) -> np.ndarray:
+        """float32: the rows of chunks `first` .. `first + count - 1` of a site's float16
+        field dotted with `v` (float32 [d]) by the compiled product, each chunk checked as
+        `read_chunks` checks it (where the chunk files are read raw, its checksum in the
+        product's own pass: RawLayout.read_run_dots)."""
+        raw = self.layout(model_id, site, field)
+        if isinstance(raw, RawLayout):
+            return raw.read_run_dots(first, count, v, check=self.reader.check_checksums,
+                                     expect=self.reader.expect(raw.label))
+        return row_dots(self.read_chunks(model_id, site, field, first, count), v)
 
     # -- writing -----------------------------------------------------------------------------
 

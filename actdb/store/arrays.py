@@ -180,6 +180,10 @@ class Arrays:
                     count: int) -> np.ndarray:
         return self.acts.read_chunks(model_id, site, field, first, count)
 
+    def read_dots(self, model_id: int, site: str, field: str, first: int, count: int,
+                  v: np.ndarray) -> np.ndarray:
+        return self.acts.read_dots(model_id, site, field, first, count, v)
+
     def write_whole_chunks(self, model_id: int, site: str, start: int,
                            direction: np.ndarray) -> tuple[int, int]:
         return self.acts.write_whole_chunks(model_id, site, start, direction)

@@ -40,6 +40,9 @@ except ImportError:  # pragma: no cover - a build without a C compiler
 # Whether the compiled reader hands each chunk's stored CRC back (`crcs`): a module built from
 # an older _native.c does not, and the digests are then checked from the bytes instead.
 _NATIVE_CRCS = _native is not None and "crcs" in (_native.read_chunks.__doc__ or "")
+# Whether the compiled product checks chunks' CRC-32Cs in its own pass on this CPU.
+_NATIVE_DOTS_CRC = _NATIVE_CRCS and bool(getattr(_native, "DOTS_CRC", False))
+_F16 = np.dtype("<f2")
 
 CRC_BYTES = 4
 
@@ -62,6 +65,15 @@ class Expect(Protocol):
 
     def check_run(self, fmt: Any, first: int, count: int, buf: np.ndarray,
                   stored: np.ndarray | None) -> None: ...
+
+
+def row_dots(data: np.ndarray, v: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """float32: each row of float16 `data` [rows, d] dotted with float32 `v` [d] by the
+    compiled product (`f16_dots`; the query layer's callers have the compiled module)."""
+    if out is None:
+        out = np.empty(len(data), dtype=np.float32)
+    _native.f16_dots(np.ascontiguousarray(data), v, out)
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,6 +216,36 @@ class RawLayout(ChunkFormat):
         if expect is not None:
             expect.check_run(self, first, count, buf, stored)
         return buf.view(self.dtype).reshape(count * self.shape[0], *self.shape[1:])
+
+    def read_run_dots(self, first: int, count: int, v: np.ndarray, *, check: bool = True,
+                      expect: Expect | None = None) -> np.ndarray:
+        """float32: the rows of chunks `first` .. `first + count - 1` (float16 [rows, d])
+        dotted with `v` (float32 [d]) by the compiled product (`f16_dots`), each chunk's
+        file checked as `read_run` checks it.
+
+        Where the CPU allows (`_native.DOTS_CRC`, d a multiple of 64), each chunk's CRC-32C
+        is checked in the product's own pass over its bytes (`f16_dots_crc`), where a
+        separate pass cost a scan more than the product itself. A chunk missing, of the
+        wrong size or failing its checksum is then read again the checked way, which names
+        the first problem of the run as `read_run` does (or, a chunk whole this time, gives
+        the products of bytes that passed)."""
+        rows = self.shape[0]
+        out = np.empty(count * rows, dtype=np.float32)
+        if (not (check and self.crc and _native is not None and _NATIVE_DOTS_CRC)
+                or len(self.shape) != 2 or self.shape[1] % 64 or self.dtype != _F16):
+            return row_dots(self.read_run(first, count, check=check, expect=expect), v, out)
+        nbytes = self.nbytes
+        buf = np.empty(count * nbytes, dtype=np.uint8)
+        stored = np.empty(count, dtype=np.uint32)
+        paths = [os.fsencode(self.path(first + i)) for i in range(count)]
+        # sizes checked, checksums handed back unchecked: checked below, with the product
+        sizes = _native.read_chunks(paths, buf, nbytes, True, False, stored)
+        if (len(sizes) == count and all(size == self.file_bytes for size in sizes)
+                and _native.f16_dots_crc(buf.view(self.dtype), v, out, rows, stored) < 0):
+            if expect is not None:
+                expect.check_run(self, first, count, buf, stored)
+            return out
+        return row_dots(self.read_run(first, count, check=True, expect=expect), v, out)
 
     def stat(self, chunk: int) -> None:
         """The structural check of one chunk: its file exists with the right size."""
