@@ -1,34 +1,68 @@
-"""A block's attention weights, per head, read from probe passes (weights.py says how)."""
+"""A block's attention weights, per head, read from what its projections did in the log pass
+and in two probe passes (weights.py says how; attention_probes.py runs the passes): the plan
+from the log pass, the values from the one-token pass, the queries and keys from the
+two-token pass with perturbed columns."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .capture import first_tensor, output_tensor
 from .rotary import attention_scale
 from .weight_probes import (
-    Stop,
     Unmapped,
     affine,
     count_heads,
-    hooked,
     projections_of,
-    run_probe,
     same,
     tolerance,
 )
 from .weight_records import AttentionWeights
 
 
-def find_attention(model: nn.Module, target: nn.Module, layer: int, path: str,
-               calls: Mapping[str, Any], config: Any, d_model: int,
-               ids1: torch.Tensor, ids2: torch.Tensor
-               ) -> tuple[AttentionWeights, torch.Tensor | None]:
-    """The attention's weights per head, and the input its projections read."""
+@dataclass(frozen=True, kw_only=True)
+class AttentionPlan:
+    """One block's attention as the log pass shows it: which projections read its input and
+    which writes the model width, and their matrices."""
+
+    layer: int
+    path: str
+    module: nn.Module  # the attention module at `path`
+    leaves: dict[str, nn.Module]  # its projections that ran
+    readers: list[str]  # the projections reading the attention's input, in call order
+    writer: str
+    x: torch.Tensor | None  # the input the readers read
+    n_heads: int
+    d_head: int
+    width: int  # what the writer reads: n_heads * d_head
+    w_o: torch.Tensor
+    b_o: torch.Tensor | None
+    mats: dict[str, tuple[torch.Tensor, torch.Tensor | None]]  # each reader's (W, b)
+    offsets: dict[str, int]  # each reader's first column among all readers' columns
+    n_cols: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype if self.x is not None else torch.float32
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValueMap:
+    """Which reader columns are each head's values, and the blocks of d_head columns left
+    (the queries' and keys')."""
+
+    starts: list[int]  # each key-value head's first value column
+    kv_of_head: tuple[int, ...]
+    qk_blocks: list[list[int]]
+
+
+def plan_attention(model: nn.Module, layer: int, path: str, calls: Mapping[str, Any],
+                   config: Any, d_model: int) -> AttentionPlan:
+    """The attention at `path` as the log pass `calls` shows it."""
     attn = model.get_submodule(path)
     leaves = {p: m for p, m in projections_of(model, path).items() if p in calls}
     if not leaves:
@@ -50,39 +84,31 @@ def find_attention(model: nn.Module, target: nn.Module, layer: int, path: str,
     if n_heads is None or width % n_heads:
         raise Unmapped(f"the output projection reads {width} values, not a whole number of "
                         f"heads ({n_heads})")
-    dh = width // n_heads
     mats = {p: affine(leaves[p], calls[p].input, calls[p].output) for p in readers}
     offsets, at = {}, 0
     for p in readers:
         offsets[p], at = at, at + int(mats[p][0].shape[0])
-    n_cols = at
+    return AttentionPlan(layer=layer, path=path, module=attn, leaves=leaves, readers=readers,
+                         writer=writer, x=x, n_heads=n_heads, d_head=width // n_heads,
+                         width=width, w_o=w_o, b_o=b_o, mats=mats, offsets=offsets, n_cols=at)
 
-    # One token: the writer's input is the values themselves.
-    rec: dict[str, torch.Tensor] = {}
-    rec_dtype = [x.dtype if x is not None else torch.float32]
 
-    def keep(name: str, stop: bool = False) -> Any:
-        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            t = first_tensor(args, kwargs) if name == "o_in" else output_tensor(output)
-            if t is not None:
-                rec[name] = t.detach().double()
-            if stop:
-                raise Stop
-        return hook
-
-    with hooked([(leaves[p], keep(p)) for p in readers]
-                 + [(leaves[writer], keep("o_in", stop=True))]):
-        run_probe(target, ids1)
-    if "o_in" not in rec or any(p not in rec for p in readers):
+def map_values(plan: AttentionPlan, rec: Mapping[str, torch.Tensor]) -> ValueMap:
+    """The values, from a one-token pass (`rec`: each reader's output and the writer's input
+    as "o_in", float64): with one key, softmax gives it the weight 1, so the writer's input
+    is each head's value itself."""
+    if "o_in" not in rec or any(p not in rec for p in plan.readers):
         raise Unmapped("its projections do not run on a one-token input")
-    cols = torch.cat([rec[p].reshape(-1, rec[p].shape[-1]) for p in readers], dim=1)  # [B, C]
+    n_heads, dh, width = plan.n_heads, plan.d_head, plan.width
+    cols = torch.cat([rec[p].reshape(-1, rec[p].shape[-1]) for p in plan.readers],
+                     dim=1)  # [B, C]
     o_in = rec["o_in"].reshape(-1, width)  # [B, H*dh]
     scale = cols.abs().amax(0).clamp_min(1e-30)
     v_col = []
     for s in range(width):
         diff = (cols - o_in[:, s : s + 1]).abs().amax(0) / scale
         j = int(diff.argmin())
-        if float(diff[j]) > max(1e-4, tolerance(x.dtype)):
+        if float(diff[j]) > max(1e-4, tolerance(plan.dtype)):
             raise Unmapped("a head's value is not a column of the projections reading the "
                             "residual (values through a latent, or a gated output)")
         v_col.append(j)
@@ -93,51 +119,50 @@ def find_attention(model: nn.Module, target: nn.Module, layer: int, path: str,
     kv_of_head = tuple(starts.index(int(s)) for s in vt[:, 0])
     n_kv = len(starts)
     v_cols = {c for s in starts for c in range(s, s + dh)}
-    rest = [c for c in range(n_cols) if c not in v_cols]
+    rest = [c for c in range(plan.n_cols) if c not in v_cols]
     if len(rest) != (n_heads + n_kv) * dh:
         raise Unmapped(f"{len(rest)} query and key columns for {n_heads} query and {n_kv} "
                         f"key-value heads of {dh}")
     qk_blocks = [rest[k : k + dh] for k in range(0, len(rest), dh)]
     if any(b[-1] - b[0] != dh - 1 for b in qk_blocks):
         raise Unmapped("a query or key block is not consecutive columns")
+    return ValueMap(starts=starts, kv_of_head=kv_of_head, qk_blocks=qk_blocks)
 
-    # Two tokens: a row left as is, and per block four rows changing it at the first or the
-    # second token, by a large vector or its negative: a softmax that the baseline saturates
-    # (a token attending to one key alone) is pushed off it by one of the two signs.
-    n_rows = 1 + 4 * len(qk_blocks)
-    ids = ids2[:1].expand(n_rows, -1).contiguous()
-    gen = torch.Generator().manual_seed(layer)
 
-    def perturb(p: str) -> Any:
-        lo = offsets[p]
-        width_p = int(mats[p][0].shape[0])
+def perturb(plan: AttentionPlan, values: ValueMap, reader: str, n_rows: int,
+            gen: torch.Generator, y: torch.Tensor) -> torch.Tensor:
+    """`reader`'s output `y` over a two-token pass of `n_rows` equal rows, with, per block
+    of query or key columns, four rows changed at the first or the second token, by a large
+    vector or its negative: a softmax that the baseline saturates (a token attending to one
+    key alone) is pushed off it by one of the two signs. Row 0 is left as is."""
+    lo = plan.offsets[reader]
+    width_p = int(plan.mats[reader][0].shape[0])
+    y = y.clone()
+    flat = y.reshape(n_rows, -1, width_p)
+    for b, block in enumerate(values.qk_blocks):
+        cs = [c - lo for c in block if lo <= c < lo + width_p]
+        if not cs:
+            continue
+        amp = 10.0 * (float(flat[:, :, cs].abs().max()) + 1.0)
+        for pos in (0, 1):
+            noise = torch.randn(len(cs), generator=gen).to(y) * amp
+            flat[1 + 4 * b + 2 * pos, pos, cs] += noise
+            flat[2 + 4 * b + 2 * pos, pos, cs] -= noise
+    return y
 
-        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-            y = output_tensor(output)
-            assert y is not None
-            y = y.clone()
-            flat = y.reshape(n_rows, -1, width_p)
-            for b, block in enumerate(qk_blocks):
-                cs = [c - lo for c in block if lo <= c < lo + width_p]
-                if not cs:
-                    continue
-                amp = 10.0 * (float(flat[:, :, cs].abs().max()) + 1.0)
-                for pos in (0, 1):
-                    noise = torch.randn(len(cs), generator=gen).to(y) * amp
-                    flat[1 + 4 * b + 2 * pos, pos, cs] += noise
-                    flat[2 + 4 * b + 2 * pos, pos, cs] -= noise
-            if isinstance(output, tuple):
-                return (y, *output[1:])
-            return y
-        return hook
 
-    rec.clear()
-    with hooked([(leaves[p], perturb(p)) for p in readers]
-                 + [(leaves[writer], keep("o_in", stop=True))]):
-        run_probe(target, ids)
-    o2 = rec["o_in"].reshape(n_rows, -1, width)[:, -1].reshape(n_rows, n_heads, dh)
+def map_heads(plan: AttentionPlan, values: ValueMap, o_in: torch.Tensor) -> AttentionWeights:
+    """The weights per head, from the writer's input `o_in` (float64) over the perturbed
+    two-token pass: a key block changed at the first token changes what the second token's
+    heads read, a query block does not; changed at the second token, a query block changes
+    its one head, a key block every head of its group."""
+    n_heads, dh, width = plan.n_heads, plan.d_head, plan.width
+    qk_blocks, kv_of_head, starts = values.qk_blocks, values.kv_of_head, values.starts
+    n_kv = len(starts)
+    n_rows = o_in.shape[0]
+    o2 = o_in.reshape(n_rows, -1, width)[:, -1].reshape(n_rows, n_heads, dh)
     # Rows computed apart from the change agree to rounding (a batch's rows may round apart)
-    tol = tolerance(rec_dtype[0]) * (float(o2[0].abs().max()) or 1.0)
+    tol = tolerance(plan.dtype) * (float(o2[0].abs().max()) or 1.0)
     moved = (o2 - o2[:1]).abs().amax(-1) > tol  # [R, H]
     q_of: dict[int, list[int]] = {}
     k_of: dict[int, list[int]] = {}
@@ -163,11 +188,12 @@ def find_attention(model: nn.Module, target: nn.Module, layer: int, path: str,
             len(v) != dh for v in (*q_of.values(), *k_of.values())):
         raise Unmapped("queries and keys do not map one block a head")
 
-    w_all = torch.cat([mats[p][0] for p in readers], dim=0)  # [C, d], the model's values
-    biases = [mats[p][1] for p in readers]
+    mats = plan.mats
+    w_all = torch.cat([mats[p][0] for p in plan.readers], dim=0)  # [C, d], the model's values
+    biases = [mats[p][1] for p in plan.readers]
     b_all = None if all(b is None for b in biases) else torch.cat(
         [torch.zeros(int(mats[p][0].shape[0]), dtype=w_all.dtype, device=w_all.device)
-         if b is None else b for p, b in zip(readers, biases, strict=True)])
+         if b is None else b for p, b in zip(plan.readers, biases, strict=True)])
 
     def take(order: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
         idx = torch.tensor(order, device=w_all.device)  # [heads, dh]
@@ -177,6 +203,6 @@ def find_attention(model: nn.Module, target: nn.Module, layer: int, path: str,
     w_k, b_k = take([k_of[j] for j in range(n_kv)])
     w_v, b_v = take([list(range(s, s + dh)) for s in starts])
     return AttentionWeights(
-        layer=layer, module=path, w_q=w_q, w_k=w_k, w_v=w_v,
-        w_o=w_o.t().reshape(n_heads, dh, -1), b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
-        kv_of_head=kv_of_head, scale=attention_scale(attn)), x
+        layer=plan.layer, module=plan.path, w_q=w_q, w_k=w_k, w_v=w_v,
+        w_o=plan.w_o.t().reshape(n_heads, dh, -1), b_q=b_q, b_k=b_k, b_v=b_v, b_o=plan.b_o,
+        kv_of_head=kv_of_head, scale=attention_scale(plan.module))

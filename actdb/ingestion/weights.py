@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention_weights import find_attention
+from .attention_probes import MODEL_ERRORS, Probed, failed, find_attentions
+from .attention_weights import AttentionPlan, plan_attention
 from .capture import record_calls
 from .mlp_weights import find_mlp
 from .rotary import find_rotary
@@ -104,20 +105,34 @@ def extract(model: nn.Module, found: list[FoundSite], tokens: list[int], *,
                      if same(c.output, x)), None)
 
     out = ModelWeights(attention=[], mlps=[], refused=[], rotary=find_rotary(model))
+    # Every block's attention first: their probe passes run over all blocks at once
+    # (attention_probes.py).
+    attn_paths: dict[int, str] = {}
+    probed: dict[int, Probed] = {}
+    plans: list[AttentionPlan] = []
+    for i in range(blocks.n):
+        path = next((p for p, (k, j) in sublayers.items() if j == i and k == "attn"
+                     and p in calls), None)
+        if path is None:
+            continue
+        attn_paths[i] = path
+        try:
+            plans.append(plan_attention(model, i, path, calls, config, d_model))
+        except Unmapped as e:
+            probed[i] = str(e)
+        except MODEL_ERRORS as e:  # the model's own
+            probed[i] = failed(e)
+    probed.update(find_attentions(plans, target, ids1, ids2))
     for i in range(blocks.n):
         mine = {p: k for p, (k, j) in sublayers.items() if j == i}
-        attn_path = next((p for p, k in mine.items() if k == "attn" and p in calls), None)
+        attn_path = attn_paths.get(i)
         if attn_path is not None:
-            try:
-                a, x = find_attention(model, target, i, attn_path, calls, config, d_model, ids1,
-                                  ids2)
+            got = probed[i]
+            if isinstance(got, str):
+                out.refused.append(Refusal(layer=i, part="attn", module=attn_path, reason=got))
+            else:
+                a, x = got
                 out.attention.append(replace(a, reads=reads(x)))
-            except Unmapped as e:
-                out.refused.append(Refusal(layer=i, part="attn", module=attn_path,
-                                           reason=str(e)))
-            except (RuntimeError, ValueError, IndexError, TypeError) as e:  # the model's own
-                out.refused.append(Refusal(layer=i, part="attn", module=attn_path,
-                                           reason=f"its probe pass failed ({first_line(e)})"))
         mlp_path = next((p for p, k in mine.items() if k == "mlp" and p in calls), None)
         block_leaves = [p for _, cp, _ in blocks.children(model, i) if cp not in sublayers
                         for p in projections_of(model, cp) if p in calls]
