@@ -70,7 +70,7 @@ SCALES = {
 # The workloads on the synthetic scan store, and those that ingest a model of their own.
 SCAN_WORKLOADS = ("full-scan", "selective", "nearest", "contention", "functions", "aggregates",
                   "start-up", "memory", "storage")
-WORKLOADS = ("ingest", "recompute", "lens", "images", *SCAN_WORKLOADS)
+WORKLOADS = ("ingest", "recompute", "lens", "lens-computed", "images", *SCAN_WORKLOADS)
 
 
 def _workloads(text: str) -> set[str]:
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", default=None, type=_workloads,
                     help="a comma-separated list of the workloads to run, of "
                          f"{', '.join(WORKLOADS)} (full-scan: the full scan and its checksum "
-                         "cost; recompute runs the lens looked up too); all by default")
+                         "cost; recompute runs the lens looked up and the lens computed "
+                         "too); all by default")
     ap.add_argument("--device", default="cpu",
                     help="where queries, the ingest and the torch baselines run: cpu or cuda")
     ap.add_argument("--keep-going", action="store_true",
@@ -134,11 +135,15 @@ def main(argv: list[str] | None = None) -> None:
         if "ingest" in only:
             step("1. Ingest overhead",
                  lambda: ingest_cost.ingest_overhead(scale, work, repeats))
-        if "recompute" in only:
+        if only & {"recompute", "lens-computed"}:
+            import lens_computed
             import stored_vs_recompute as svr
 
             ingested = svr.Ingested.build(scale, work)
-            step("17. Stored vs recompute", lambda: svr.angle_query(ingested, repeats))
+            if "recompute" in only:
+                step("17. Stored vs recompute", lambda: svr.angle_query(ingested, repeats))
+            step("22. The lens computed",
+                 lambda: lens_computed.lens_computed(ingested, repeats))
         if only & {"recompute", "lens"}:
             import lens_lookup
 
