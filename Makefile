@@ -14,7 +14,7 @@ PICTURES ?= demo-pictures
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml actdb/_native.c actdb/_native_vocab.c actdb/_native_crc.c
+$(VENV)/.installed: pyproject.toml actdb/_native.c actdb/_native_vocab.c actdb/_native_crc.c actdb/_native_rank.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev,demo,serve]"

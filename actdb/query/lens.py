@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import QueryError
 from ..lazy import lazy_module
-from . import vocab_scan
+from . import vocab_rank, vocab_scan
 from .dots import row_dots
 from .kernels import Arg, _final_normed, _head_groups, _per_value, _require_width, _to_logits
 from .lists import ListResults, float_lists
@@ -167,6 +167,10 @@ def token_rank(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, tt
         slow = []
         for lo, _hi, ok, head in _fast_blocks(src, model, hn):
             at = torch.nonzero(ok).flatten() + lo
+            if head is not None and len(at) and vocab_rank.usable():
+                got, done = vocab_rank.ranks(hn[at], w, b, tid[at], vocab_rank.pack(w))
+                out[rows[at[done].numpy()]] = got.rank[done].double().numpy()
+                at = at[~done]  # integer sums that might overflow: the bfloat16 kernel's
             if head is not None and len(at):
                 got = vocab_scan.ranks(hn[at], w, b, tid[at], head)
                 out[rows[at.numpy()]] = got.rank.double().numpy()

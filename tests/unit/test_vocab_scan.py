@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from actdb.query import vocab_rank as vr
 from actdb.query import vocab_scan as vs
 
 pytestmark = pytest.mark.skipif(
@@ -97,6 +98,80 @@ def test_rank_equals_the_exact_rank(bias):
         assert got.band[5] == V and got.rank[5] == 1
 
 
+@pytest.mark.skipif(not vr.usable(), reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.parametrize("bias,width", [(False, D), (True, D), (True, D - 1)])
+def test_rank16_equals_the_exact_rank(bias, width):
+    """token_rank's 16-bit integer pass (vocab_rank.py): the same exact ranks, on the same
+    adversarial rows (and an odd width, the last pair half zero)."""
+    x, w, b, tid = adversarial(1, bias)
+    x, w = np.ascontiguousarray(x[:, :width]), np.ascontiguousarray(w[:, :width])
+    s = exact_logits(x, w, b)
+    want = 1 + (s > s[np.arange(len(x)), tid][:, None]).sum(-1)
+    wt, bt = torch.from_numpy(w), None if b is None else torch.from_numpy(b)
+    got, done = vr.ranks(torch.from_numpy(x), wt, bt, torch.from_numpy(tid), vr.pack(wt))
+    assert done.all()
+    np.testing.assert_array_equal(got.rank.numpy(), want)
+    mag = (np.abs(x.astype(np.float64)) * np.abs(w[tid].astype(np.float64))).sum(-1)
+    err = np.abs(got.logit.numpy() - s[np.arange(len(x)), tid])
+    assert (err <= width * 2.0**-53 * mag + 2.0**-52 * np.abs(got.logit.numpy())).all()
+    assert (got.band.numpy()[np.arange(len(x)) != 5] >= 3).all()
+    if b is None:
+        assert got.band[5] == V and got.rank[5] == 1
+    # the band is the kernel's, not the vocabulary: a few near-ties and the row's neighbours
+    assert np.median(got.band.numpy()) < V / 4
+
+
+@pytest.mark.skipif(not vr.usable(), reason="no AVX-512 VNNI on this CPU")
+def test_rank16_holds_where_each_rounding_is_near_its_bound():
+    """Rows and tokens built so that the integer product misses by most of one term of its
+    bound (x's rounding aligned with a token's row, or a token's rounding aligned with x),
+    and a token's exact logit sits just above the target's: only the whole bound keeps it
+    in the band (a spike of 32767 steps fixes each scale, so the roundings are as built)."""
+    g = np.random.default_rng(7)
+    d, s, st = 64, 2.0**-10, 2.0**-12
+    w = (g.standard_normal((40, d)) * 0.05).astype(np.float32)
+    x = np.zeros((4, d), dtype=np.float64)
+    # row 0: x's rounding (0.49 of a step) along token 0's signs
+    x[0, 0] = 32767 * s
+    x[0, 1:] = s * (g.integers(-1000, 1000, d - 1) + 0.49 * np.sign(w[0, 1:]))
+    # row 1: x exact in its steps; token 1's rounding (0.49 of a step) along x's signs
+    q = g.integers(-1000, 1000, d)
+    q[0] = 32767
+    x[1] = s * q
+    w[1] = st * (np.r_[32767, g.integers(-1000, 1000, d - 1) + 0.49 * np.sign(q[1:])])
+    x[2:] = g.standard_normal((2, d)) * 3
+    x = x.astype(np.float32)
+    x64 = x.astype(np.float64)
+    tid = np.array([2, 3, 4, 5])
+    for i, (a, gap) in enumerate([(0, 5 * s * 0.05), (1, 5000 * s * st)]):
+        # the target: token a moved along x to `gap` below it
+        w[tid[i]] = (w[a] - gap * x64[i] / (x64[i] @ x64[i])).astype(np.float32)
+    s_ = exact_logits(x, w, None)
+    assert s_[0, 0] > s_[0, 2] and s_[1, 1] > s_[1, 3]
+    want = 1 + (s_ > s_[np.arange(4), tid][:, None]).sum(-1)
+    wt = torch.from_numpy(w)
+    head = vr.pack(wt)
+    assert head.sw[1] == np.float32(st)
+    r = vr.rows(torch.from_numpy(x[:2]), head)
+    assert r.sx[:2].tolist() == [s, s]
+    got, done = vr.ranks(torch.from_numpy(x), wt, None, torch.from_numpy(tid), head)
+    assert done.all()
+    np.testing.assert_array_equal(got.rank.numpy(), want)
+
+
+@pytest.mark.skipif(not vr.usable(), reason="no AVX-512 VNNI on this CPU")
+def test_rank16_leaves_rows_whose_sums_could_overflow():
+    from dataclasses import replace
+
+    x, w, _, tid = adversarial(2, False)
+    wt = torch.from_numpy(w)
+    head = vr.pack(wt)
+    assert 0 < head.p2max < 2**31
+    _, done = vr.ranks(torch.from_numpy(x), wt, None, torch.from_numpy(tid),
+                       replace(head, p2max=2**40))
+    assert done.tolist() == [i == 5 for i in range(len(x))]  # the zero row's sums are 0
+
+
 def test_rank_of_rows_of_mixed_targets_in_one_call_matches_each_alone():
     x, w, _, tid = adversarial(2, False)
     wt = torch.from_numpy(w)
@@ -176,6 +251,10 @@ def test_threads_share_the_vocabulary_with_the_same_answers(monkeypatch):
     s1 = vs.lse(torch.from_numpy(x), head, moments=True)
     monkeypatch.setattr(vs, "threads_for", lambda flops, device=None: 3)
     three = vs.ranks(torch.from_numpy(x), wt, None, torch.from_numpy(tid), head).rank
+    if vr.usable():
+        monkeypatch.setattr(vr, "threads_for", lambda flops, device=None: 3)
+        r16, _ = vr.ranks(torch.from_numpy(x), wt, None, torch.from_numpy(tid), vr.pack(wt))
+        assert r16.rank.tolist() == one.tolist()
     s3 = vs.lse(torch.from_numpy(x), head, moments=True)
     assert one.tolist() == three.tolist()
     # each thread sums exp(a - m) from its own largest value: the same within the
