@@ -45,9 +45,11 @@ def lens_computed(data: Ingested, repeats: int) -> list[Result]:
     stored_top = df.pivot(index="layer", columns="position", values="top_id").to_numpy()
     pic_agree = float((stored_top == top).mean())
     # Each round of the rank question runs the model over every batch: 3 rounds at least.
+    # The answers just compared were each side's warm-up.
     rounds = max(repeats, 3)
-    timed = paired(ranks, lambda: recompute_ranks(data.g), rounds)
-    timed_pic = paired(picture, lambda: recompute_picture(data.g, 0), max(repeats, 5))
+    timed = paired(ranks, lambda: recompute_ranks(data.g), rounds, warmup=False)
+    timed_pic = paired(picture, lambda: recompute_picture(data.g, 0), max(repeats, 5),
+                       warmup=False)
     db.close()
     g = data.g
     rank = Result(
