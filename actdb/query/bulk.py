@@ -129,7 +129,9 @@ class BulkEvaluator:
             self.rows_bulk += len(h)
         if exact:
             at = np.concatenate(exact) if len(exact) > 1 else exact[0]
-            sub = self._exact(handles[at], [a.take(pa.array(at)) for a in rest])
+            # the arguments are constants (`key`): broadcast from one row, as a window's are,
+            # not taken row by row and dictionary-encoded back to their one value
+            sub = self._exact(handles[at], rest, constant=True)
             if self.scalar:
                 out[at] = sub
             else:
@@ -189,11 +191,14 @@ class BulkEvaluator:
             _, gone = self._windows.popitem(last=False)
             self._cached -= len(gone)
 
-    def _exact(self, handles: np.ndarray, rest: list[pa.Array]) -> Any:
-        """The kernel over exactly these rows."""
+    def _exact(self, handles: np.ndarray, rest: list[pa.Array], *, constant: bool = False
+               ) -> Any:
+        """The kernel over exactly these rows (`constant`: each column of `rest` holds one
+        value, for all of them)."""
         self.rows_exact += len(handles)
         out: Any = np.full(len(handles), np.nan) if self.scalar else ListResults(len(handles))
-        args = self.convert(rest)
+        args = (self.broadcast([a.slice(0, 1) for a in rest], len(handles)) if constant
+                else self.convert(rest))
         vecs: list[Any] = [handles]
         self.kernel(self.src, *vecs, out, *args)
         return out

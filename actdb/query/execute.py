@@ -368,38 +368,46 @@ class Functions:
                 side_effects=False,
             )
             self._udfs.add("_handle")
-        # Filled from lists bound as parameters: registering an Arrow table makes DuckDB
-        # import pandas, a second of CPU.
+        have = {r[0] for r in con.execute("SELECT * FROM tokens LIMIT 0").description or []}
+        site_cols = {r[0] for r in con.execute("SELECT * FROM sites LIMIT 0").description
+                     or []}
+        runs = {r[0] for r in con.execute("SELECT * FROM prompt_runs LIMIT 0").description or []}
+        # Where a model's sites see different grids of positions (grids.py), a site's rows
+        # are its grid's tokens; elsewhere both are NULL and every site has every token.
+        grids = "grid" in have and "grid" in site_cols
+        # An encoder-decoder's rows each belong to one tower (its input's to the encoder, the
+        # tokens its decoder read to the decoder): a row meets that tower's sites only, and
+        # its run (n_tokens) is its tower's. NULL: a row every site sees.
+        towers = "tower" in have and "tower" in runs and "tower" in site_cols
+        # The store's streams, each with its site's columns: one table that the view joins
+        # to the tokens (one join fewer for DuckDB to plan in every query of acts). A site's
+        # row never changes once its model is stored, and the streams are the connection's
+        # own list, so the copy is what joining `sites` would give. Filled from lists bound
+        # as parameters: registering an Arrow table makes DuckDB import pandas, a second of
+        # CPU.
         names = {m.model_id: m.model for m in src.models.values()}
         streams = src.codec.streams
-        con.execute("CREATE OR REPLACE TEMP TABLE _actdb_streams "
-                    "(model VARCHAR, site VARCHAR, head INTEGER, stream BIGINT)")
+        site_extra = "".join(f", s.{c}" for c, on in (("grid", grids), ("tower", towers)) if on)
+        con.execute("CREATE OR REPLACE TEMP TABLE _actdb_streams AS SELECT s.model, s.site, "
+                    f"s.layer, s.role{site_extra}, NULL::INTEGER AS head, NULL::BIGINT AS stream "
+                    "FROM sites s LIMIT 0")
         if streams:
             con.execute(
-                "INSERT INTO _actdb_streams SELECT unnest($1), unnest($2), unnest($3), "
-                "unnest($4)",
+                f"INSERT INTO _actdb_streams SELECT s.model, s.site, s.layer, s.role{site_extra}, "
+                "h.head, h.stream FROM sites s JOIN (SELECT unnest($1) AS model, unnest($2) AS "
+                "site, unnest($3) AS head, unnest($4) AS stream) h ON h.model = s.model AND "
+                "h.site = s.site",
                 [[names[s.model_id] for s in streams],
                  [src.site(s.model_id, s.site_id).site for s in streams],
                  [s.head if s.head >= 0 else None for s in streams],
                  list(range(len(streams)))],
             )
         # the fields word of a raw handle (handles.py), which the view's UDFs take
-        fields = f'(t."row" | (h.stream << {H.STREAM_SHIFT}) | {H.TAG})'
+        fields = f'(t."row" | (s.stream << {H.STREAM_SHIFT}) | {H.TAG})'
         # A store from before images has no patch coordinates: NULL, as for a text position.
-        have = {r[0] for r in con.execute("SELECT * FROM tokens LIMIT 0").description or []}
         patch = ", ".join(f"t.{c}" if c in have else f"NULL::INTEGER AS {c}"
                           for c in ("patch_row", "patch_col", "frame"))
-        # Where a model's sites see different grids of positions (grids.py), a site's rows
-        # are its grid's tokens; elsewhere both are NULL and every site has every token.
-        site_cols = {r[0] for r in con.execute("SELECT * FROM sites LIMIT 0").description
-                     or []}
-        on_grid = (" AND s.grid IS NOT DISTINCT FROM t.grid"
-                   if "grid" in have and "grid" in site_cols else "")
-        # An encoder-decoder's rows each belong to one tower (its input's to the encoder, the
-        # tokens its decoder read to the decoder): a row meets that tower's sites only, and
-        # its run (n_tokens) is its tower's. NULL: a row every site sees.
-        runs = {r[0] for r in con.execute("SELECT * FROM prompt_runs LIMIT 0").description or []}
-        towers = "tower" in have and "tower" in runs and "tower" in site_cols
+        on_grid = " AND s.grid IS NOT DISTINCT FROM t.grid" if grids else ""
         run_tower = " AND r.tower IS NOT DISTINCT FROM t.tower" if towers else ""
         on_grid += " AND (t.tower IS NULL OR t.tower = s.tower)" if towers else ""
         con.execute(f"""
@@ -411,11 +419,10 @@ class Functions:
                    n_tokens - 1 - position AS position_from_end, patch_row, patch_col, frame
             FROM (
                 SELECT t.model, t.prompt_id, t.position, t.token_id, t.token,
-                       s.site, s.layer, s.role, h.head, {fields} AS _fields, r.n_tokens, {patch}
+                       s.site, s.layer, s.role, s.head, {fields} AS _fields, r.n_tokens, {patch}
                 FROM tokens t
                 JOIN prompt_runs r ON r.model = t.model AND r.prompt_id = t.prompt_id{run_tower}
-                JOIN sites s ON s.model = t.model{on_grid}
-                JOIN _actdb_streams h ON h.model = s.model AND h.site = s.site
+                JOIN _actdb_streams s ON s.model = t.model{on_grid}
             )
         """)
         self._acts = True

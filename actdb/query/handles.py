@@ -130,6 +130,14 @@ class Codec:
         self.streams = streams
         return base
 
+    def model_ids(self, lo: int, hi: int) -> int | None:
+        """The model of streams lo .. hi - 1 when they are all of one model's acts (else
+        None)."""
+        models, weights = self._model[lo:hi], self._weight[lo:hi]
+        if not len(models) or weights.any() or models.min() != models.max():
+            return None
+        return int(models[0])
+
     def weight_rows(self, fields: np.ndarray) -> np.ndarray | None:
         """bool [n]: which opened handles name weight rows (None: none can, the common case)."""
         if not self._weight.any():

@@ -199,18 +199,29 @@ def _per_value(args: list[Arg], index: np.ndarray) -> dict[tuple[Any, ...], np.n
 
 def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg,
                      ttype: Arg, anchors: Arg) -> None:
+    # (model, token, its type, anchor set) -> the anchor set's name and width, and the unit
+    # anchor (None: the zero vector), looked up once for all the groups of this call
+    found: dict[tuple[Any, ...], tuple[str, int, torch.Tensor | None]] = {}
     for g in _lm_groups(src, h):
         combos = _per_value([token, ttype, anchors], g.index)
         unit_anchors = {}
         for (t, ty, a), pos in combos.items():
-            a_set = src.weights.anchor_set(g.model, a or None)  # checked before the token
-            _require_anchor_width("cosine_to_anchor", src, g, a_set)
-            tid = src.tokens.resolve_token(g.model, t, ty)
-            anchor = src.weights.anchor(g.model, a_set, tid)  # unit
-            if not bool(anchor.any()):
+            at_model = (g.model.model_id, t, ty, a)
+            if at_model in found:
+                a_set, width, unit = found[at_model]
+                if g.site.d != width:
+                    _require_anchor_width("cosine_to_anchor", src, g, a_set)
+            else:
+                a_set = src.weights.anchor_set(g.model, a or None)  # checked before the token
+                _require_anchor_width("cosine_to_anchor", src, g, a_set)
+                tid = src.tokens.resolve_token(g.model, t, ty)
+                anchor = src.weights.anchor(g.model, a_set, tid)  # unit
+                unit = anchor if bool(anchor.any()) else None
+                found[at_model] = (a_set, g.site.d, unit)
+            if unit is None:
                 out[g.index[pos]] = np.nan  # a token whose anchor is the zero vector
                 continue
-            unit_anchors[(t, ty, a)] = anchor
+            unit_anchors[(t, ty, a)] = unit
         live = {key: combos[key] for key in unit_anchors}
         if g.view == "raw":
             # The stored direction is x / ||x|| already, so no norm to divide by; a zero

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
@@ -245,11 +245,16 @@ class FieldReader:
                 ) -> Iterator[tuple[int, int, np.ndarray]]:
         """`pieces` chunk by chunk (each chunk kept in the cache)."""
         where = (model.model_id, site.site, name)
-        bounds = np.searchsorted(rows, np.arange(first, last + 2) * c)
         # The chunks to read, in order: those holding asked-for rows (every one is read anyway,
         # so reading them ahead costs no byte more), then, when the query walks the array,
         # the chunks that follow; the read-ahead thread stays `readahead` chunks ahead.
-        needed = (np.nonzero(bounds[1:] > bounds[:-1])[0] + first).tolist()
+        bounds: Sequence[int]
+        if first == last:  # one chunk: a selective query's usual group
+            bounds, needed = (0, len(rows)), [first]
+        else:
+            cut = np.searchsorted(rows, np.arange(first, last + 2) * c)
+            bounds = cut.tolist()
+            needed = (np.nonzero(cut[1:] > cut[:-1])[0] + first).tolist()
         upcoming = list(needed)
         if walking:
             # not past this run of committed rows: unused rows between merged shards follow

@@ -301,6 +301,14 @@ class VectorSource:
         if not len(fields):
             return
         top = fields >> H.STREAM_SHIFT  # stream, view and tag
+        # Every word raw (view 0), tagged, of a stream of the store, and of one model's
+        # streams: the rows checked at once (a call's rows are often of several sites).
+        tag = H.TAG >> H.STREAM_SHIFT
+        lo, hi = int(top.min()), int(top.max())
+        if tag <= lo and hi < tag + len(self.codec.streams):
+            model_id = self.codec.model_ids(lo - tag, hi - tag + 1)
+            if model_id is not None and self._in_one_run(model_id, fields & H.ROW_MASK):
+                return
         first = int(top[0])
         streams = [first] if (top == first).all() else np.unique(top).tolist()
         for bits in streams:
@@ -314,16 +322,22 @@ class VectorSource:
     def _check_stored(self, model_id: int, rows: np.ndarray) -> None:
         """Refuse a row that holds no stored token. Per call, not per row, where the rows lie
         within one unbroken run of committed rows (every call of an unsharded store)."""
-        starts, ends = self._segments[model_id]
-        lo, hi = int(rows.min()), int(rows.max())
-        i = int(np.searchsorted(starts, lo, side="right")) - 1
-        if lo >= 0 and i >= 0 and hi < ends[i]:
+        if self._in_one_run(model_id, rows):
             return
+        starts, ends = self._segments[model_id]
         seg = np.searchsorted(starts, rows, side="right") - 1
         stored = (rows >= 0) & (seg >= 0) & (rows < ends[np.maximum(seg, 0)]) if len(
             starts) else np.zeros(len(rows), dtype=bool)
         if not stored.all():
             raise H.unused_row(int(rows[int(np.argmin(stored))]))
+
+    def _in_one_run(self, model_id: int, rows: np.ndarray) -> bool:
+        """Whether `rows` (of model `model_id`) all lie in one unbroken run of committed
+        rows."""
+        starts, ends = self._segments[model_id]
+        lo, hi = int(rows.min()), int(rows.max())
+        i = int(np.searchsorted(starts, lo, side="right")) - 1
+        return lo >= 0 and i >= 0 and hi < ends[i]
 
     def apply_view(self, model: ModelRecord, site: SiteRecord, view: str, x: torch.Tensor,
                    mean: torch.Tensor | None, heads: np.ndarray | None = None) -> torch.Tensor:
