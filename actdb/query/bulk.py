@@ -105,7 +105,12 @@ class BulkEvaluator:
             out: Any = None if self.scalar else ListResults(n)  # a scalar: the window's rows
         else:
             streams = handles >> H.STREAM_SHIFT
-            parts = [(int(s), np.nonzero(streams == s)[0]) for s in np.unique(streams)]
+            # each stream's positions, ascending, from one stable sort
+            order = np.argsort(streams, kind="stable")
+            ordered = streams[order]
+            cuts = (np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist()
+            parts = [(int(ordered[a]), order[a:b])
+                     for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
             out = np.full(n, np.nan) if self.scalar else ListResults(n)
         exact: list[np.ndarray] = []
         for stream, at in parts:

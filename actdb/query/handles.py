@@ -133,8 +133,10 @@ class Codec:
     def model_ids(self, lo: int, hi: int) -> int | None:
         """The model of streams lo .. hi - 1 when they are all of one model's acts (else
         None)."""
+        if not 0 <= lo < hi <= len(self._model):
+            return None
         models, weights = self._model[lo:hi], self._weight[lo:hi]
-        if not len(models) or weights.any() or models.min() != models.max():
+        if weights.any() or models.min() != models.max():
             return None
         return int(models[0])
 

@@ -249,7 +249,7 @@ def stored_cosines(src: VectorSource, g: Group, unit: torch.Tensor,
     direction's length is 1 only within 2^-11; NaN for a zero vector, whose direction is all
     zeros (only rows whose product is exactly 0 have their norm read)."""
     c = g.project(unit, at).cpu().numpy()
-    np.clip(c, -1.0, 1.0, out=c)
+    np.minimum(np.maximum(c, -1.0, out=c), 1.0, out=c)  # np.clip's, as two ufuncs
     if not c.all():  # one pass, no mask, in the usual case of no exact 0
         norm = g.norm if at is None else g.norm[at]
         c = np.where((c == 0) & (norm.cpu().numpy() == 0), np.nan, c)

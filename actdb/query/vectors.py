@@ -265,25 +265,33 @@ class VectorSource:
 
     def _act_groups(self, handles: np.ndarray) -> Iterator[Group]:
         dec = self.codec.decode(handles)
-        if dec.one:  # one (model, site, view): most calls, every bulk window
-            key = dec.model_id[:1]
-            keys = key
+        n = len(dec.row)
+        if dec.one or n == 0:  # one (model, site, view): most calls, every bulk window
+            spans: list[tuple[int, int]] = [(0, n)] if n else []
+            order: np.ndarray | None = None
         else:
             key = (dec.model_id << 24) | (dec.site_id << H.VIEW_BITS) | dec.view
-            keys = key[:1] if len(key) and key.min() == key.max() else np.unique(key)
-        for k in keys:
-            index = np.nonzero(key == k)[0] if len(keys) > 1 else np.arange(len(dec.row))
-            model = self.model(int(dec.model_id[index[0]]))
-            site = self.site(model.model_id, int(dec.site_id[index[0]]))
-            view = H.VIEWS[int(dec.view[index[0]])]
+            # One stable sort groups the positions by (model, site, view), ascending, each
+            # group's in their order in the batch (as one pass a group would find them).
+            order = np.argsort(key, kind="stable")
+            ordered = key[order]
+            cuts = (np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist()
+            spans = list(zip([0, *cuts], [*cuts, n], strict=True))
+            if len(spans) == 1:
+                order = None  # every position, in order: no copies
+        for a, b in spans:
+            index = np.arange(n) if order is None else order[a:b]
+            at = int(index[0])
+            model = self.model(int(dec.model_id[at]))
+            site = self.site(model.model_id, int(dec.site_id[at]))
+            view = H.VIEWS[int(dec.view[at])]
             if view == "final_norm" and site.role in OFF_STREAM_ROLES:
                 continue  # final_norm(v) is NULL where v never meets the final norm
-            whole = len(keys) == 1  # index is every position: no copies
-            rows = dec.row if whole else dec.row[index]
-            heads = dec.head if whole else dec.head[index]
+            rows = dec.row if order is None else dec.row[index]
+            heads = dec.head if order is None else dec.head[index]
             if np.any(rows[1:] < rows[:-1]):  # chunk-friendly reading order
-                order = np.argsort(rows, kind="stable")
-                index, rows, heads = index[order], rows[order], heads[order]
+                by_row = np.argsort(rows, kind="stable")
+                index, rows, heads = index[by_row], rows[by_row], heads[by_row]
             yield Group(self, index, model, site, view, rows, heads)
 
     def issue(self, fields: np.ndarray) -> pa.Array:

@@ -378,10 +378,12 @@ def test_no_sql_makes_a_handle_of_a_row_the_store_does_not_hold(gpt2: Any) -> No
     session = gpt2._functions._session
     gpt2.sql("SELECT norm, vec FROM acts LIMIT 1").fetchall()
     n_rows = gpt2.sql("SELECT n_rows FROM models").fetchall()[0][0]
+    n_streams = len(gpt2.source.codec.streams)  # the first stream number past the store's
     for fn in (f"_actdb_handle_{session}", f"_actdb_stored_norm_{session}"):
         for fields, why in ((word(n_rows, 0), f"row {n_rows} holds no stored token"),
                             (word(0, 0, view=2), "names no raw vector"),
                             (word(0, 5000), "names no raw vector"),
+                            (word(0, n_streams), "names no raw vector"),
                             (word(0, 0) ^ (1 << 61), "names no raw vector")):
             with pytest.raises(Exception, match=why):
                 gpt2.con.sql(f"SELECT {fn}({fields}::BIGINT)").fetchall()
