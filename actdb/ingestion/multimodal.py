@@ -7,8 +7,10 @@ decoder's sequence as the processor built it, image tokens included: the token g
 as the input's sequence; last, so that position_from_end = 0 is its last token). A decoder
 row carries its token; an image token also its patch's row and column where the image tokens
 are the image's patches one for one, row by row (LLaVA's, PaliGemma's), or its merged patches
-(Qwen2-VL's `spatial_merge_size`, from its `image_grid_thw`: not covered by the tests); else
-NULL.
+(Qwen2-VL's `spatial_merge_size`, from its `image_grid_thw`); else NULL (Idefics3's
+pixel-shuffled tiles). Every input must give the model media tensors of one shape: a vision
+tower that reads every image's patches as one sequence (Qwen2-VL's) would otherwise have its
+rows split among the batch's inputs at the wrong places.
 """
 
 from __future__ import annotations
@@ -57,6 +59,23 @@ def _patch_grid(model: nn.Module, inputs: dict[str, torch.Tensor], n: int
     return (rows, cols) if rows * cols == n else None
 
 
+# The processor's tensors that follow the text (their length is the sequence's); the others
+# are the media's, of one shape for every input of an ingest.
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids",
+                        "position_ids"})
+
+
+def media_shape(inputs: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """The shapes of an input's media tensors (pixels, masks), and the values of the patch
+    grids a processor reports (`image_grid_thw`: images of one pixel count but other sides
+    give tensors of one shape)."""
+    out = {k: tuple(v.shape) for k, v in inputs.items()
+           if isinstance(v, torch.Tensor) and k not in _TEXT_KEYS}
+    out.update({f"{k} values": tuple(int(x) for x in v.flatten()) for k, v in inputs.items()
+                if isinstance(v, torch.Tensor) and k.endswith("_grid_thw")})
+    return out
+
+
 def mixed_rows(model: nn.Module, processor: Any, prompts: Sequence[Prompt], plan: GridPlan,
                name: str) -> tuple[list[list[int]], list[Positions]]:
     """Each input's row ids (-1 for each row of the vision grids, then its token ids) and
@@ -65,8 +84,20 @@ def mixed_rows(model: nn.Module, processor: Any, prompts: Sequence[Prompt], plan
     fixed = GridPlan(of_site={}, grids=tuple(g for g in plan.grids if not g.tokens))
     ids_out: list[list[int]] = []
     labels: list[Positions] = []
+    first: dict[str, tuple[int, ...]] | None = None
     for i, p in enumerate(prompts):
         inputs = prepare_inputs(processor, [p], name, model)
+        made = media_shape(inputs)
+        first = made if first is None else first
+        if made != first:
+            differ = sorted(k for k in made.keys() | first.keys()
+                            if made.get(k) != first.get(k))
+            raise IngestError(
+                f"input {i}'s media give model {name!r} other tensors than input 0's ("
+                + "; ".join(f"{k} {list(made.get(k, ()))}, not {list(first.get(k, ()))}"
+                            for k in differ)
+                + "): the positions a vision tower gives an input are fixed for one ingest; "
+                "resize the images to one size, or ingest each size apart")
         ids = inputs["input_ids"][0]
         mask = inputs.get("attention_mask")
         ids = ids[mask[0].bool()] if mask is not None else ids

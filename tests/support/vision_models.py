@@ -166,3 +166,68 @@ def build_multimodal(kind: str, folder: Path, *, seed: int = 0) -> Path:
     model.eval().save_pretrained(out)
     processor.save_pretrained(out)
     return out
+
+
+def build_multimodal_grid(kind: str, folder: Path, *, seed: int = 0) -> tuple[Path, object]:
+    """A tiny random multimodal decoder whose image tokens are no one-for-one patch grid,
+    saved in `folder`, and its processor (built here, offline): `qwen2_vl` (images of any size
+    as patches of 2x2 pixels, merged 2x2 for the decoder: `image_grid_thw`) or `idefics3` (16 x
+    16 images split into four 8 x 8 tiles and a global 8 x 8 image, 2x2-pixel patches, each
+    tile's 16 patches pixel-shuffled into 4 image tokens)."""
+    import torch
+    import transformers as T
+
+    from .tiny_models import build_tokenizer
+
+    tok = build_tokenizer(kind="bpe")
+    torch.manual_seed(seed)
+    text = dict(vocab_size=0, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                pad_token_id=tok.pad_token_id)
+    out = folder / kind
+    processor: object
+    if kind == "qwen2_vl":
+        from transformers.processing_utils import ProcessorMixin
+
+        tok.add_special_tokens({"additional_special_tokens": [
+            "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]})
+        text.update(vocab_size=len(tok), model_type="qwen2_vl_text", rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+        model = T.Qwen2VLForConditionalGeneration(T.Qwen2VLConfig(
+            vision_config=dict(depth=2, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2,
+                               patch_size=2, spatial_merge_size=2, temporal_patch_size=2),
+            text_config=text, image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+            video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+            vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>")))
+
+        class ImagesOnly(T.Qwen2VLProcessor):  # type: ignore[misc]
+            """Qwen2-VL's processor less its video processor, which needs torchvision (not
+            installed): its own code expands each image's token by `image_grid_thw`."""
+
+            def __init__(self, image_processor: object, tokenizer: object) -> None:
+                self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+                self.image_token_id = tok.convert_tokens_to_ids(self.image_token)
+                self.video_token_id = tok.convert_tokens_to_ids(self.video_token)
+                ProcessorMixin.__init__(self, image_processor, tokenizer)
+
+        processor = ImagesOnly(T.Qwen2VLImageProcessorPil(
+            size={"shortest_edge": 16, "longest_edge": 4096}, patch_size=2,
+            temporal_patch_size=2, merge_size=2), tok)
+    else:
+        assert kind == "idefics3", kind
+        tok.add_special_tokens({"additional_special_tokens": [
+            "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+            *[f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]]})
+        text.update(vocab_size=len(tok), model_type="llama")
+        model = T.Idefics3ForConditionalGeneration(T.Idefics3Config(
+            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, image_size=8, patch_size=2),
+            text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
+            scale_factor=2))
+        processor = T.Idefics3Processor(
+            image_processor=T.Idefics3ImageProcessorPil(
+                size={"longest_edge": 16}, max_image_size={"longest_edge": 8},
+                do_image_splitting=True),
+            tokenizer=tok, image_seq_len=4)
+    model.eval().save_pretrained(out)
+    return out, processor
