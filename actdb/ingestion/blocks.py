@@ -107,6 +107,11 @@ def token_layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b: int, t1: i
         return "btd", None
     if len(shape1) == 2 and shape1[0] == b * t1 and shape2[0] == b * t2:
         return "btd", None
+    if (len(shape1) == 3 and shape1[0] == b * t1 and shape2[0] == b * t2
+            and shape1[1] == shape2[1]):
+        # per-head [B*T, H, d], tokens flattened (Chameleon's q_norm and k_norm), read as
+        # [B, T, H, d]: a token's heads stay together
+        return "bthd", shape1[1]
     if len(shape1) == 4 and shape1[0] == b == shape2[0]:
         if shape1[1] == t1 and shape2[1] == t2 and shape1[2] == shape2[2]:
             return "bthd", shape1[2]

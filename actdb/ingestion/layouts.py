@@ -1,9 +1,9 @@
 """Where positions sit in a norm's input: a token sequence's layouts read from the input
-shapes at two sequence lengths (`[B, T, d]`, `[B*T, d]`, per-head `[B, T, H, d]` and
-`[B, H, T, d]`), an image's at two batch sizes (`[B, T, d]`, `[B*T, d]`, `[B*k, T, d]`), and
-feature maps (`[B, H, W, C]`, Swin-style and ConvNeXt's channels-last LayerNorm, or
-`[B, C, H, W]`, ConvNeXt's channels-first one), whose positions are stored as rows like
-tokens.
+shapes at two sequence lengths (`[B, T, d]`, `[B*T, d]`, per-head `[B, T, H, d]`,
+`[B*T, H, d]` and `[B, H, T, d]`), an image's at two batch sizes (`[B, T, d]`, `[B*T, d]`,
+`[B*k, T, d]`), and feature maps (`[B, H, W, C]`, Swin-style and ConvNeXt's channels-last
+LayerNorm, or `[B, C, H, W]`, ConvNeXt's channels-first one), whose positions are stored as
+rows like tokens.
 
 Which axis of a feature map is the channel axis is measured, not read from a class: one element
 of the hooked input is changed and the output moves along the normalized axis only

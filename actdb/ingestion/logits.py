@@ -194,6 +194,13 @@ class LogitFit:
             fit = LogitTransform(scale=_snap(scale, hints), softcap=cap, error=0.0)
         err = error(fit)
         if not err <= tol:
+            masked = _masked_tokens(real)
+            if masked:
+                raise IngestError(
+                    f"model {name!r}: its logits of {masked} tokens are the lowest value "
+                    "there is at every position (tokens it never predicts, as Chameleon's "
+                    "image tokens), a mask on W_U . final_norm(x) + b_U that actdb does not "
+                    "record")
             raise IngestError(
                 f"model {name!r}: its logits are not a scale and soft-cap of W_U . final_norm(x) "
                 f"+ b_U (the best fit leaves a relative error of {err:.3g}); actdb cannot "
@@ -201,6 +208,18 @@ class LogitFit:
             )
         return LogitTransform(scale=None if fit.scale == 1.0 else fit.scale, softcap=fit.softcap,
                               error=err)
+
+
+def _masked_tokens(real: torch.Tensor) -> int:
+    """How many of the vocabulary's columns of the model's logits `real` [n, V] (float64)
+    are at every row the lowest value of a floating-point type, or -inf: tokens masked out
+    after the LM head."""
+    lows = [-math.inf] + [float(torch.finfo(t).min) for t in
+                          (torch.float16, torch.bfloat16, torch.float32, torch.float64)]
+    low = torch.zeros(real.shape[-1], dtype=torch.bool)
+    for v in lows:
+        low |= (real == v).all(0)
+    return int(low.sum())
 
 
 @torch.no_grad()

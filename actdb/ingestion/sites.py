@@ -288,7 +288,8 @@ def find_sites(
             raise ModelLoadError(
                 f"norm module {path!r} sees inputs of shape {tuple(call.input.shape)} for a "
                 f"batch of {b} x {t1} tokens (and {shape2} for {b} x {t2}); actdb knows the "
-                "layouts [B, T, d], [B*T, d], [B, T, H, d], [B, H, T, d] and per-head lists"
+                "layouts [B, T, d], [B*T, d], [B, T, H, d], [B*T, H, d], [B, H, T, d] and "
+                "per-head lists"
             )
         kind_layout, heads = layout
         member_layout = kind_layout

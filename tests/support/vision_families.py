@@ -43,6 +43,22 @@ INKLING: dict[str, Any] = dict(
 SPEECH: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                               num_attention_heads=2, num_key_value_heads=2, num_mel_bins=16)
 
+# A VQ image tokenizer's small sizes, and its codebook's names in the text vocabulary.
+VQ: dict[str, Any] = dict(num_embeddings=16, embed_dim=16, latent_channels=16, base_channels=32,
+                          channel_multiplier=[1, 1], num_res_blocks=1, resolution=IMAGE)
+
+
+def _vq_vocabulary(style: str) -> dict[str, int]:
+    """The vocabulary map of a 16-entry codebook (ids 380 to 395) and the image placeholder
+    (399), named as Chameleon's (`IMGIMG` and the index in letters) or Emu3's tokenizer does."""
+    def name(i: int) -> str:
+        if style == "chameleon":
+            return "IMGIMG" + "".join(chr(ord("A") + int(c)) for c in str(i)) + "Z"
+        return f"<|visual token{i:06d}|>"
+
+    return {"<image>": 399, "<|extra_200|>": 398, **{name(i): 380 + i for i in range(16)}}
+
+
 OVERRIDES: dict[str, dict[str, Any]] = {
     "bit": dict(num_groups=2, embedding_size=16),
     # its stage s reads drop-path rate s of a list as long as its depth: depth[s] > s
@@ -136,6 +152,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "muse_spark": dict(audio_config=dict(patch_sizes=[4, 4], out_hidden_size=32),
                        text_config=dict(moe_hidden_size=32), out_hidden_size=4 * 32,
                        projector_hidden_size=64),
+    # the image tokens' names in the vocabulary (a VQ codebook of 16, the survey tokenizer's
+    # last ids but the few the models replace), whose logits Chameleon masks
+    "chameleon": dict(vocabulary_map=_vq_vocabulary("chameleon"), vq_config=VQ),
+    "emu3": dict(vocabulary_map=_vq_vocabulary("emu3"),
+                 vq_config=dict(codebook_size=16, embed_dim=4, latent_channels=4,
+                                base_channels=32, channel_multiplier=[1, 1], num_res_blocks=1,
+                                attn_resolutions=[])),
     # a word timestamp head's blank class, its last
     "nemo_speechlm": dict(
         word_timestamp_config=dict(blank_token_id=399),

@@ -90,6 +90,67 @@ def test_logits_no_scale_or_cap_explains_fail_before_anything_is_written(
     assert not (tmp_path / "s.actdb").exists()
 
 
+def test_logits_masked_to_the_lowest_value_are_named(tokenizer: Any, tmp_path: Path) -> None:
+    """A model that sets some tokens' logits to the dtype's minimum after its LM head
+    (Chameleon's image tokens) is refused in one sentence that counts them."""
+    model = build(Choices(seed=5), len(tokenizer))
+    masked = [5, 9, 17]
+
+    def logits(h: torch.Tensor) -> torch.Tensor:
+        out = model.lm_head(h)
+        out[..., masked] = torch.finfo(out.dtype).min
+        return out
+
+    model._logits = logits  # type: ignore[method-assign]
+    with pytest.raises(IngestError, match=r"its logits of 3 tokens are the lowest value") as e:
+        actdb.ingest(tmp_path / "s.actdb", model=model, tokenizer=tokenizer, prompts=PROMPTS,
+                     device="cpu", name="m")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "s.actdb").exists()
+
+
+class _Flattened(nn.Module):
+    """Hands its per-head norm the tokens flattened, [B*T, H, d] (Chameleon's q_norm)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h, d = x.shape
+        return self.inner(x.reshape(b * t, h, d)).view(b, t, h, d)
+
+
+def test_a_per_head_norm_over_flattened_tokens_is_stored_per_token_and_head(
+        tokenizer: Any, tmp_path: Path) -> None:
+    model = build(Choices(seed=6, qk="bthd", logits="none", affines=("gain_bias",)),
+                  len(tokenizer))
+    attn = model.model.layers[0].self_attn
+    attn.q_norm = _Flattened(attn.q_norm)
+    seen: list[torch.Tensor] = []
+    handle = attn.q_norm.inner.register_forward_hook(
+        lambda _m, a, _o: seen.append(a[0].detach().double()))
+    with torch.no_grad():
+        for text in PROMPTS[:2]:
+            model(tokenizer(text, return_tensors="pt")["input_ids"])
+    handle.remove()
+    summary = actdb.ingest(tmp_path / "s.actdb", model=model, tokenizer=tokenizer,
+                           prompts=PROMPTS[:2], device="cpu", name="m")
+    db = actdb.connect(tmp_path / "s.actdb")
+    site, d = db.sql("SELECT site, d FROM sites WHERE module = $m",
+                     params={"m": "model.layers.0.self_attn.q_norm.inner"}).fetchall()[0]
+    assert d == 8 and summary.max_rel_error[site] < 1e-3
+    for prompt, x in enumerate(seen):  # x [T, H, d], the tokens' heads
+        got = db.sql("SELECT position, head, norm, mean FROM acts WHERE site = $s AND "
+                     "prompt_id = $p ORDER BY position, head",
+                     params={"s": site, "p": prompt}).fetchall()
+        want = [(t, h, float(x[t, h].norm()), float(x[t, h].mean()))
+                for t in range(x.shape[0]) for h in range(x.shape[1])]
+        assert [(t, h) for t, h, _, _ in got] == [(t, h) for t, h, _, _ in want]
+        np.testing.assert_allclose([g[2:] for g in got], [w[2:] for w in want], rtol=1e-5,
+                                   atol=1e-6)
+
+
 class _NotANorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x)
