@@ -30,11 +30,20 @@ def is_encoder_decoder(model: nn.Module) -> bool:
         "decoder_input_ids" in inspect.signature(model.forward).parameters)
 
 
+def _text_config(config: Any) -> Any:
+    """A multimodal config's text decoder's config (itself for a text model), or None."""
+    get = getattr(config, "get_text_config", None)
+    try:
+        return get(decoder=True) if callable(get) else None
+    except (TypeError, ValueError):
+        return None
+
+
 def decoder_start(model: nn.Module, name: str) -> int:
     """The token the model's decoder starts from; one sentence where it names none."""
     config = getattr(model, "config", None)
     generation = getattr(model, "generation_config", None)
-    for source in (config, generation):
+    for source in (config, generation, _text_config(config)):
         start = getattr(source, "decoder_start_token_id", None)
         if isinstance(start, int):
             return start
@@ -50,7 +59,10 @@ def shift_labels(model: nn.Module, labels: torch.Tensor, name: str) -> torch.Ten
     shift = getattr(sys.modules.get(type(model).__module__), "shift_tokens_right", None)
     config = getattr(model, "config", None)
     if callable(shift) and config is not None:
-        return shift(labels, config.pad_token_id, decoder_start(model, name))
+        pad = getattr(config, "pad_token_id", None)
+        if pad is None:  # a multimodal model's text encoder-decoder holds it (Florence-2)
+            pad = getattr(_text_config(config), "pad_token_id", None)
+        return shift(labels, pad, decoder_start(model, name))
     raise IngestError(f"model {name!r} ({type(model).__name__}) is an encoder-decoder with no "
                       "function of its own that shifts labels into decoder inputs: actdb "
                       "cannot tell which tokens its decoder reads for a target")

@@ -59,8 +59,27 @@ def find_towers(model: nn.Module, norm_paths: list[str], single: str) -> list[To
         named = [(name, tower_name(name)) for name, _ in holding]
         kinds = [k for _, k in named]
         if len(holding) > 1 and all(kinds) and len(set(kinds)) == len(kinds):
-            return [Tower(str(k), prefix + n) for n, k in named]
+            out: list[Tower] = []
+            for (n, k), (_, child) in zip(named, holding, strict=True):
+                split = _stacks(child, prefix + n, norm_paths) if k == "text" else None
+                out += split or [Tower(str(k), prefix + n)]
+            return out
         return [Tower(single, "")]
+
+
+def _stacks(module: nn.Module, path: str, norm_paths: list[str]) -> list[Tower] | None:
+    """A text tower's encoder and decoder (Florence-2's BART), where its norms are all in
+    children named so (through wrappers that hold them all); None for one stack."""
+    while True:
+        holding = [name for name, _ in module.named_children()
+                   if any(p == f"{path}.{name}" or p.startswith(f"{path}.{name}.")
+                          for p in norm_paths)]
+        if len(holding) != 1:
+            break
+        module, path = getattr(module, holding[0]), f"{path}.{holding[0]}"
+    if sorted(holding) != ["decoder", "encoder"]:
+        return None
+    return [Tower(name, f"{path}.{name}") for name in ("encoder", "decoder")]
 
 
 def main_tower(towers: list[Tower]) -> Tower:

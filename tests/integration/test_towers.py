@@ -6,6 +6,7 @@ each site's place is the decoder's own module list."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -95,3 +96,69 @@ def test_a_model_of_one_stack_is_one_tower(tmp_path: Path, model_dir: object) ->
     import json
 
     assert json.loads(towers[1]) == {"text": towers[0]}
+
+
+def test_a_text_tower_of_an_encoder_and_a_decoder_is_two_towers(tmp_path: Path) -> None:
+    """Florence-2's language model is a BART: its encoder and decoder are towers of their own
+    beside the vision tower, each with its own roles and layers (read from the module lists),
+    as a BART's are alone; the decoder, which the head reads, keeps the plain names."""
+    tok = build_family_tokenizer("llama")
+    torch.manual_seed(0)
+    model = T.Florence2ForConditionalGeneration(T.Florence2Config(
+        vision_config=dict(depths=[1, 1], patch_size=[7, 3], patch_stride=[4, 2],
+                           patch_padding=[3, 1], patch_prenorm=[False, True], embed_dim=[16, 32],
+                           num_heads=[2, 2], num_groups=[2, 2], window_size=2,
+                           projection_dim=32),
+        text_config=dict(vocab_size=len(tok), d_model=32, encoder_layers=TEXT_DEPTH,
+                         decoder_layers=TEXT_DEPTH, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                         encoder_attention_heads=2, decoder_attention_heads=2,
+                         max_position_embeddings=64, pad_token_id=0, bos_token_id=0,
+                         eos_token_id=0, decoder_start_token_id=0),
+        image_token_id=len(tok) - 1)).eval()
+    store = tmp_path / "s.actdb"
+    summary = actdb.ingest(store, model=model, tokenizer=tok, name="florence2",
+                           inputs=[{"text": "one two three", "target": "four five"}])
+    assert max(summary.max_rel_error.values()) < 1e-2
+    db = actdb.connect(store)
+    sites = db.sql("SELECT module, site, layer, tower FROM sites ORDER BY site_id").fetchall()
+    lm = "model.language_model"
+    want = [(f"{lm}.encoder.layernorm_embedding", "encoder.embed", -1, "encoder")]
+    for i in range(TEXT_DEPTH):
+        want += [(f"{lm}.encoder.layers.{i}.{n}", f"encoder.blocks.{i}.{s}", i, "encoder")
+                 for n, s in (("self_attn_layer_norm", "ln1_post"),
+                              ("final_layer_norm", "ln2_post"))]
+    want.append((f"{lm}.decoder.layernorm_embedding", "embed", -1, "decoder"))
+    for i in range(TEXT_DEPTH):
+        names = (("self_attn_layer_norm", "ln1_post"), ("encoder_attn_layer_norm",
+                                                         "ln_cross_post"))
+        if i < TEXT_DEPTH - 1:  # the last block's last norm is the model's final one
+            names += (("final_layer_norm", "ln2_post"),)
+        want += [(f"{lm}.decoder.layers.{i}.{n}", f"blocks.{i}.{s}", i, "decoder")
+                 for n, s in names]
+    want.append((f"{lm}.decoder.layers.{TEXT_DEPTH - 1}.final_layer_norm", "final",
+                 TEXT_DEPTH, "decoder"))
+    assert sorted(sites) == sorted(want)
+    # the reference: the model's own pass given the target as labels (it shifts them itself)
+    seen: dict[str, torch.Tensor] = {}
+    read: list[torch.Tensor] = []
+    def keep(path: str) -> Any:
+        def hook(_m: torch.nn.Module, args: tuple[Any, ...], _out: Any) -> None:
+            seen.setdefault(path, args[0][0].detach().double())
+        return hook
+
+    handles = [m.register_forward_hook(keep(p)) for p, m in model.named_modules()
+               if p in {s[0] for s in sites}]
+    decoder = model.model.language_model.decoder
+    handles.append(decoder.register_forward_pre_hook(
+        lambda _m, _a, kw: read.append(kw["input_ids"][0].clone()), with_kwargs=True))
+    with torch.no_grad():
+        model(**tok("one two three", return_tensors="pt"),
+              labels=tok(text_target="four five", return_tensors="pt")["input_ids"])
+    for h in handles:
+        h.remove()
+    assert [r[0] for r in db.sql("SELECT token_id FROM tokens WHERE tower = 'decoder' "
+                                 "ORDER BY position").fetchall()] == read[0].tolist()
+    for module, site, _, _ in sites:
+        got = [r[0] for r in db.sql("SELECT norm FROM acts WHERE site = $s ORDER BY position",
+                                    params={"s": site}).fetchall()]
+        np.testing.assert_allclose(got, seen[module].norm(dim=-1).numpy(), rtol=1e-5)

@@ -59,6 +59,11 @@ def _vq_vocabulary(style: str) -> dict[str, int]:
     return {"<image>": 399, "<|extra_200|>": 398, **{name(i): 380 + i for i in range(16)}}
 
 
+# A BART text model's sizes (its fields have names of their own).
+BART: dict[str, Any] = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
+                            decoder_ffn_dim=64, encoder_attention_heads=2,
+                            decoder_attention_heads=2)
+
 OVERRIDES: dict[str, dict[str, Any]] = {
     "bit": dict(num_groups=2, embedding_size=16),
     # its stage s reads drop-path rate s of a list as long as its depth: depth[s] > s
@@ -159,6 +164,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                  vq_config=dict(codebook_size=16, embed_dim=4, latent_channels=4,
                                 base_channels=32, channel_multiplier=[1, 1], num_res_blocks=1,
                                 attn_resolutions=[])),
+    # a DaViT vision tower of two stages, projected to the text width of a BART
+    "florence2": dict(
+        vision_config=dict(depths=[1, 1], patch_size=[7, 3], patch_stride=[4, 2],
+                           patch_padding=[3, 1], patch_prenorm=[False, True], embed_dim=[16, 32],
+                           num_heads=[2, 2], num_groups=[2, 2], projection_dim=32),
+        text_config=dict(BART)),
     # a word timestamp head's blank class, its last
     "nemo_speechlm": dict(
         word_timestamp_config=dict(blank_token_id=399),
