@@ -170,6 +170,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                            patch_padding=[3, 1], patch_prenorm=[False, True], embed_dim=[16, 32],
                            num_heads=[2, 2], num_groups=[2, 2], projection_dim=32),
         text_config=dict(BART)),
+    # deepstack projectors (a Q-Former with a head per 64 vision channels) from the vision
+    # tower's last two layers into the text decoder's first two, 2 x 2 queries a 4 x 4 window
+    "granite4_vision": dict(
+        vision_config=dict(hidden_size=64, intermediate_size=128),
+        downsample_rate="2/4", deepstack_layer_map=[[-1, 0], [-2, 1]],
+        spatial_target_layers=[2, 3], image_grid_pinpoints=[[IMAGE, IMAGE]],
+        qformer_config=dict(intermediate_size=64)),
     # a word timestamp head's blank class, its last
     "nemo_speechlm": dict(
         word_timestamp_config=dict(blank_token_id=399),
