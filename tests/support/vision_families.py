@@ -177,6 +177,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         downsample_rate="2/4", deepstack_layer_map=[[-1, 0], [-2, 1]],
         spatial_target_layers=[2, 3], image_grid_pinpoints=[[IMAGE, IMAGE]],
         qformer_config=dict(intermediate_size=64)),
+    "kosmos-2": dict(text_config=dict(embed_dim=32, layers=4, ffn_dim=64, attention_heads=2),
+                     latent_query_num=4),  # its text fields' own names
     # a word timestamp head's blank class, its last
     "nemo_speechlm": dict(
         word_timestamp_config=dict(blank_token_id=399),
