@@ -179,6 +179,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         qformer_config=dict(intermediate_size=64)),
     "kosmos-2": dict(text_config=dict(embed_dim=32, layers=4, ffn_dim=64, attention_heads=2),
                      latent_query_num=4),  # its text fields' own names
+    # two audio codebooks of 16 codes after the text vocabulary, then the audio padding
+    "kyutai_speech_to_text": dict(num_codebooks=2, codebook_vocab_size=16, audio_bos_token_id=15,
+                                  audio_pad_token_id=400 + 2 * 16, ffn_dim=64,
+                                  codec_config=dict(upsample_groups=32, codebook_size=16,
+                                                    codebook_dim=16, num_quantizers=2,
+                                                    vector_quantization_hidden_dimension=16,
+                                                    num_filters=8)),
     # a word timestamp head's blank class, its last
     "nemo_speechlm": dict(
         word_timestamp_config=dict(blank_token_id=399),
