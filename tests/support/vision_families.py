@@ -186,6 +186,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                                                     codebook_dim=16, num_quantizers=2,
                                                     vector_quantization_hidden_dimension=16,
                                                     num_filters=8)),
+    # the indexed attention's indexer (no default), linear attention and hyper-connections
+    # at the survey's widths
+    "qwen4_exp": dict(text_config=dict(
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+        indexer_compress_ratio=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, hc_lowrank=8, ple_embed_dim=32)),
     # a word timestamp head's blank class, its last
     "nemo_speechlm": dict(
         word_timestamp_config=dict(blank_token_id=399),
