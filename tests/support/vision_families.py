@@ -192,6 +192,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
         indexer_compress_ratio=2, linear_key_head_dim=8, linear_value_head_dim=8,
         linear_num_key_heads=2, linear_num_value_heads=4, hc_lowrank=8, ple_embed_dim=32)),
+    # speech tokenizers' encoders: a stage a downsampling ratio, and a stem
+    "vibevoice_asr": {f"{k}_tokenizer_encoder_config": dict(
+        downsampling_ratios=[2, 2], depths=[1, 1, 1], num_filters=8)
+        for k in ("acoustic", "semantic")},
     # a word timestamp head's blank class, its last
     "nemo_speechlm": dict(
         word_timestamp_config=dict(blank_token_id=399),
