@@ -380,7 +380,18 @@ def build(family: Family, *, vocab_size: int | None = None, seed: int = 0) -> tu
     except ValueError:
         if family.kind != "multimodal":
             raise
-        model = T.AutoModelForMultimodalLM.from_config(config)  # an audio-text model
+        try:
+            model = T.AutoModelForMultimodalLM.from_config(config)  # an audio-text model
+        except ValueError as e:
+            if "Unrecognized configuration class" not in str(e):
+                raise
+            # the auto classes miss a config class that transformers registers under a
+            # second model type too (Evolla's, as "EvollaModel"): the class the mapping names
+            from transformers.models.auto import modeling_auto as m
+
+            name = {**m.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES,
+                    **m.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}[family.model_type]
+            model = getattr(T, name)(config)
     return model.float().eval(), _image_size(model.config)
 
 
