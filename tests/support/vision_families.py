@@ -43,6 +43,13 @@ INKLING: dict[str, Any] = dict(
 SPEECH: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                               num_attention_heads=2, num_key_value_heads=2, num_mel_bins=16)
 
+# Multimodal families whose forward pass cannot read text alone, though its error names no
+# image: what each reads beside its text (the survey goes on to actdb's refusal).
+BESIDE_TEXT: dict[str, str] = {
+    # a step's token ids are its text token and one code per audio codebook: [B, T, 1 + K]
+    "kyutai_speech_to_text": "audio codes in its token ids",
+}
+
 # A VQ image tokenizer's small sizes, and its codebook's names in the text vocabulary.
 VQ: dict[str, Any] = dict(num_embeddings=16, embed_dim=16, latent_channels=16, base_channels=32,
                           channel_multiplier=[1, 1], num_res_blocks=1, resolution=IMAGE)

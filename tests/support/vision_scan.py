@@ -38,7 +38,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `support`
 
-from support.vision_families import FRAMES, Family, build, families, random_images  # noqa: E402
+from support.vision_families import (  # noqa: E402
+    BESIDE_TEXT,
+    FRAMES,
+    Family,
+    build,
+    families,
+    random_images,
+)
 
 TEXTS = ["hello there world", "a longer prompt with more words in it"]
 
@@ -186,6 +193,7 @@ def scan(family: Family, work: Path) -> Outcome:
             # sentence, which the ingest below says; otherwise the failure is the survey
             # config's.
             needs_image = re.search(r"pixel|image|patches|encoder_outputs", str(e))
+            needs_image = needs_image or family.model_type in BESIDE_TEXT
             if (family.kind == "multimodal" and not needs_image) or (
                     family.kind != "multimodal" and "input_ids" not in reads):
                 raise
