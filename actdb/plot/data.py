@@ -172,6 +172,20 @@ def block_role(db: Database, model: str) -> str | None:
     return str(rows[0][0]) if rows else None
 
 
+def head_tower_sites(db: Database, model: str) -> list[str]:
+    """The sites of the tower whose final norm the model's head reads (`models.final_site`):
+    the ones a logit lens reads. An encoder-decoder's encoder rows and a multimodal model's
+    vision tower's never meet that norm, and the lens functions refuse them. Every site in a
+    store without towers."""
+    sites = db.sql("SELECT * FROM sites WHERE model = $m", params={"m": model}).df()
+    final = model_row(db, model)["final_site"]
+    if "tower" not in sites.columns or final not in set(sites["site"]):
+        return [str(s) for s in sites["site"]]
+    tower = sites.loc[sites["site"] == final, "tower"].iloc[0]
+    same = sites["tower"].isna() if is_missing(tower) else sites["tower"] == tower
+    return [str(s) for s in sites.loc[same, "site"]]
+
+
 def resolve_roles(db: Database, models: Sequence[str], roles: str | Sequence[str] | None
                   ) -> list[str]:
     """Roles asked for (each must exist in some model); default: every role at model width."""

@@ -21,6 +21,7 @@ from .data import (
     Spec,
     block_role,
     head_kind,
+    head_tower_sites,
     model_roles,
     model_row,
     opened,
@@ -119,6 +120,8 @@ ORDER BY layer, site"""
 def vanishing(eigenvalues: Any, n: int) -> int:
     """Eigenvalues more than 1/VANISHING times below the median, among the n - 1 that n
     vectors can span (the rest are zero by the sample count alone)."""
+    if eigenvalues is None:  # spectrum() is NULL below 2 vectors (CLIP's one pooled row)
+        return 0
     eig = np.asarray(eigenvalues, dtype=float)[: max(n - 1, 0)]
     if eig.size == 0:
         return 0
@@ -157,6 +160,7 @@ WITH answer AS (
            prob(a.vec, answer.token_id) AS p
     FROM acts a JOIN answer USING (prompt_id, position)
     WHERE a.model = $model AND list_contains($roles, a.role)
+      AND list_contains($sites, a.site)
 )
 SELECT layer, site, count(*) AS prompts, avg((rank = 1)::DOUBLE) AS top1_share,
        median(rank) AS median_rank, avg(p) AS mean_prob
@@ -168,7 +172,8 @@ ORDER BY layer, site"""
 def _emergence(db: Any, model: str) -> Section:
     from .report_figures import emergence_figure
 
-    params = {"model": model, "roles": lens_roles(db, model)}
+    params = {"model": model, "roles": lens_roles(db, model),
+              "sites": head_tower_sites(db, model)}
     df = db.sql(EMERGENCE_SQL, params=params).df()
     inner = df[df["site"] != model_row(db, model)["final_site"]]
     stays = stays_from(list(inner["layer"]), list(inner["top1_share"]))

@@ -355,3 +355,19 @@ def test_the_lens_refuses_encoder_rows(built: tuple[Path, dict[str, torch.nn.Mod
     cos = db.sql("SELECT cosine_to_anchor(vec, 5) FROM acts WHERE model = 't5' AND "
                  "prompt_id = 0 AND site = 'encoder.blocks.1.ln1'").fetchall()
     assert cos and all(c[0] is not None for c in cos)
+
+
+def test_the_report_reads_the_lens_on_decoder_rows_only(
+        built: tuple[Path, dict[str, torch.nn.Module]]) -> None:
+    """The report's lens section (the answer's rank, site by site) joins rows on (prompt,
+    position): an encoder row at the answer's position is no row the lens reads (refused
+    above), so the section keeps to the decoder's sites, where the final site's answer is
+    its own top token."""
+    from actdb.plot.report import _emergence
+
+    store, _ = built
+    with actdb.connect(store, device="cpu") as db:
+        df = _emergence(db, "t5").df
+    assert list(df["site"]) == ["blocks.0.ln1", "blocks.1.ln1", "final"]
+    assert df.loc[df["site"] == "final", "top1_share"].tolist() == [1.0]
+    assert (df["prompts"] == len(INPUTS)).all()

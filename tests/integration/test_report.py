@@ -236,3 +236,14 @@ def test_the_layer_the_answer_stays_top_from_is_not_an_early_fluke() -> None:
     assert stays_from([0, 1, 2, 3], [0.5, 0.6, 0.6, 0.7]) == 0
     assert stays_from([0, 1, 2], [0.9, 0.8, 0.1]) is None  # lost at the last layer
     assert stays_from([], []) is None
+
+
+def test_a_site_of_one_vector_has_no_vanishing_eigenvalues() -> None:
+    """spectrum() is NULL below 2 vectors (a tower's one pooled row on one image: CLIP's
+    post_layernorm): the count is 0, not a traceback."""
+    from actdb.plot.report import vanishing
+
+    assert vanishing(None, 1) == 0
+    # 4 vectors span 3 directions: of [4, 2, 1e-5, 0], the third vanishes, the fourth is
+    # zero by the count alone
+    assert vanishing([4.0, 2.0, 1e-5, 0.0], 4) == 1
