@@ -270,7 +270,7 @@ class SiteSink:
                            for i in range(len(f.hooks))], dim=-2)
         elif f.layout == "bhtd":
             x, y = x.transpose(1, 2), y.transpose(1, 2)  # [B, T, H, d]
-        elif f.layout in FEATURE_MAPS:  # a feature map's positions, row by row: [B, H*W, C]
+        elif f.layout in (*FEATURE_MAPS, "kbtd"):  # each input's positions: [B, P, d]
             b = self.mask.shape[0]
             x, y = as_rows(x, f.layout, b), as_rows(y, f.layout, b)
         if s.site in self.places:

@@ -90,7 +90,7 @@ def plan_grids(sites: Sequence[tuple[str, int | None, tuple[int, int] | None, st
             shapes[n] = shape
         elif shapes[n] is None:
             shapes[n] = shape
-        if layout == "bktd":
+        if layout in ("bktd", "kbtd"):
             plain.add(n)
         of_site[site] = counts[n]
     grids, offset = [], 0

@@ -97,7 +97,8 @@ def prove_classifier(model: nn.Module, head: nn.Linear, final: FoundSite,
     finally:
         handle.remove()
     labels = label_names(model, head.out_features)
-    if not kept or real.dim() != 2 or final.layout not in ("btd", "bktd", *FEATURE_MAPS) or (
+    rows = ("btd", "bktd", "kbtd", *FEATURE_MAPS)
+    if not kept or real.dim() != 2 or final.layout not in rows or (
             kept[0].shape[0] % real.shape[0]):
         return None, ("its logits are not one row an input read from the final norm "
                       f"{final.record.module!r}")

@@ -83,6 +83,14 @@ def takes(model: nn.Module) -> set[str]:
 def check_inputs(prompts: Sequence[Prompt], model: nn.Module, name: str) -> None:
     """Refuse, in one sentence, inputs of a kind the model does not read, and media files
     that are not there: before anything is stored."""
+    if type(model).forward is nn.Module.forward:
+        # Qwen2.5-Omni's whole model only generates, through a thinker and a talker
+        parts = [n for n, c in model.named_children() if type(c).forward is not nn.Module.forward
+                 and "input_ids" in inspect.signature(c.forward).parameters]
+        raise IngestError(
+            f"model {name!r} has no forward pass for actdb to run ({type(model).__name__} "
+            "defines none)" + (f": ingest one of its parts that has one "
+                               f"({', '.join(repr(p) for p in parts)})" if parts else ""))
     kinds = takes(model)
     if not kinds:  # Pix2Struct reads flattened patches, a Perceiver autoencoder its `inputs`
         known = sorted({n for names in _TAKES.values() for n in names})

@@ -14,10 +14,12 @@ neither is a direction a position), so their layouts never reach here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
-from .capture import output_tensor
+from .capture import output_tensor, record_calls
 
 # Inputs of the same image in two probe passes of different batch sizes differ by float
 # rounding only (a matrix product's order may follow the batch size).
@@ -76,12 +78,15 @@ def image_layout(module: nn.Module, x: torch.Tensor, shape2: tuple[int, ...], b1
 
 def as_rows(x: torch.Tensor, layout: str, batch: int) -> torch.Tensor:
     """A norm's input or output as [B, P, d] for a layout of positions: `btd` ([B, T, d] or
-    its [B*T, d] flattening), `bktd` ([B*k, T, d]), `bhwc` (positions row by row) or `bchw`
-    (permuted, a copy)."""
+    its [B*T, d] flattening), `bktd` ([B*k, T, d]), `kbtd` ([k*B, T, d], a copy), `bhwc`
+    (positions row by row) or `bchw` (permuted, a copy)."""
     if layout == "bhwc":
         return x.reshape(batch, -1, x.shape[-1])
     if layout == "bchw":
         return x.permute(0, 2, 3, 1).reshape(batch, -1, x.shape[1])
+    if layout == "kbtd":  # each input's k lists of T positions, list by list
+        return x.reshape(-1, batch, *x.shape[-2:]).transpose(0, 1).reshape(
+            batch, -1, x.shape[-1])
     return x.reshape(batch, -1, x.shape[-1])
 
 
@@ -113,19 +118,19 @@ def fixed_layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b1: int, b2: 
 
 
 def check_repeatable(model: nn.Module, path: str, x: torch.Tensor, x2: torch.Tensor | None,
-                     layout: str, b1: int, b2: int) -> None:
-    """Refuse, in one sentence, a model whose norm at `path` saw different inputs for the same
-    image in the two probe passes (the second pass's b2 inputs are the first pass's first b2):
-    it draws at random in eval mode (ViT-MAE masks and shuffles patches at random), so the
-    rows of one pass would not be the input's."""
+                     layout: str, b1: int, b2: int) -> str:
+    """The layout of the norm at `path`, which saw `x` and `x2` for the same images in the two
+    probe passes (the second pass's b2 inputs are the first pass's first b2): `layout`, or
+    `kbtd` where a `bktd` input's lists are outermost (DepthPro cuts each scaled image into
+    patches, patch by patch over the batch). Refuse, in one sentence, a model whose inputs to
+    the norm differ between the passes either way: it draws at random in eval mode (ViT-MAE
+    masks and shuffles patches at random), so the rows of one pass would not be the input's."""
     if x2 is None or b2 > b1:
-        return
-    first = as_rows(x, layout, b1)[:b2].double()
-    again = as_rows(x2, layout, b2).double()
-    if first.shape != again.shape:
-        return
-    scale = float(torch.linalg.vector_norm(first)) or 1.0
-    gap = float(torch.linalg.vector_norm(first - again)) / scale
+        return layout
+    gap = _gap(x, x2, layout, b1, b2)
+    if gap > _REPEAT_LIMIT and layout == "bktd" and not _gap(x, x2, "kbtd", b1, b2) > (
+            _REPEAT_LIMIT):
+        return "kbtd"
     if gap > _REPEAT_LIMIT:
         from ..errors import ModelLoadError
 
@@ -133,3 +138,44 @@ def check_repeatable(model: nn.Module, path: str, x: torch.Tensor, x2: torch.Ten
             f"model {type(model).__name__!r} gives norm module {path!r} different inputs for "
             f"the same image in two passes (relative difference {gap:.2g}): it draws at random "
             "in eval mode (random masking or noise), so no pass's rows are the image's")
+    return layout
+
+
+def _gap(x: torch.Tensor, x2: torch.Tensor, layout: str, b1: int, b2: int) -> float:
+    """The relative difference of the first `b2` inputs' rows of `x` (of `b1` inputs) and
+    `x2`'s, read in `layout` (0 where their shapes differ: nothing to compare)."""
+    first = as_rows(x, layout, b1)[:b2].double()
+    again = as_rows(x2, layout, b2).double()
+    if first.shape != again.shape:
+        return 0.0
+    scale = float(torch.linalg.vector_norm(first)) or 1.0
+    return float(torch.linalg.vector_norm(first - again)) / scale
+
+
+@torch.no_grad()
+def check_same_again(model: nn.Module, target: nn.Module, sample: Mapping[str, torch.Tensor],
+                     path: str, module: nn.Module, x: torch.Tensor) -> None:
+    """Refuse, in one sentence, a model whose norm at `path`, which saw `x` in a pass of
+    `target` over `sample`, sees other inputs when the same pass runs again: it draws at
+    random in eval mode (Diffusion Gemma's decoder reads a canvas of random tokens where it is
+    given none). Asked where a norm's layout is unknown, before saying so, since a model's
+    own draws (a canvas, a mask) are the likelier reason for positions that follow no input."""
+    with record_calls({path: module}) as log:
+        target(**sample)
+    calls = log.calls.get(path)
+    again = calls[0].input if calls else None
+    if again is not None and again.shape == x.shape:
+        scale = float(torch.linalg.vector_norm(x.double())) or 1.0
+        gap = float(torch.linalg.vector_norm((again - x).double())) / scale
+        if not gap > _REPEAT_LIMIT:
+            return
+        what = f"relative difference {gap:.2g}"
+    else:
+        what = (f"shapes {tuple(x.shape)} and "
+                f"{None if again is None else tuple(again.shape)}")
+    from ..errors import ModelLoadError
+
+    raise ModelLoadError(
+        f"model {type(model).__name__!r} gives norm module {path!r} different inputs for "
+        f"the same input in two passes ({what}): it draws at random in eval mode (random "
+        "masking, noise or a canvas of random tokens), so no pass's rows are the input's")

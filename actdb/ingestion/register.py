@@ -169,7 +169,9 @@ def model_weights(model: Any) -> list[tuple[str, str, torch.Tensor | None]]:
         emb: Any = model.get_input_embeddings()
     except (NotImplementedError, AttributeError):
         emb = None
-    ew = getattr(emb, "weight", None)
+    # A linear layer is a patch embedding (Siglip2's over flattened patches), no table of
+    # token rows: its weight's rows are output features, not tokens.
+    ew = None if isinstance(emb, torch.nn.Linear) else getattr(emb, "weight", None)
     ew = ew if isinstance(ew, torch.Tensor) and ew.dim() == 2 else None
     head: Any = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     w = getattr(head, "weight", None)

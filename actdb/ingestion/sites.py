@@ -27,7 +27,7 @@ from .blocks import block_sublayers as block_sublayers  # weights.py imports it 
 from .blocks import is_projection as is_projection  # weights.py imports it from here
 from .capture import Call, record_calls
 from .inputs import takes
-from .layouts import check_repeatable, image_layout, width_of
+from .layouts import check_repeatable, check_same_again, image_layout, width_of
 from .probe import measure_norm
 from .roles import K_NORM, Q_NORM, carried, decoder_role, feeds, place_role
 from .towers import Tower, find_towers, main_tower, site_prefix
@@ -101,8 +101,11 @@ def _probing(model: nn.Module, sample: Mapping[str, torch.Tensor]) -> Iterator[N
         raise
     except Exception as e:  # noqa: BLE001 - the model's own failure, said in one sentence
         first = (str(e).strip().splitlines() or [""])[0]
+        # an encoder-decoder actdb knows reads decoder tokens in the sample too (seq2seq.py):
+        # its failure is over inputs beside those (UDOP's boxes of words on a page)
         why = ("; encoder-decoder models, which need decoder inputs too, are not supported"
-               if getattr(getattr(model, "config", None), "is_encoder_decoder", False) else "")
+               if getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+               and "decoder_input_ids" not in sample else "")
         if "input_ids" not in sample:
             raise ModelLoadError(
                 f"model {type(model).__name__!r} fails on a forward pass over the inputs its "
@@ -110,9 +113,14 @@ def _probing(model: nn.Module, sample: Mapping[str, torch.Tensor]) -> Iterator[N
                 "they what it was built for (image size, number of frames)?") from e
         raise ModelLoadError(
             f"model {type(model).__name__!r} fails on a forward pass over token ids "
-            f"({type(e).__name__}: {first}); actdb runs a model on input_ids and an "
-            f"attention_mask alone{why}"
+            f"({type(e).__name__}: {first}); actdb runs it on {_listed(list(sample))} "
+            f"alone{why}"
         ) from e
+
+
+def _listed(names: list[str]) -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def _final_path(log: dict[str, list[Call]], norm_paths: list[str], blocks: Blocks,
@@ -246,10 +254,11 @@ def find_sites(
             fixed, shape = image_layout(
                 norm_modules[path], call.input, shape2, b, b2,
                 maps=not any(p.search(site_path.rsplit(".", 1)[-1]) for p in (Q_NORM, K_NORM)))
-            layout = None if fixed is None else (fixed[0], None)
             if fixed is not None:
-                check_repeatable(model, path, call.input, alt[0].input if alt else None,
-                                 fixed[0], b, b2)
+                order = check_repeatable(model, path, call.input,
+                                         alt[0].input if alt else None, fixed[0], b, b2)
+                fixed = (order, fixed[1])
+            layout = None if fixed is None else (fixed[0], None)
         else:
             assert t1 is not None and t2 is not None
             layout = token_layout(tuple(call.input.shape), shape2, b, t1, t2, b2)
@@ -278,6 +287,9 @@ def find_sites(
                 fnmatch.fnmatchcase(site_path, g) or fnmatch.fnmatchcase(name, g)
                 for g in globs):
             continue  # left out by the site filter (by its name or its module path)
+        if layout is None:
+            with _probing(model, sample):
+                check_same_again(model, target, sample, path, norm_modules[path], call.input)
         if layout is None and by_size:
             raise ModelLoadError(
                 f"norm module {path!r} sees inputs of shape {tuple(call.input.shape)} for a "

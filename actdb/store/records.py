@@ -35,8 +35,9 @@ class SiteRecord:
     # the part of the model it is in: text, vision, audio, encoder, decoder, projector (None in
     # stores from before towers: one text stack)
     tower: str | None = None
-    # where positions sit in the norm's input: btd, bthd, bhtd, list, or a feature map bhwc or
-    # bchw (None in older stores: btd)
+    # where positions sit in the norm's input: btd, bthd, bhtd, list, bktd or kbtd (an
+    # input's k lists of positions, batch or lists outermost), or a feature map bhwc or bchw
+    # (None in older stores: btd)
     layout: str | None = None
     # the grid of positions it sees, where a model's sites see different ones (a hierarchical
     # image model's stages, a pooled head's norm): its rows are the tokens of that grid; None
