@@ -31,7 +31,8 @@ SIZES: dict[str, Any] = dict(
 # each).
 TEXT: dict[str, Any] = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
-                            shared_expert_intermediate_size=32, tie_word_embeddings=False,
+                            shared_expert_intermediate_size=32, top_k_experts=2,
+                            tie_word_embeddings=False,
                             pad_token_id=0, bos_token_id=0, eos_token_id=0,
                             num_hidden_layers=4)
 
@@ -70,6 +71,24 @@ def _vq_vocabulary(style: str) -> dict[str, int]:
 BART: dict[str, Any] = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
                             decoder_ffn_dim=64, encoder_attention_heads=2,
                             decoder_attention_heads=2)
+
+# Latent (MLA) attention's widths: the rotated part of a head as wide as the survey's heads
+# (its rotary embedding is built for `head_dim`), latents narrower than the model.
+MLA: dict[str, Any] = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=16,
+                           qk_nope_head_dim=16, qk_head_dim=32, v_head_dim=16, head_dim=16)
+
+# A Whisper-style audio encoder's sizes (the omni models' thinkers), its output as wide as
+# the text decoder.
+AUDIO: dict[str, Any] = dict(d_model=32, encoder_layers=2, encoder_attention_heads=2,
+                             encoder_ffn_dim=64, output_dim=32, downsample_hidden_size=16)
+
+# A DETR-style detector over transformers' own ResNet (its default backbone is timm's, not
+# installed), four stages as the detectors read them; a few object queries.
+DETR: dict[str, Any] = dict(
+    backbone_config=dict(model_type="resnet", embedding_size=8, hidden_sizes=[8, 16, 24, 32],
+                         depths=[1, 1, 1, 1], layer_type="basic"),
+    num_queries=4, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+    decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64)
 
 OVERRIDES: dict[str, dict[str, Any]] = {
     "bit": dict(num_groups=2, embedding_size=16),
@@ -214,6 +233,48 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                           diarization_config=dict(audio_config=dict(SPEECH),
                                                   head_config=dict(audio_hidden_size=32,
                                                                    hidden_size=16)))),
+    # its rotary sections are (height, width, time), height and width interleaved: equal
+    "ernie4_5_vl_moe": dict(text_config=dict(
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0, mrope_section=[3, 3, 2]),
+        moe_intermediate_size=[32, 32], moe_k=2, moe_num_experts=4, moe_num_shared_experts=1)),
+    # DeepSeek-V3's experts in one group of the survey's four
+    "kimi_k25": dict(text_config=dict(MLA, n_group=1, topk_group=1)),
+    # its rotary embedding turns half of `head_dim`: the latent attention's rotated part
+    "mistral4": dict(MLA, head_dim=32),
+    # the thinker's rotary index reads a field only the whole omni model's config has (a
+    # token the survey's texts never read)
+    "qwen2_5_omni_thinker": dict(vision_start_token_id=399, audio_config=AUDIO),
+    "qwen3_omni_moe_thinker": dict(vision_start_token_id=399, audio_config=AUDIO),
+    "qwen2_5_omni": dict(thinker_config=dict(audio_config=AUDIO)),
+    # its talker reads a shared expert's width and a merge size its config does not define
+    "qwen3_omni_moe": dict(thinker_config=dict(audio_config=AUDIO), talker_config=dict(
+        spatial_merge_size=2, text_config=dict(shared_expert_intermediate_size=32))),
+    # it makes a sliding window's mask whatever its layers are: a window, and layers using it
+    "step3p7": dict(text_config=dict(
+        sliding_window=8, num_sliding_attention_heads=2,
+        layer_types=["sliding_attention", "full_attention"] * 2)),
+    # no default for which of its layers have experts
+    "deepseek_ocr2": dict(text_config=dict(mlp_layer_types=["dense"] + ["sparse"] * 3)),
+    # latent attention without rotation, its indexer's and linear attention's heads small
+    "glm5_next": dict(
+        text_config=dict(kv_lora_rank=16, q_lora_rank=16, v_head_dim=16, qk_nope_head_dim=16,
+                         qk_head_dim=16, index_head_dim=16, index_n_heads=2, index_topk=16,
+                         linear_head_dim=16, linear_num_heads=2),
+        vision_config=dict(num_heads=2, out_hidden_size=32, projection_intermediate_size=64)),
+    # an image cut into overlapping 16 x 16 patches at two scales, each read by a DINOv2
+    # whose last layer gives the features (of the survey's two)
+    "depth_pro": dict(
+        patch_size=16, intermediate_hook_ids=[1, 0], intermediate_feature_dims=[16, 16],
+        scaled_images_ratios=[0.5, 1], scaled_images_overlap_ratios=[0.0, 0.25],
+        scaled_images_feature_dims=[32, 16], fusion_hidden_size=16,
+        **{k: dict(image_size=16, out_features=["stage2"], out_indices=[2])
+           for k in ("image_model_config", "patch_model_config", "fov_model_config")}),
+    **{t: DETR for t in ("detr", "conditional_detr", "dab-detr", "table-transformer")},
+    # its extra level's GroupNorm needs more than one position: images of 128 pixels (the
+    # survey reads `image_size`), 4 x 4 after the backbone
+    "deformable_detr": dict(DETR, image_size=128),
+    # a T5: its decoder starts from the pad token
+    "udop": dict(decoder_start_token_id=0),
 }
 
 
@@ -284,14 +345,20 @@ def _resized(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
         head = sized["hidden_size"] // sized["num_attention_heads"]
     for k, v in list(have.items()):
         if isinstance(v, dict) and isinstance(v.get("mrope_section"), list) and head:
-            have[k] = {**v, "mrope_section": _sections(v["mrope_section"], int(head) // 2)}
+            have[k] = {**v, "mrope_section": _sections(v["mrope_section"], _half(head, v))}
     rope = have.get("rope_parameters")
     if (isinstance(rope, dict) and rope and "mrope_section" not in rope and head
             and _uses_mrope(config)):
         # multimodal rotary sections that the model's code defaults for its full width
         have["rope_parameters"] = {**rope, "mrope_section": _sections([2, 3, 3],
-                                                                      int(head) // 2)}
+                                                                      _half(head, rope))}
     return {**have, **sized}
+
+
+def _half(head: Any, rope: dict[str, Any]) -> int:
+    """Half the rotary width of a head (its sections' sum): a part of it where the rotary
+    parameters rotate only part of each head (GLM-4V's half)."""
+    return int(int(head) * float(rope.get("partial_rotary_factor") or 1.0)) // 2
 
 
 def _uses_mrope(config: Any) -> bool:
@@ -313,6 +380,23 @@ def _sections(parts: list[int], total: int) -> list[int]:
     return [*scaled, total - sum(scaled)]
 
 
+def _sub_config(sub: Any, vocab_size: int | None) -> dict[str, Any]:
+    """A sub-config's fields at the survey's sizes (a text decoder's too, where it has a
+    vocabulary and one is given), and so its own sub-configs' (a vision tower's encoder, an
+    omni model's thinker and its towers)."""
+    from transformers import PretrainedConfig
+
+    sizes = dict(SIZES)
+    if vocab_size is not None and "vocab_size" in sub.to_dict():
+        sizes.update(TEXT, vocab_size=vocab_size)
+    out = _resized(sub, sizes)
+    for name in [k for k, v in out.items() if isinstance(v, dict)]:  # a sub-config's dict
+        inner = getattr(sub, name, None)
+        if isinstance(inner, PretrainedConfig):
+            out[name] = _sub_config(inner, vocab_size)
+    return out
+
+
 def config_for(model_type: str, *, vocab_size: int | None = None) -> Any:
     """The family's config at the survey's sizes (sub-configs too)."""
     from transformers import AutoConfig, PretrainedConfig
@@ -323,10 +407,7 @@ def config_for(model_type: str, *, vocab_size: int | None = None) -> Any:
         sub = getattr(default, name, None)
         if not isinstance(sub, PretrainedConfig):
             continue
-        sizes = dict(SIZES)
-        if vocab_size is not None and "vocab_size" in sub.to_dict():
-            sizes.update(TEXT, vocab_size=vocab_size)
-        kwargs[name] = _resized(sub, sizes)
+        kwargs[name] = _sub_config(sub, vocab_size)
     if vocab_size is not None and "vocab_size" in default.to_dict():
         kwargs.update(_sized(default, {**TEXT, "vocab_size": vocab_size}))
     kwargs = _amended(kwargs, OVERRIDES.get(model_type, {}))
@@ -349,8 +430,15 @@ def _amended(fields: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def image_processor(size: int = IMAGE) -> Any:
-    """A plain image processor: resize to `size` x `size`, rescale, normalize."""
+def image_processor(size: int = IMAGE, model_type: str | None = None) -> Any:
+    """A plain image processor: resize to `size` x `size`, rescale, normalize; the family's own
+    where its model reads something else than an image's pixels (Siglip2: flattened patches,
+    with their mask and grid shapes)."""
+    if model_type == "siglip2":
+        from transformers import Siglip2ImageProcessorPil
+
+        patches = (size // int(SIZES["patch_size"])) ** 2
+        return Siglip2ImageProcessorPil(patch_size=SIZES["patch_size"], max_num_patches=patches)
     from transformers import ViTImageProcessor
 
     return ViTImageProcessor(size={"height": size, "width": size})

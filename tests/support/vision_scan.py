@@ -53,7 +53,7 @@ TEXTS = ["hello there world", "a longer prompt with more words in it"]
 @dataclass(frozen=True)
 class Outcome:
     family: Family
-    status: str  # OK, REFUSED, FAIL, TIMEOUT
+    status: str  # OK, REFUSED, NEEDS (a library not installed), FAIL, TIMEOUT
     stage: str  # build, forward, ingest, check
     detail: str  # OK: sites, errors and head; REFUSED: actdb's sentence; else the error
 
@@ -98,8 +98,8 @@ def _inputs(family: Family, size: int, work: Path) -> tuple[list[dict[str, Any]]
         return videos, processor, None
     from support.vision_families import image_processor
 
-    return ([{"image": im} for im in random_images(3, size=size)], image_processor(size),
-            None)
+    return ([{"image": im} for im in random_images(3, size=size)],
+            image_processor(size, family.model_type), None)
 
 
 def _model_inputs(family: Family, inputs: list[dict[str, Any]], processor: Any,
@@ -129,8 +129,8 @@ def _made(family: Family, inputs: list[dict[str, Any]], processor: Any,
             made = processor(images=[frames], return_tensors="pt")
             out.append({k: v for k, v in made.items() if hasattr(v, "shape")})
         return out
-    return [{"pixel_values": processor(images=[i["image"]], return_tensors="pt")[
-        "pixel_values"]} for i in inputs]
+    return [{k: v for k, v in processor(images=[i["image"]], return_tensors="pt").items()
+             if hasattr(v, "shape")} for i in inputs]
 
 
 def _energy_gap(model: Any, runs: list[dict[str, Any]], db: Any) -> float:
@@ -188,11 +188,15 @@ def scan(family: Family, work: Path) -> Outcome:
             with torch.no_grad():
                 model(**runs[0])
         except Exception as e:
-            # A model that reads text with its image (ShieldGemma 2, BLIP, IDEFICS), or an
-            # image as tokens (ImageGPT's colour clusters): actdb is to refuse it in one
-            # sentence, which the ingest below says; otherwise the failure is the survey
-            # config's.
-            needs_image = re.search(r"pixel|image|patches|encoder_outputs", str(e))
+            # A model that reads text with its image (ShieldGemma 2, BLIP, IDEFICS), with its
+            # sound (Voxtral Realtime's streamed features), with its words' boxes on a page
+            # (UDOP's bbox) or with a required input of its own (PI0's robot state), an
+            # image as tokens (ImageGPT's colour clusters), or no forward pass at all (an omni
+            # model that generates through its parts): actdb is to refuse it in one sentence,
+            # which the ingest below says; otherwise the failure is the survey config's.
+            needs_image = re.search(r"pixel|image|patches|encoder_outputs|[Bb]box|"
+                                    r"input_features|required positional argument|"
+                                    r"_forward_unimplemented", str(e))
             needs_image = needs_image or family.model_type in BESIDE_TEXT
             if (family.kind == "multimodal" and not needs_image) or (
                     family.kind != "multimodal" and "input_ids" not in reads):
@@ -222,6 +226,14 @@ def scan(family: Family, work: Path) -> Outcome:
                        f"error {worst:.0e}, energy {gap:.0e}, head {head_text}{note}")
     except _Timeout:
         return Outcome(family, "TIMEOUT", stage, "")
+    except ImportError as e:
+        # transformers builds the family only with a library this environment lacks (timm,
+        # natten): the family does not build tiny here, which is no finding about actdb
+        needs = re.search(r"requires the (\w+) library", str(e))
+        if stage != "build" or needs is None:
+            raise
+        return Outcome(family, "NEEDS", stage, f"the {needs.group(1)} library, not installed "
+                       f"({type(e).__name__}: {str(e).strip().splitlines()[0][:120]})")
     except ActdbError as e:
         if stage != "ingest":
             raise
