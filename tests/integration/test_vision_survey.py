@@ -39,15 +39,17 @@ def test_family_is_refused_in_one_sentence(family: Family, tmp_path: Path) -> No
 
 def test_a_linear_patch_embedding_is_no_token_table(tmp_path: Path) -> None:
     """Siglip2 embeds flattened patches with a linear layer, which `get_input_embeddings`
-    returns: no vocabulary, so its classification head (which pools, unproven) is no LM head."""
+    returns: no token table (no 'embed' anchors made of its weight's rows); its vocabulary is
+    its classification head's labels."""
     outcome = scan(Family("siglip2", "image"), tmp_path)
     assert outcome.status == "OK", outcome.line()
-    assert "head none" in outcome.detail
+    assert "head classifier" in outcome.detail
     import actdb
 
     db = actdb.connect(tmp_path / "siglip2.actdb")
-    assert db.sql("SELECT has_embed, has_lm_head, vocab_size FROM models").fetchall() == [
-        (False, False, 0)]
+    labels = db.sql("SELECT count(*) FROM vocab").fetchall()[0][0]
+    assert db.sql("SELECT has_embed, head_kind, vocab_size FROM models").fetchall() == [
+        (False, "classifier", labels)]
 
 
 def test_patches_cut_over_the_batch_are_each_images_own(tmp_path: Path) -> None:
