@@ -275,6 +275,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "deformable_detr": dict(DETR, image_size=128),
     # a T5: its decoder starts from the pad token
     "udop": dict(decoder_start_token_id=0),
+    "t5gemma2": dict(decoder_start_token_id=0),  # its decoder starts from the BOS token
 }
 
 

@@ -105,12 +105,20 @@ def _inputs(family: Family, size: int, work: Path) -> tuple[list[dict[str, Any]]
 def _model_inputs(family: Family, inputs: list[dict[str, Any]], processor: Any,
                   tokenizer: Any, model: Any) -> list[dict[str, Any]]:
     """The model's own inputs, one input at a time (no padding in the reference); the pixels
-    under the model's main input's name (`pixel_values_videos`, a Perceiver's `inputs`)."""
+    under the model's main input's name (`pixel_values_videos`, a Perceiver's `inputs`); an
+    encoder-decoder's decoder reads its start token, as actdb's does without a target."""
+    import torch
+
+    from actdb.ingestion.seq2seq import is_encoder_decoder
+
     runs = _made(family, inputs, processor, tokenizer)
     main = model.main_input_name
+    start = getattr(model.config, "decoder_start_token_id", None)
     for run in runs:
         if main not in run and "pixel_values" in run:
             run[main] = run.pop("pixel_values")
+        if is_encoder_decoder(model) and isinstance(start, int):
+            run["decoder_input_ids"] = torch.tensor([[start]])
     return runs
 
 
