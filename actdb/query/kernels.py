@@ -30,6 +30,7 @@ else:
     torch = lazy_module("torch")  # imported when a tensor is first needed (lazy.py)
 
 _BLOCK = 512  # rows per matrix product against a whole vocabulary
+_GPU_SCORES_BYTES = 1 << 30  # a GPU's float32 [block, V] scores at most
 
 
 def _unit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -433,9 +434,11 @@ def _topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
     # The logit transform keeps ranks (so ranks are taken before it) unless its scale is not
     # positive; then the transformed logits are ranked whole.
     reversing = model is not None and model.logit_scale is not None and model.logit_scale <= 0
-    for lo in range(0, x.shape[0], _BLOCK):
+    step = _vocab_block_rows(x.device, w.shape[0])
+    got_v, got_i = [], []
+    for lo in range(0, x.shape[0], step):
         check()  # each block is a vocabulary-wide product: a query past its limit stops
-        block = x[lo : lo + _BLOCK]
+        block = x[lo : lo + step]
         if reversing:
             with torch_threads(threads_for(2.0 * block.shape[0] * w.numel(), block.device)):
                 scores = block @ w.T  # [block, V]
@@ -445,15 +448,30 @@ def _topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
             ids = torch.gather(ids, 1, order)
         else:
             vals, ids = _topk_block(block, w, b, k, lowp, model)
-        flat = ids.cpu().numpy().astype(np.int64).reshape(-1)
-        # an LM head may have more rows than the vocabulary has strings: those are NULL
-        strings = tokens.take(pa.array(flat, mask=flat >= len(tokens)))
-        if label == "cosine":  # float32 rounding can pass 1
-            vals = vals.clamp(-1.0, 1.0)
-        out.put(index[lo : lo + block.shape[0]], struct_lists(k, {
-            "token_id": pa.array(flat), "token": strings,
-            label: pa.array(vals.double().cpu().numpy().reshape(-1)),
-        }, ok[lo : lo + block.shape[0]].cpu().numpy()))
+        got_v.append(vals)
+        got_i.append(ids)
+    if not got_v:
+        return
+    # One copy to the host for all blocks: on a GPU each copy waits for the device.
+    flat = torch.cat(got_i).cpu().numpy().astype(np.int64).reshape(-1)
+    vals = torch.cat(got_v)
+    # an LM head may have more rows than the vocabulary has strings: those are NULL
+    strings = tokens.take(pa.array(flat, mask=flat >= len(tokens)))
+    if label == "cosine":  # float32 rounding can pass 1
+        vals = vals.clamp(-1.0, 1.0)
+    out.put(index, struct_lists(k, {
+        "token_id": pa.array(flat), "token": strings,
+        label: pa.array(vals.double().cpu().numpy().reshape(-1)),
+    }, ok.cpu().numpy()))
+
+
+def _vocab_block_rows(device: torch.device, vocab: int) -> int:
+    """Rows per vocabulary-wide product: _BLOCK on the CPU (the [block, V] scores stay
+    small); on a GPU as many as scores of _GPU_SCORES_BYTES hold, where the work around each
+    product (its candidates checked, its results copied) would cost more than the product."""
+    if device.type == "cpu":
+        return _BLOCK
+    return max(_BLOCK, _GPU_SCORES_BYTES // (4 * max(1, vocab)))
 
 
 def _topk_block(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,

@@ -430,6 +430,16 @@ def test_list_functions(family, reference, database):
                        tol=LOGIT_ATOL, what=f"{family} {cols[k]}", strings=strings)
 
 
+def test_list_functions_over_many_blocks(reference, database, monkeypatch):
+    """nearest_anchors and top_logits keep every block's answers and copy them to the host
+    once (kernels._topk_rows: a GPU waits at each copy): with blocks of 7 rows, each row's
+    list still lands at its place, against the float64 reference."""
+    from actdb.query import kernels
+
+    monkeypatch.setattr(kernels, "_BLOCK", 7)
+    test_list_functions("gpt2", reference, database)
+
+
 def test_bert_functions_needing_an_lm_head_raise(database):
     db = database("bert")
     for q in (
