@@ -159,7 +159,7 @@ def ranks(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tid: torch.T
     # a row that might overflow is scanned as a zero row (q = 0) and its answer dropped
     a = torch.where(torch.cat([r.ok, torch.zeros(n4 - n, dtype=torch.bool)]).unsqueeze(-1),
                     r.a, 0).contiguous()
-    T = threads_for(2.0 * n4 * head.vocab * head.d / 3)
+    T = threads_for(2.0 * n4 * head.vocab * head.d)
     c = np.empty(n4, dtype=np.float64)
     above = np.empty((T, n4), dtype=np.int64)
     band = np.empty((T, n4), dtype=np.int64)
