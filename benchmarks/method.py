@@ -79,31 +79,35 @@ class Ratio:
         return ", ".join(f"{r:.3g}" for r in self.rounds)
 
 
-def _time(fn: Fn, setup: Fn | None) -> float:
+def _time(fn: Fn, setup: Fn | None, clock: Callable[[], float] | None = None) -> float:
     if setup is not None:
         setup()  # untimed: e.g. the chunk cache dropped, a competing load resumed
-    t = time.perf_counter()
+    now = clock or time.perf_counter
+    t = now()
     fn()
-    return time.perf_counter() - t
+    return now() - t
 
 
 def paired(actdb_fn: Fn, baseline_fn: Fn, rounds: int, *, warmup: bool = True,
-           actdb_setup: Fn | None = None, baseline_setup: Fn | None = None) -> Ratio:
+           actdb_setup: Fn | None = None, baseline_setup: Fn | None = None,
+           clock: Callable[[], float] | None = None) -> Ratio:
     """actdb's time over the baseline's: `rounds` rounds after one untimed warm-up of each
     side, each round timing the two back to back, actdb first in odd rounds and the baseline
-    first in even ones; a `*_setup` runs untimed just before its side each time."""
+    first in even ones; a `*_setup` runs untimed just before its side each time. `clock`:
+    what is timed (wall time by default; `time.process_time`: the CPU seconds of all the
+    process's threads, which other processes on the machine move less)."""
     if warmup:
-        _time(actdb_fn, actdb_setup)
-        _time(baseline_fn, baseline_setup)
+        _time(actdb_fn, actdb_setup, clock)
+        _time(baseline_fn, baseline_setup, clock)
     ours: list[float] = []
     theirs: list[float] = []
     for k in range(1, rounds + 1):
         if k % 2 == 1:
-            ours.append(_time(actdb_fn, actdb_setup))
-            theirs.append(_time(baseline_fn, baseline_setup))
+            ours.append(_time(actdb_fn, actdb_setup, clock))
+            theirs.append(_time(baseline_fn, baseline_setup, clock))
         else:
-            theirs.append(_time(baseline_fn, baseline_setup))
-            ours.append(_time(actdb_fn, actdb_setup))
+            theirs.append(_time(baseline_fn, baseline_setup, clock))
+            ours.append(_time(actdb_fn, actdb_setup, clock))
     return Ratio.of(ours, theirs)
 
 

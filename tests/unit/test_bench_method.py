@@ -71,3 +71,21 @@ def test_setups_run_untimed_before_their_side(clock: Clock) -> None:
     r = method.paired(clock.side("a", [1.0] * 3), clock.side("b", [1.0] * 3), rounds=2,
                       actdb_setup=setup)
     assert r.rounds == (1.0, 1.0) and seen == ["setup"] * 3
+
+
+def test_paired_times_on_the_clock_it_is_given(clock: Clock) -> None:
+    """A `clock` (the CPU clock, in the selective workload) is what is timed; the wall clock
+    the sides also move is not read."""
+    cpu = Clock()
+
+    def side(seconds: list[float]) -> method.Fn:
+        it = iter(seconds)
+
+        def run() -> None:
+            cpu.now += next(it)
+            clock.now += 1000.0  # wall time the given clock does not see
+
+        return run
+
+    r = method.paired(side([5.0, 3.0, 4.0]), side([5.0, 1.0, 8.0]), rounds=2, clock=cpu)
+    assert r.rounds == (3.0, 0.5) and r.actdb == (3.0, 4.0) and r.baseline == (1.0, 8.0)
