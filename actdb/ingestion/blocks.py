@@ -100,6 +100,16 @@ def token_layout(shape1: tuple[int, ...], shape2: tuple[int, ...], b: int, t1: i
             return "btd", None
         if len(shape1) == 2 and shape1[0] == b * t1 and shape2[0] == b2 * t2:
             return "btd", None
+        if len(shape1) == 4 and len(shape2) == 4 and (shape1[0], shape2[0]) == (b, b2):
+            # per-head inputs (text and images together: samples of one length, two batch
+            # sizes): the token axis is the one of the length, unless the head axis is too
+            tok1 = shape1[1] == t1 and shape2[1] == t2
+            tok2 = shape1[2] == t1 and shape2[2] == t2
+            if tok1 != tok2 and shape1[3] == shape2[3]:
+                if tok1 and shape1[2] == shape2[2]:
+                    return "bthd", shape1[2]
+                if tok2 and shape1[1] == shape2[1]:
+                    return "bhtd", shape1[1]
         return None
     if len(shape1) != len(shape2) or shape1[-1] != shape2[-1]:
         return None

@@ -314,10 +314,10 @@ class SiteSink:
         this site are zeros (the catalog has no token of its grid there)."""
         s, g = f.record, self.places[f.record.site]
         b, total = self.mask.shape
-        if s.n_heads:
+        if s.n_heads and not (self._tokens is not None and g.tokens):
             raise IngestError(f"site {s.site!r} ({s.module}) is a per-head site of a model whose "
-                              "sites see different grids of positions; actdb does not place "
-                              "per-head rows on a grid")
+                              "sites see different grids of positions; actdb places per-head "
+                              "rows on a text token grid only")
         if self._tokens is not None:
             self._store_among_tokens(f, x, y)
             return
@@ -357,10 +357,12 @@ class SiteSink:
         tokens = self._tokens
         assert tokens is not None
         b, d = self.mask.shape[0], s.d
+        # a row's vector, or its heads' ([H, d]: a per-head site on the token grid, [B, T, H, d])
+        tail = (s.n_heads, d) if s.n_heads else (d,)
         counts = tokens.sum(dim=1).tolist()  # each input's text tokens
         if g.tokens:
             keep = tokens.to(x.device)
-            x, y = x.reshape(b, -1, d)[keep], y.reshape(b, -1, d)[keep]  # [sum T_i, d]
+            x, y = x.reshape(b, -1, *tail)[keep], y.reshape(b, -1, *tail)[keep]  # [sum T_i, *tail]
             sizes, offsets = counts, [g.offset] * b
         else:
             x, y = as_rows(x, "btd", b), as_rows(y, "btd", b)  # [B, size, d]
@@ -371,10 +373,11 @@ class SiteSink:
             x, y = x.reshape(-1, d), y.reshape(-1, d)
             sizes, offsets = [g.size] * b, [g.offset] * b
         n = int(sum(sizes))
-        rows = ActBatch(direction=np.empty((n, d), np.float16), norm=np.empty(n, np.float32),
-                        mean=np.empty(n, np.float32))
-        worst = self._split(s, self._x.view(n, d).copy_(x), self._y.view(n, d).copy_(y), rows,
-                            0, n)
+        rows = ActBatch(direction=np.empty((n, *tail), np.float16),
+                        norm=np.empty((n, *tail[:-1]), np.float32),
+                        mean=np.empty((n, *tail[:-1]), np.float32))
+        worst = self._split(s, self._x.view(n, *tail).copy_(x), self._y.view(n, *tail).copy_(y),
+                            rows, 0, n)
         group = self._groups[self._current]
         assert group is not None
         stored = group.fields[s.site]

@@ -218,8 +218,17 @@ def prepare_inputs(processor: Any, batch: Sequence[Prompt], name: str,
     try:
         out = processor(**kw, return_tensors="pt")
     except Exception as e:  # noqa: BLE001 - a processor's own failure, said in one sentence
-        raise IngestError(f"the processor of model {name!r} failed on these inputs "
-                          f"({type(e).__name__}: {_first_line(e)})") from None
+        out = None
+        if "text" in kw and "images" in kw:
+            # Some processors (Gemma 3's) take a batch's images as one list per text.
+            try:
+                out = processor(**{**kw, "images": [[i] for i in kw["images"]]},
+                                return_tensors="pt")
+            except Exception:  # noqa: BLE001 - the first failure is the one to say
+                out = None
+        if out is None:
+            raise IngestError(f"the processor of model {name!r} failed on these inputs "
+                              f"({type(e).__name__}: {_first_line(e)})") from None
     # `labels` (PaliGemma's processor makes them) would have the model compute a loss
     made = {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and k != "labels"}
     main = getattr(model, "main_input_name", None)

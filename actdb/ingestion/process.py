@@ -160,7 +160,7 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
     found, n_layers = find_sites(
         loaded.model if contrastive is None else contrastive.vision, sample, sample_alt,
         sites_glob=opts.sites, final_probe=fit, depths=towers,
-        fixed_towers=("vision", "audio") if mixed else ())
+        fixed_towers=("vision", "audio", "projector") if mixed else ())
     if contrastive is not None:  # module paths from the model, as the model's other sites'
         found = [dataclasses.replace(f, record=dataclasses.replace(
             f.record, module=f"{contrastive.vision_path}.{f.record.module}")) for f in found]

@@ -299,7 +299,7 @@ def find_sites(
         if layout is None:
             raise ModelLoadError(
                 f"norm module {path!r} sees inputs of shape {tuple(call.input.shape)} for a "
-                f"batch of {b} x {t1} tokens (and {shape2} for {b} x {t2}); actdb knows the "
+                f"batch of {b} x {t1} tokens (and {shape2} for {b2} x {t2}); actdb knows the "
                 "layouts [B, T, d], [B*T, d], [B, T, H, d], [B*T, H, d], [B, H, T, d] and "
                 "per-head lists"
             )

@@ -171,9 +171,10 @@ def build_multimodal(kind: str, folder: Path, *, seed: int = 0) -> Path:
 def build_multimodal_grid(kind: str, folder: Path, *, seed: int = 0) -> tuple[Path, object]:
     """A tiny random multimodal decoder whose image tokens are no one-for-one patch grid,
     saved in `folder`, and its processor (built here, offline): `qwen2_vl` (images of any size
-    as patches of 2x2 pixels, merged 2x2 for the decoder: `image_grid_thw`) or `idefics3` (16 x
+    as patches of 2x2 pixels, merged 2x2 for the decoder: `image_grid_thw`), `idefics3` (16 x
     16 images split into four 8 x 8 tiles and a global 8 x 8 image, 2x2-pixel patches, each
-    tile's 16 patches pixel-shuffled into 4 image tokens)."""
+    tile's 16 patches pixel-shuffled into 4 image tokens) or `gemma3` (16 x 16 images, 8 x 8
+    patches average-pooled into 16 image tokens; per-head q_norm and k_norm in its decoder)."""
     import torch
     import transformers as T
 
@@ -213,6 +214,23 @@ def build_multimodal_grid(kind: str, folder: Path, *, seed: int = 0) -> tuple[Pa
         processor = ImagesOnly(T.Qwen2VLImageProcessorPil(
             size={"shortest_edge": 16, "longest_edge": 4096}, patch_size=2,
             temporal_patch_size=2, merge_size=2), tok)
+    elif kind == "gemma3":
+        marks = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                 "image_token": "<image_soft_token>"}
+        tok.add_special_tokens({"additional_special_tokens": list(marks.values())})
+        for key, mark in marks.items():  # what Gemma 3's processor reads off its tokenizer
+            setattr(tok, key, mark)
+            setattr(tok, f"{key}_id", tok.convert_tokens_to_ids(mark))
+        text.update(vocab_size=len(tok), head_dim=8, sliding_window=16)
+        model = T.Gemma3ForConditionalGeneration(T.Gemma3Config(
+            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, image_size=16, patch_size=2),
+            text_config=text, image_token_index=tok.image_token_id,
+            boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
+            mm_tokens_per_image=16))
+        processor = T.Gemma3Processor(
+            image_processor=T.Gemma3ImageProcessorPil(size={"height": 16, "width": 16}),
+            tokenizer=tok, image_seq_length=16)
     else:
         assert kind == "idefics3", kind
         tok.add_special_tokens({"additional_special_tokens": [
