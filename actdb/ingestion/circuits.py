@@ -27,10 +27,25 @@ SVD_BOUND = 2.0**-20
 
 def factored_svd(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sigma [r], u [r, d], v [r, d]) of `a @ b` for a [d, r] and b [r, d], largest first."""
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    qa, ra = np.linalg.qr(a)  # [d, r], [r, r]
-    qb, rb = np.linalg.qr(b.T)  # [d, r], [r, r]
+    return _from_qr(_left(a), _right(b))
+
+
+QR = tuple[np.ndarray, np.ndarray]
+
+
+def _left(a: np.ndarray) -> QR:
+    """QR of a left factor a [d, r]: ([d, r], [r, r])."""
+    return np.linalg.qr(np.asarray(a, dtype=np.float64))
+
+
+def _right(b: np.ndarray) -> QR:
+    """QR of a right factor's transpose, b [r, d]: ([d, r], [r, r])."""
+    return np.linalg.qr(np.asarray(b, dtype=np.float64).T)
+
+
+def _from_qr(left: QR, right: QR) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    qa, ra = left
+    qb, rb = right
     us, s, vts = np.linalg.svd(ra @ rb.T)
     u = (qa @ us).T  # [r, d]
     v = (qb @ vts.T).T  # [r, d]
@@ -46,11 +61,14 @@ def head_circuits(w_q: np.ndarray, w_k: np.ndarray, w_v: np.ndarray, w_o: np.nda
     weights are per head [heads, d_head, d] as rows (AttentionWeights)."""
     d = w_q.shape[-1]
     g = np.ones(d) if gain is None else np.asarray(gain, dtype=np.float64).reshape(d)
+    # A key-value head's factor serves every query head of its group: its QR once.
+    kvs = sorted(set(kv_of_head))
+    values = {kv: _left(g[:, None] * w_v[kv].astype(np.float64).T) for kv in kvs}
+    keys = {kv: _right(w_k[kv].astype(np.float64) * g[None, :]) for kv in kvs}
     out: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {"OV": [], "QK": []}
     for h, kv in enumerate(kv_of_head):
-        wq, wk = w_q[h].astype(np.float64), w_k[kv].astype(np.float64)
-        wv, wo = w_v[kv].astype(np.float64), w_o[h].astype(np.float64)
-        out["OV"].append(factored_svd(g[:, None] * wv.T, wo))
-        out["QK"].append(factored_svd(g[:, None] * wq.T, wk * g[None, :]))
+        wq, wo = w_q[h].astype(np.float64), w_o[h].astype(np.float64)
+        out["OV"].append(_from_qr(values[kv], _right(wo)))
+        out["QK"].append(_from_qr(_left(g[:, None] * wq.T), keys[kv]))
     return {k: (np.stack([t[0] for t in v]), np.stack([t[1] for t in v]),
                 np.stack([t[2] for t in v])) for k, v in out.items()}

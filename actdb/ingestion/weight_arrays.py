@@ -3,11 +3,14 @@ head's circuits (circuits.py) computed from them."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
+from threadpoolctl import threadpool_limits
 
 from ..activations import identify
 from ..store.layer_weights import array_name
@@ -33,8 +36,8 @@ def weight_arrays(weights: ModelWeights, gains: Mapping[str, np.ndarray | None]
     into the circuits of the attention that reads that site's output."""
     arrays: dict[str, np.ndarray] = {}
     layers: dict[int, dict[str, Any]] = {}
-    for a in weights.attention:
-        layers.setdefault(a.layer, {})["attn"] = _attention(a, gains, arrays)
+    for a, circuits in zip(weights.attention, _all_circuits(weights, gains), strict=True):
+        layers.setdefault(a.layer, {})["attn"] = _attention(a, gains, circuits, arrays)
     for m in weights.mlps:
         layers.setdefault(m.layer, {}).setdefault("mlp", []).append(_mlp(m, arrays))
     manifest = {
@@ -52,8 +55,27 @@ def weight_arrays(weights: ModelWeights, gains: Mapping[str, np.ndarray | None]
     return arrays, manifest
 
 
+Circuits = dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _all_circuits(weights: ModelWeights, gains: Mapping[str, np.ndarray | None]
+                  ) -> list[Circuits]:
+    """Every block's circuits (head_circuits), the blocks on threads (LAPACK releases the
+    GIL), each with one BLAS thread: OpenBLAS's threads on these small [d, d_head] factors
+    spin against each other and against other work, and cost far more than they share. The
+    same calls, one at a time: the same bytes."""
+    def one(a: AttentionWeights) -> Circuits:
+        gain = gains.get(a.reads) if a.reads is not None else None
+        wq, wk, wv, wo = (_rows(w).reshape(w.shape) for w in (a.w_q, a.w_k, a.w_v, a.w_o))
+        return head_circuits(wq, wk, wv, wo, a.kv_of_head, gain)
+
+    workers = max(1, min(len(weights.attention), len(os.sched_getaffinity(0))))
+    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(one, weights.attention))
+
+
 def _attention(a: AttentionWeights, gains: Mapping[str, np.ndarray | None],
-               arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+               circuits: Circuits, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
     names = []
     for name, value in (("W_Q", a.w_q), ("W_K", a.w_k), ("W_V", a.w_v), ("W_O", a.w_o)):
         arrays[array_name(a.layer, "attn", name)] = _rows(value)
@@ -64,8 +86,6 @@ def _attention(a: AttentionWeights, gains: Mapping[str, np.ndarray | None],
             arrays[array_name(a.layer, "attn", name)] = host
             names.append(name)
     gain = gains.get(a.reads) if a.reads is not None else None
-    wq, wk, wv, wo = (_rows(w).reshape(w.shape) for w in (a.w_q, a.w_k, a.w_v, a.w_o))
-    circuits = head_circuits(wq, wk, wv, wo, a.kv_of_head, gain)
     for kind, (sigma, u, v) in circuits.items():
         part = f"circuits/{kind}"
         arrays[array_name(a.layer, part, "sigma")] = sigma.astype(np.float32)
