@@ -33,7 +33,8 @@ SMALL=${SMALL:-0}
 if [ "$SMALL" = 1 ]; then  # the script checked end to end at a small size
     SCALE=${SCALE:-tiny} INGEST_SIZE=${INGEST_SIZE:-small} FIXED_SIZE=${FIXED_SIZE:-small}
     INGEST_ARGS=${INGEST_ARGS:-"--prompts 4 --tokens 32 --batch-size 2 --rounds 3"}
-    PHASES_MODEL=${PHASES_MODEL:-tiny} WORKERS=${WORKERS:-2} CPU_S=${CPU_S:-0}
+    PHASES_MODEL=${PHASES_MODEL:-tiny} PHASES_MODEL_32=${PHASES_MODEL_32:-tiny}
+    WORKERS=${WORKERS:-2} CPU_S=${CPU_S:-0}
     TESTS=${TESTS:-"test_weight_probes"}
 fi
 SCALE=${SCALE:-medium}
@@ -46,6 +47,7 @@ BENCH_S=${BENCH_S:-150}  # 102 s on an H100 machine (2026-11-26), 176 s (2026-11
 TESTS_S=${TESTS_S:-150}  # 13 modules: 97% in 130 s with 12 workers there; 15: 100% at 200 s
 CPU_S=${CPU_S:-0}       # 0 skips step 3
 PHASES_S=${PHASES_S:-60}  # 0 skips step 4 (the ingest phases of 32 prompts)
+PHASES_MODEL_32=${PHASES_MODEL_32:-bench}
 WORKERS=${WORKERS:-12}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -106,7 +108,8 @@ fi
 
 if [ "$PHASES_S" -gt 0 ]; then
     start=$(date +%s)
-    timeout "$PHASES_S" $PY benchmarks/ingest_phases.py --device "$DEVICE" --prompts 32 \
+    timeout "$PHASES_S" $PY benchmarks/ingest_phases.py --model "$PHASES_MODEL_32" \
+        --device "$DEVICE" --prompts 32 \
         --repeats 3 --timeline --workdir /tmp/actdb-phases >"$OUT/phases-32.txt" 2>&1
     echo "phases: exit $? after $(( $(date +%s) - start )) s"
 fi
@@ -115,7 +118,7 @@ echo "--- ingest at real size"
 for f in "$OUT"/ingest-*.log; do [ -f "$f" ] && { echo "$f"; grep -v "^  " "$f" | tail -6; }; done
 for m in $PHASES_MODEL; do head -14 "$OUT/phases-$m.txt" 2>/dev/null; done
 echo "--- benchmark summary"
-sed -n '/^## Summary/,/^## 1\./p' "$OUT/BENCHMARKS-$DEVICE.md" 2>/dev/null | head -40
+grep "^| " "$OUT/BENCHMARKS-$DEVICE.md" 2>/dev/null | cut -d'|' -f2-8 | head -40
 grep -A3 "(failed)" "$OUT/BENCHMARKS-$DEVICE.md" 2>/dev/null | head -20
 echo "--- cpu ingest"
 grep -E "^\| 1\. Ingest" "$OUT/BENCHMARKS-cpu-ingest.md" 2>/dev/null | head -5
