@@ -29,6 +29,7 @@ from .data import (
     Spec,
     block_role,
     head_kind,
+    head_tower_sites,
     is_missing,
     model_roles,
     model_row,
@@ -122,6 +123,8 @@ def lens_spec(db: Database, prompt_id: int, *, model: str | None = None, by: str
     # A hierarchical model's early stages are narrower than its head (ConvNeXt's, Swin's):
     # the lens reads the sites of the head's width.
     narrow = _narrow_sites(db, name, roles)
+    if by != "anchor":  # another tower's rows (a vision tower's) never meet the head's norm
+        narrow |= set(_role_sites(db, name, roles)) - set(head_tower_sites(db, name))
     if narrow:
         kept = [s for s in params.get("sites", _role_sites(db, name, roles))
                 if s not in narrow]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .data import PlotError, Spec, block_role, resolve_model
+from .data import PlotError, Spec, block_role, head_tower_sites, resolve_model
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -33,7 +33,8 @@ def patches_spec(db: Database, prompt_id: int, *, model: str | None = None,
         raise PlotError(f"prompt {prompt_id} of model {name!r} has no patches: `plot patches` "
                         "draws an image input's patches (ingest --images)")
     where = "layer = $layer" if layer is not None else "list_contains($roles, role)"
-    read = "$token" if token is not None else "top_logits(vec, 1)[1].token"
+    # the top token by its id: a token's text may name several (byte tokens' '\ufffd')
+    read = "$token" if token is not None else "top_logits(vec, 1)[1].token_id"
     sql = f"""SELECT layer, site, patch_row, patch_col,
        top_logits(vec, 1)[1].token AS top,
        prob(vec, {read}) AS p
@@ -43,8 +44,11 @@ WHERE model = $m AND prompt_id = $p AND patch_row IS NOT NULL
   -- a hierarchical model's early stages are narrower than its head: not read
   AND site IN (SELECT s.site FROM sites s JOIN models USING (model)
                WHERE s.model = $m AND s.d = models.d_model)
+  -- nor another tower's than the head's (a vision tower's rows never meet its final norm)
+  AND list_contains($sites, site)
 ORDER BY layer, site, patch_row, patch_col"""
-    params: dict[str, Any] = {"m": name, "p": int(prompt_id), "frame": int(frame)}
+    params: dict[str, Any] = {"m": name, "p": int(prompt_id), "frame": int(frame),
+                              "sites": head_tower_sites(db, name)}
     if layer is not None:
         params["layer"] = int(layer)
     else:  # the blocks' norms (pre_attn where there is attention: data.block_role), final

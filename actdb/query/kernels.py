@@ -117,16 +117,12 @@ def _lm_groups(src: VectorSource, h: np.ndarray) -> Iterator[Group]:
 
 def _head_groups(src: VectorSource, h: np.ndarray, name: str) -> Iterator[Group]:
     """`_lm_groups` for a function that reads rows through the final norm and LM head (the
-    logit lens): an encoder-decoder's encoder rows are refused, since its LM head reads the
-    decoder's final norm and the encoder's output reaches the decoder only through
-    cross-attention, so no logits were ever proven for them."""
+    logit lens): rows of a tower whose output never meets that norm (an encoder-decoder's
+    encoder, a multimodal model's vision tower) are refused (VectorSource.off_head)."""
     for g in _lm_groups(src, h):
-        if g.site.tower == "encoder" and g.model.row_towers:
-            raise QueryError(
-                f"{name} reads a row through the LM head of model {g.model.model!r}, which "
-                f"reads its decoder's final norm; site {g.site.site!r} is its encoder's, whose "
-                "output meets the decoder only through cross-attention, so no logits are "
-                "proven there: keep to the decoder's sites (WHERE site NOT LIKE 'encoder.%')")
+        why = src.off_head(g.model, g.site, name)
+        if why is not None:
+            raise QueryError(why)
         yield g
 
 

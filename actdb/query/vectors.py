@@ -118,6 +118,9 @@ class VectorSource:
         for m in self.models.values():
             for s in store.catalog.sites(m.model):
                 self.sites[(m.model_id, s.site_id)] = s
+        # each model's tower whose final norm its head reads (that of models.final_site)
+        self._head_tower = {mid: s.tower for (mid, _), s in self.sites.items()
+                            if s.site == self.models[mid].final_site}
         self.codec = H.Codec((
             H.Stream(model_id=mid, site_id=sid, head=head, n_rows=self.models[mid].n_rows)
             for (mid, sid), s in self.sites.items()
@@ -188,6 +191,26 @@ class VectorSource:
 
     def site(self, model_id: int, site_id: int) -> SiteRecord:
         return self.sites[(int(model_id), int(site_id))]
+
+    def off_head(self, model: ModelRecord, site: SiteRecord, name: str) -> str | None:
+        """Why function `name` may not read a row of `site` through the model's LM head: the
+        site is another tower's than the final norm the head reads (an encoder-decoder's
+        encoder, a multimodal model's vision tower), whose rows never meet that norm, so no
+        logits were proven for them (the width alone need not tell: towers may share it).
+        None where it may."""
+        head = self._head_tower.get(model.model_id)
+        if site.tower is None or head is None or site.tower == head:
+            return None
+        where = f"{name} reads a row through the LM head of model {model.model!r}, which reads"
+        if site.tower == "encoder" and head == "decoder":
+            return (f"{where} its decoder's final norm; site {site.site!r} is its encoder's, "
+                    "whose output meets the decoder only through cross-attention, so no "
+                    "logits are proven there: keep to the decoder's sites (WHERE site NOT "
+                    "LIKE 'encoder.%')")
+        return (f"{where} its {head} tower's final norm; site {site.site!r} is its "
+                f"{site.tower} tower's, whose rows never meet that norm, so no logits are "
+                f"proven there: keep to the {head} tower's sites (WHERE site NOT LIKE "
+                f"'{site.tower}.%')")
 
     def x_blocks(self, g: Group) -> Iterator[tuple[int, int, torch.Tensor]]:
         """`Group.x_blocks` on the CPU: each block of stored directions converted to float32

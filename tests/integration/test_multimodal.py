@@ -127,6 +127,41 @@ def test_text_and_image_in_one_input(kind: str, inputs: Path, tmp_path: Path) ->
     assert prompts == [(t, f"{i}.png", i) for i, t in enumerate(TEXTS)]
 
 
+def test_the_lens_refuses_a_vision_towers_rows_of_the_text_width(inputs: Path,
+                                                                 tmp_path: Path) -> None:
+    """A vision tower as wide as the text decoder: no width tells its rows from the decoder's,
+    yet they never meet the decoder's final norm, so the lens functions refuse them in one
+    sentence (geometric functions keep them), and the lens and patches pictures read the
+    decoder's sites only (the patches picture names a top token by its id: byte tokens share
+    the text '\ufffd')."""
+    from actdb.plot.lensmap import lens_spec
+    from actdb.plot.patches import patches_spec
+
+    folder = build_multimodal("llava", tmp_path, vision_width=32)
+    store = tmp_path / "s.actdb"
+    result = CliRunner().invoke(cli, ["ingest", str(store), "--model", str(folder), "--inputs",
+                                      str(inputs), "--batch-size", "2", "-q"])
+    assert result.exit_code == 0, result.output
+    db = actdb.connect(store, device="cpu")
+    assert db.sql("SELECT DISTINCT d FROM sites").fetchall() == [(32,)]
+    for call in ("top_logits(vec, 1)", "entropy(vec)", "logit(vec, 5)", "token_rank(vec, 5)"):
+        with pytest.raises(ActdbError, match=r"^[^\n]*site 'vision\.blocks\.1\.ln1' is its "
+                           r"vision tower's[^\n]*WHERE site NOT LIKE 'vision\.%'\)$"):
+            db.sql(f"SELECT {call} FROM acts WHERE site = 'vision.blocks.1.ln1'").fetchall()
+    got = db.sql("SELECT count(entropy(vec)) FROM acts WHERE site NOT LIKE 'vision.%'"
+                 ).fetchall()[0][0]
+    assert got == db.sql("SELECT count(*) FROM acts WHERE site NOT LIKE 'vision.%'"
+                         ).fetchall()[0][0] > 0
+    assert db.sql("SELECT count(cosine_to_anchor(vec, 5)) FROM acts WHERE site = "
+                  "'vision.blocks.1.ln1'").fetchall()[0][0] > 0
+    spec = lens_spec(db, 0)
+    assert set(spec.run(db).df["site"]) == {"blocks.0.ln1", "blocks.1.ln1", "final"}
+    spec = patches_spec(db, 0)
+    df = spec.run(db).df
+    assert set(df["site"]) == {"blocks.0.ln1", "blocks.1.ln1", "final"}
+    assert len(df) == 3 * 16 and df["p"].between(0, 1).all()
+
+
 def test_text_and_images_said_in_one_sentence(inputs: Path, tmp_path: Path) -> None:
     folder = build_multimodal("llava", tmp_path)
     bad = tmp_path / "bad.jsonl"

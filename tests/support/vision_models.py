@@ -126,10 +126,12 @@ def build_contrastive(kind: str, folder: Path, *, seed: int = 0) -> Path:
     return out
 
 
-def build_multimodal(kind: str, folder: Path, *, seed: int = 0) -> Path:
+def build_multimodal(kind: str, folder: Path, *, seed: int = 0, vision_width: int = 16
+                     ) -> Path:
     """A tiny random multimodal decoder (`llava` or `paligemma`) from its config, saved in
     `folder` with its processor: images of 8x8 pixels in 2x2 patches, each image 16 image
-    tokens (`<image>`, added to the tests' offline tokenizer) in the decoder's sequence."""
+    tokens (`<image>`, added to the tests' offline tokenizer) in the decoder's sequence. The
+    vision tower `vision_width` wide (the text decoder: 32)."""
     import torch
     import transformers as T
 
@@ -139,7 +141,7 @@ def build_multimodal(kind: str, folder: Path, *, seed: int = 0) -> Path:
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     image = tok.convert_tokens_to_ids("<image>")
     torch.manual_seed(seed)
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    vision = dict(hidden_size=vision_width, intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=2, image_size=8, patch_size=2)
     text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
