@@ -312,7 +312,7 @@ class VectorSource:
                 continue  # final_norm(v) is NULL where v never meets the final norm
             rows = dec.row if order is None else dec.row[index]
             heads = dec.head if order is None else dec.head[index]
-            if np.any(rows[1:] < rows[:-1]):  # chunk-friendly reading order
+            if (rows[1:] < rows[:-1]).any():  # chunk-friendly reading order
                 by_row = np.argsort(rows, kind="stable")
                 index, rows, heads = index[by_row], rows[by_row], heads[by_row]
             yield Group(self, index, model, site, view, rows, heads)
