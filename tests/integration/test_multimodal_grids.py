@@ -114,6 +114,13 @@ def test_every_site_is_the_models_own_input(ingested: tuple[str, Path, torch.nn.
         # the stored top token is the model's, or one within rounding of its logit
         own = logits[np.arange(len(top)), [t[0]["token_id"] for t in top]]
         np.testing.assert_allclose(own, logits.max(-1), rtol=2e-3, atol=2e-3)
+    # the vision tower's rows never meet the decoder's final norm: no lens, in one sentence
+    from actdb.errors import QueryError
+
+    with pytest.raises(QueryError, match=r"^top_logits reads [^\n]*site 'vision\.blocks\.0\.ln1' "
+                       r"is its vision tower's[^\n]*NOT LIKE 'vision\.%'\)$"):
+        db.sql("SELECT top_logits(vec, 1) FROM acts WHERE site = 'vision.blocks.0.ln1'"
+               ).fetchall()
 
 
 def test_image_tokens_carry_their_patches(ingested: tuple[str, Path, torch.nn.Module, Any]
