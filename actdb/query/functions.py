@@ -199,7 +199,8 @@ FUNCTIONS: tuple[TensorFunction, ...] = (
     TensorFunction(
         name="final_norm", params=(V,), returns="vec", view="final_norm",
         doc="view: v passed through the model's final norm; every function of it is NULL on "
-            "inner, q_norm and k_norm sites (the handle itself is not)",
+            "inner, q_norm and k_norm sites and on rows of another tower than the final "
+            "norm's (an encoder's, a vision tower's) (the handle itself is not)",
     ),
     TensorFunction(
         name="to_list", params=(V,), returns="FLOAT[]", kernel=kernels.to_list,

@@ -192,15 +192,20 @@ class VectorSource:
     def site(self, model_id: int, site_id: int) -> SiteRecord:
         return self.sites[(int(model_id), int(site_id))]
 
+    def off_tower(self, model: ModelRecord, site: SiteRecord) -> bool:
+        """Whether `site` is another tower's than the final norm the model's head reads."""
+        head = self._head_tower.get(model.model_id)
+        return site.tower is not None and head is not None and site.tower != head
+
     def off_head(self, model: ModelRecord, site: SiteRecord, name: str) -> str | None:
         """Why function `name` may not read a row of `site` through the model's LM head: the
         site is another tower's than the final norm the head reads (an encoder-decoder's
         encoder, a multimodal model's vision tower), whose rows never meet that norm, so no
         logits were proven for them (the width alone need not tell: towers may share it).
         None where it may."""
-        head = self._head_tower.get(model.model_id)
-        if site.tower is None or head is None or site.tower == head:
+        if not self.off_tower(model, site):
             return None
+        head = self._head_tower[model.model_id]
         where = f"{name} reads a row through the LM head of model {model.model!r}, which reads"
         if site.tower == "encoder" and head == "decoder":
             return (f"{where} its decoder's final norm; site {site.site!r} is its encoder's, "
@@ -308,7 +313,8 @@ class VectorSource:
             model = self.model(int(dec.model_id[at]))
             site = self.site(model.model_id, int(dec.site_id[at]))
             view = H.VIEWS[int(dec.view[at])]
-            if view == "final_norm" and site.role in OFF_STREAM_ROLES:
+            if view == "final_norm" and (site.role in OFF_STREAM_ROLES
+                                         or self.off_tower(model, site)):
                 continue  # final_norm(v) is NULL where v never meets the final norm
             rows = dec.row if order is None else dec.row[index]
             heads = dec.head if order is None else dec.head[index]

@@ -154,6 +154,10 @@ def test_the_lens_refuses_a_vision_towers_rows_of_the_text_width(inputs: Path,
                          ).fetchall()[0][0] > 0
     assert db.sql("SELECT count(cosine_to_anchor(vec, 5)) FROM acts WHERE site = "
                   "'vision.blocks.1.ln1'").fetchall()[0][0] > 0
+    # the decoder's final norm applied to a row that never meets it: NULL, as off the stream
+    counts = db.sql("SELECT site LIKE 'vision.%', count(vec_norm(final_norm(vec))), count(*) "
+                    "FROM acts GROUP BY ALL ORDER BY ALL").fetchall()
+    assert counts[0][1] == counts[0][2] > 0 and counts[1][1] == 0 < counts[1][2], counts
     spec = lens_spec(db, 0)
     assert set(spec.run(db).df["site"]) == {"blocks.0.ln1", "blocks.1.ln1", "final"}
     spec = patches_spec(db, 0)
