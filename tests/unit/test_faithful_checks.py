@@ -32,11 +32,14 @@ def tokenizer() -> Any:
 
 
 class ShiftyRMSNorm(_Norm):
-    """A norm that behaves when probed alone and shifts its output inside a real batch."""
+    """A norm that behaves at every length the probe passes use (the padding probe's included,
+    which stops at 32 tokens) and shifts its output on longer inputs: only the ingest's own
+    batch (the longest prompt has 36 tokens) sees the shift, so its check of every site's
+    output has to catch it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
-        return y + 0.5 if x.shape[0] > 1 and x.shape[1] != 11 else y
+        return y + 0.5 if x.shape[1] > 32 else y
 
 
 class _Offset(GenForCausalLM):
