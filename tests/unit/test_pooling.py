@@ -84,3 +84,43 @@ def test_a_head_that_is_no_mean_of_its_rows_is_refused(pool: str) -> None:
         assert why.startswith("its logits are not the mean of its rows' logits"), why
     else:  # what the head reads is no mean of the rows nor of a linear layer's outputs
         assert why.startswith("its head reads vectors of width 6 that are not the mean"), why
+
+
+def test_the_batch_check_averages_each_inputs_own_rows() -> None:
+    """LogitCheck, pooled: the stored rows of a right-padded batch (inputs of 3, 2, 0 and 4
+    real tokens, their rows consecutive) are averaged per input and compared with the model's
+    logits, here the float64 NumPy mean of each input's rows' logits; rows given to the wrong
+    input (one shifted along) are caught."""
+    from actdb.ingestion.logits import LogitCheck, LogitTransform
+    from actdb.store.store import ActBatch
+
+    rng = np.random.default_rng(3)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    n = int(mask.sum())
+    x = rng.standard_normal((n, D)) * 3.0
+    w, b = rng.standard_normal((L, D)), rng.standard_normal(L)
+    head = nn.Linear(D, L)
+    with torch.no_grad():
+        head.weight.copy_(torch.from_numpy(w))
+        head.bias.copy_(torch.from_numpy(b))
+    record = SiteRecord(site="final", site_id=0, layer=1, role="final", kind="rmsnorm", d=D,
+                        n_heads=None, eps=1e-6, module="norm", has_gain=False, has_bias=False)
+    site = FoundSite(record=record, hooks=(), layout="btd", gain=None, bias=None)
+    check = LogitCheck(site, head, LogitTransform(scale=None, softcap=None, error=0.0),
+                       torch.device("cpu"), position=None, pooled=True)
+
+    def acts(rows: np.ndarray) -> ActBatch:
+        norm = np.linalg.norm(rows, axis=-1)
+        return ActBatch(direction=(rows / norm[:, None]).astype(np.float16),
+                        norm=norm.astype(np.float32), mean=rows.mean(-1).astype(np.float32))
+
+    y = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6)  # RMSNorm, float64
+    own = y @ w.T + b
+    owner = np.repeat(np.arange(4), mask.sum(1).numpy())
+    real = np.zeros((4, 1, L))
+    for i in (0, 1, 3):
+        real[i, 0] = own[owner == i].mean(0)
+    positions = check.positions(4)
+    assert check.error(torch.from_numpy(real), acts(x), mask, positions) < 2e-3
+    shifted = np.roll(x, 1, axis=0)  # each row stored one place on: another input's
+    assert check.error(torch.from_numpy(real), acts(shifted), mask, positions) > 0.05
