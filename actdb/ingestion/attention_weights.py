@@ -23,6 +23,8 @@ from .weight_probes import (
 )
 from .weight_records import AttentionWeights
 
+_SLOTS = 256  # value slots compared at once: [rows, 256, columns] float64
+
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionPlan:
@@ -103,15 +105,18 @@ def map_values(plan: AttentionPlan, rec: Mapping[str, torch.Tensor]) -> ValueMap
     cols = torch.cat([rec[p].reshape(-1, rec[p].shape[-1]) for p in plan.readers],
                      dim=1)  # [B, C]
     o_in = rec["o_in"].reshape(-1, width)  # [B, H*dh]
-    scale = cols.abs().amax(0).clamp_min(1e-30)
-    v_col = []
-    for s in range(width):
-        diff = (cols - o_in[:, s : s + 1]).abs().amax(0) / scale
-        j = int(diff.argmin())
-        if float(diff[j]) > max(1e-4, tolerance(plan.dtype)):
+    scale = cols.abs().amax(0).clamp_min(1e-30)  # [C]
+    v_col: list[int] = []
+    # Each value slot's nearest reader column, a block of slots at a time (a loop over the
+    # slots was a few small operations each: thousands of them, each a GPU round trip)
+    for lo in range(0, width, _SLOTS):
+        o = o_in[:, lo : lo + _SLOTS]  # [B, S]
+        diff = (cols[:, None, :] - o[:, :, None]).abs().amax(0) / scale  # [S, C]
+        best = diff.argmin(1)  # [S]
+        if bool((diff.gather(1, best[:, None]) > max(1e-4, tolerance(plan.dtype))).any()):
             raise Unmapped("a head's value is not a column of the projections reading the "
                             "residual (values through a latent, or a gated output)")
-        v_col.append(j)
+        v_col += best.tolist()
     vt = torch.tensor(v_col).reshape(n_heads, dh)
     if not bool((vt[:, 1:] - vt[:, :-1] == 1).all()):
         raise Unmapped("a head's value dimensions are not consecutive columns")
