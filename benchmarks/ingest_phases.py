@@ -51,7 +51,7 @@ from actdb.store.store import Store  # noqa: E402
 STEPS = {
     process: ["find_sites", "register", "plan_work"],
     register: ["extract_weights", "weight_arrays", "params_digest", "vocab_table"],
-    weights: ["find_attentions", "find_mlp"],
+    weights: ["find_attention", "find_attentions", "find_mlp"],  # (the first: before 0.3)
     weight_arrays: ["head_circuits"],
     run.BatchRunner: ["run"],
     Store: ["open_or_create", "register_model", "save_tokenizer", "reserve_rows",
