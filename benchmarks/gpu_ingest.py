@@ -144,7 +144,7 @@ def measure(b: Built, *, size: str, device: str, work: Path, rounds: int) -> Res
     n = b.n_tokens
     config = b.model.config
     r = Result(
-        title=f"22. Ingest at real size ({NAMES[size]}-shaped, {device})",
+        title=f"23. Ingest at real size ({NAMES[size]}-shaped, {device})",
         what=(f"`actdb.ingest` of a {NAMES[size]}-shaped Llama (random weights, d="
               f"{config.hidden_size}, {config.num_hidden_layers} layers, "
               f"{config.num_attention_heads} heads over {config.num_key_value_heads}, "
