@@ -11,11 +11,14 @@ prompts of their own length (batches.plan_batches), which need no padding, so ea
 is the one the prompt gives alone.
 
 The measure: the shortest and the longest prompt (token ids, their first 32) run alone and
-together in one padded batch, each site's inputs at their real tokens compared row by row.
+together in one padded batch, each site's inputs at their real tokens compared row by row,
+through the base model alone where every site is inside it (sites.forward_module: no LM head's
+product over the vocabulary in the three passes).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +27,7 @@ import torch
 from .batches import pad
 from .capture import record_calls
 from .load import LoadedModel
-from .sites import FoundSite
+from .sites import FoundSite, forward_module
 
 # Relative difference of a row's norm input, padded against alone, that counts as a change of
 # computation rather than rounding (different matrix shapes), by the dtype the model runs in.
@@ -45,11 +48,14 @@ def padding_change(loaded: LoadedModel, found: Sequence[FoundSite], ids: Sequenc
     long = ids[lengths.index(max(lengths))][:_PROBE]
     short = ids[lengths.index(min(lengths))][: len(long) - 1]
     modules = {f.record.site: f.module for f in found if f.layout == "btd"}
+    target = forward_module(loaded.model, [path for f in found for path, _ in f.hooks])
+    accepts = inspect.signature(target.forward).parameters
+    extra = {k: v for k, v in extra.items() if k in accepts}
     runs = []
     with torch.no_grad():
         for batch in ([short], [long], [short, long]):
             with record_calls(modules, copies=True) as log:
-                loaded.model(**pad(loaded, batch), **extra)
+                target(**pad(loaded, batch), **extra)
             runs.append({s: calls[0].input for s, calls in log.calls.items()
                          if calls and calls[0].input is not None})
     alone, together = runs[:2], runs[2]

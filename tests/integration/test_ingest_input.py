@@ -291,10 +291,11 @@ def test_set_up_reads_the_catalog_on_one_connection_and_probes_without_the_head(
     assert all(p.startswith("attached") for p in catalog_opens), opened
     assert len(opened) - len(catalog_opens) == 1, opened
     assert locked_during == [False, False], locked_during
-    # two forward passes before the first batch: find_sites' first runs the base model alone
+    # five forward passes before the first batch: find_sites' first runs the base model alone
     # (no LM head), its second the whole model with the logit fit hooked on the final norm,
-    # the LM head over its 3 x 7 positions
-    assert len(passes) == 2 and head_rows == [21], (passes, head_rows)
+    # the LM head over its 3 x 7 positions; then the padding probe's three of the base model
+    # (the shortest and the longest prompt alone, then together), none through the head
+    assert len(passes) == 5 and head_rows == [21], (passes, head_rows)
 
 
 @pytest.mark.parametrize("family", ["roberta", "bert"])
@@ -571,18 +572,25 @@ def test_a_last_batch_that_fails_its_check_leaves_rows_a_rerun_replaces(
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tok = AutoTokenizer.from_pretrained(path)
     broken = [True]
+    # the last batch, which starts with the third prompt: the padding probe's batch of the
+    # shortest prompt and the longest has the last batch's shape, and must pass
+    last_first = tok(_AHEAD_PROMPTS[2])["input_ids"]
+    starts: list[list[int]] = []
+
+    def note(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        starts.append(ids[0, : len(last_first)].tolist() if ids is not None else [])
 
     def shift(module: Any, args: Any, output: Any) -> Any:
-        # the last batch's width (26 tokens); the probe passes and the first batch pass
-        first = output[0] if isinstance(output, tuple) else output
-        if not (broken[0] and first.shape[1] == 26):
+        if not (broken[0] and starts and starts[-1] == last_first):
             return None
         return (output[0] + 0.5, *output[1:]) if isinstance(output, tuple) else output + 0.5
 
     # the first attention's output shifted (what the next norms see differs from the model
     # fixed below, but each norm's output still follows from its input), then the second
     # block's second norm made unfaithful: the rows of three sites are written ahead first
-    handles = [model.transformer.h[0].attn.register_forward_hook(shift),
+    handles = [model.transformer.register_forward_pre_hook(note, with_kwargs=True),
+               model.transformer.h[0].attn.register_forward_hook(shift),
                model.transformer.h[1].ln_2.register_forward_hook(shift)]
     store = tmp_path / "s.actdb"
     kw: dict[str, Any] = {"model": model, "tokenizer": tok, "prompts": _AHEAD_PROMPTS,
