@@ -432,11 +432,11 @@ def test_list_functions(family, reference, database):
 
 def test_list_functions_over_many_blocks(reference, database, monkeypatch):
     """nearest_anchors and top_logits keep every block's answers and copy them to the host
-    once (kernels._topk_rows: a GPU waits at each copy): with blocks of 7 rows, each row's
+    once (topk_lists.topk_rows: a GPU waits at each copy): with blocks of 7 rows, each row's
     list still lands at its place, against the float64 reference."""
-    from actdb.query import kernels
+    from actdb.query import topk_lists
 
-    monkeypatch.setattr(kernels, "_BLOCK", 7)
+    monkeypatch.setattr(topk_lists, "_BLOCK", 7)
     test_list_functions("gpt2", reference, database)
 
 

@@ -270,7 +270,7 @@ def test_top_k_is_the_float32_top_k(bias):
     (float32 rescores, ties lower id first) on rows whose largest logit is duplicated and
     surrounded by near-ties; the ids are the exact top k wherever float32 separates them."""
     from actdb.query import topk
-    from actdb.query.kernels import _topk_block
+    from actdb.query.topk_lists import topk_block
 
     x, w, b, _ = adversarial(6, bias, big=False, top=True)
     wt, bt = torch.from_numpy(w), None if b is None else torch.from_numpy(b)
@@ -282,7 +282,7 @@ def test_top_k_is_the_float32_top_k(bias):
         # the zero row's logits are the bias, or tie everywhere without one: then too many
         # candidates, and topk.py's path takes it
         assert done.tolist() == [i != 5 or bias for i in range(len(x))]
-        vals, ids = _topk_block(torch.from_numpy(x), wt, bt, k, torch.bfloat16, model)
+        vals, ids = topk_block(torch.from_numpy(x), wt, bt, k, torch.bfloat16, model)
         want_v, want_i = topk.topk(torch.from_numpy(x), wt, bt, k, lowp=None, transform=None)
         np.testing.assert_array_equal(ids.numpy(), want_i.numpy())
         np.testing.assert_array_equal(vals.numpy(), want_v.numpy())
