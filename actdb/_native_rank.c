@@ -163,7 +163,6 @@ static PyObject *rank_scan(PyObject *self, PyObject *args) {
                         &above, &band_n};
     PyObject *result = NULL;
     RankJob *jobs = NULL;
-    pthread_t tids[VS_MAX_THREADS];
     int T = threads < 1 ? 1 : threads > VS_MAX_THREADS ? VS_MAX_THREADS : threads;
     Py_ssize_t k2 = (d + 1) / 2, P = 4 * ((V + 63) / 64);
     if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -214,24 +213,11 @@ static PyObject *rank_scan(PyObject *self, PyObject *args) {
         memset(j->above, 0, (size_t)n * 8);
         memset(j->band_n, 0, (size_t)n * 8);
     }
-    int started = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = 0; r < n; r++) { /* the targets' logits, as the band's are computed */
         ((double *)c.buf)[r] = rk_logit64(jobs, r, ((const int64_t *)tid.buf)[r]);
     }
-    for (int k = 1; k < T; k++) {
-        if (pthread_create(&tids[k], NULL, rk_thread, jobs + k) != 0) {
-            break;
-        }
-        started = k;
-    }
-    rk_run(jobs);
-    for (int k = 1; k <= started; k++) {
-        pthread_join(tids[k], NULL);
-    }
-    for (int k = started + 1; k < T; k++) { /* threads that could not start: run them here */
-        rk_run(jobs + k);
-    }
+    run_jobs(rk_thread, jobs, sizeof *jobs, T); /* _native_vocab.c */
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:

@@ -325,6 +325,27 @@ static void *vs_thread(void *arg) {
     return NULL;
 }
 
+/* Runs `work` on each of the T jobs at `jobs` (`size` bytes apart): jobs 1 .. T-1 on threads
+   of their own, job 0 on this one, then any job whose thread could not start, here as well.
+   Called without the GIL. */
+static void run_jobs(void *(*work)(void *), void *jobs, size_t size, int T) {
+    pthread_t tids[VS_MAX_THREADS];
+    int started = 0;
+    for (int k = 1; k < T; k++) {
+        if (pthread_create(&tids[k], NULL, work, (char *)jobs + (size_t)k * size) != 0) {
+            break;
+        }
+        started = k;
+    }
+    work(jobs);
+    for (int k = 1; k <= started; k++) {
+        pthread_join(tids[k], NULL);
+    }
+    for (int k = started + 1; k < T; k++) { /* threads that could not start: run them here */
+        work((char *)jobs + (size_t)k * size);
+    }
+}
+
 static int vs_check(Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t items, const char *what) {
     if (!PyBuffer_IsContiguous(b, 'C') || b->len != items * itemsize) {
         PyErr_Format(PyExc_ValueError, "vocab_scan: %s must be a C-contiguous buffer of %zd "
@@ -347,7 +368,6 @@ static PyObject *vocab_scan(PyObject *self, PyObject *args) {
                         &s0, &s1, &s2, &cross};
     PyObject *result = NULL;
     VocabJob *jobs = NULL;
-    pthread_t tids[VS_MAX_THREADS];
     double *lanes = NULL;
     int T = threads < 1 ? 1 : threads > VS_MAX_THREADS ? VS_MAX_THREADS : threads;
     if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -421,27 +441,12 @@ static PyObject *vocab_scan(PyObject *self, PyObject *args) {
             }
         }
     }
-    int started = 0, failed = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = 0; r < rn; r++) { /* the targets' logits, as the band's are computed */
         ((double *)c.buf)[r] = vs_logit64(jobs, r, ((const int64_t *)tid.buf)[r]);
     }
-    for (int k = 1; k < T; k++) {
-        if (pthread_create(&tids[k], NULL, vs_thread, jobs + k) != 0) {
-            failed = 1;
-            break;
-        }
-        started = k;
-    }
-    vs_run(jobs);
-    for (int k = 1; k <= started; k++) {
-        pthread_join(tids[k], NULL);
-    }
-    for (int k = started + 1; k < T; k++) { /* threads that could not start: run them here */
-        vs_run(jobs + k);
-    }
+    run_jobs(vs_thread, jobs, sizeof *jobs, T);
     Py_END_ALLOW_THREADS
-    (void)failed;
     result = Py_NewRef(Py_None);
 done:
     free(jobs);
@@ -471,7 +476,6 @@ static PyObject *vocab_top(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     VocabJob *jobs = NULL;
     float *top = NULL;
-    pthread_t tids[VS_MAX_THREADS];
     int T = threads < 1 ? 1 : threads > VS_MAX_THREADS ? VS_MAX_THREADS : threads;
     Py_ssize_t P = 4 * ((V + 63) / 64), ka = n > 0 ? a.len / 4 / n : 0;
     Py_ssize_t k2 = P > 0 ? b.len / 4 / (16 * P) : 0;
@@ -515,21 +519,8 @@ static PyObject *vocab_top(PyObject *self, PyObject *args) {
         j->cand_n = (int64_t *)cand_n.buf + t * n;
         memset(j->cand_n, 0, (size_t)n * 8);
     }
-    int started = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (int t = 1; t < T; t++) {
-        if (pthread_create(&tids[t], NULL, vs_thread, jobs + t) != 0) {
-            break;
-        }
-        started = t;
-    }
-    vs_run(jobs);
-    for (int t = 1; t <= started; t++) {
-        pthread_join(tids[t], NULL);
-    }
-    for (int t = started + 1; t < T; t++) {
-        vs_run(jobs + t);
-    }
+    run_jobs(vs_thread, jobs, sizeof *jobs, T);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
