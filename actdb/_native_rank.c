@@ -185,12 +185,8 @@ static PyObject *rank_scan(PyObject *self, PyObject *args) {
         vs_check(&band_n, 8, T * n, "band_n")) {
         goto done;
     }
-    for (Py_ssize_t r = 0; r < n; r++) {
-        int64_t t = ((const int64_t *)tid.buf)[r];
-        if (t < 0 || t >= V) {
-            PyErr_Format(PyExc_ValueError, "rank_scan: token %lld out of range", (long long)t);
-            goto done;
-        }
+    if (vs_tokens_in_range(&tid, n, V, "rank_scan")) { /* _native_vocab.c */
+        goto done;
     }
     jobs = calloc((size_t)T, sizeof *jobs);
     if (jobs == NULL) {

@@ -346,6 +346,19 @@ static void run_jobs(void *(*work)(void *), void *jobs, size_t size, int T) {
     }
 }
 
+/* Whether every one of the n int64 token ids in `tid` is a row of a V-token head; a
+   ValueError naming `who` where one is not. */
+static int vs_tokens_in_range(const Py_buffer *tid, Py_ssize_t n, Py_ssize_t V, const char *who) {
+    for (Py_ssize_t r = 0; r < n; r++) {
+        int64_t t = ((const int64_t *)tid->buf)[r];
+        if (t < 0 || t >= V) {
+            PyErr_Format(PyExc_ValueError, "%s: token %lld out of range", who, (long long)t);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static int vs_check(Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t items, const char *what) {
     if (!PyBuffer_IsContiguous(b, 'C') || b->len != items * itemsize) {
         PyErr_Format(PyExc_ValueError, "vocab_scan: %s must be a C-contiguous buffer of %zd "
@@ -402,12 +415,8 @@ static PyObject *vocab_scan(PyObject *self, PyObject *args) {
         vs_check(&cross, 8, T * ln, "cross")) {
         goto done;
     }
-    for (Py_ssize_t r = 0; r < rn; r++) {
-        int64_t t = ((const int64_t *)tid.buf)[r];
-        if (t < 0 || t >= V) {
-            PyErr_Format(PyExc_ValueError, "vocab_scan: token %lld out of range", (long long)t);
-            goto done;
-        }
+    if (vs_tokens_in_range(&tid, rn, V, "vocab_scan")) {
+        goto done;
     }
     jobs = calloc((size_t)T, sizeof *jobs);
     lanes = mode == 0 ? NULL : calloc((size_t)(T * n * 32), sizeof *lanes);

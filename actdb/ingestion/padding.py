@@ -18,15 +18,14 @@ product over the vocabulary in the three passes).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from .batches import pad
 from .capture import record_calls
 from .load import LoadedModel
+from .run import forward_kwargs
 from .sites import FoundSite, forward_module
 
 # Relative difference of a row's norm input, padded against alone, that counts as a change of
@@ -36,8 +35,8 @@ _TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 5e-2,
               torch.bfloat16: 1e-1}
 
 
-def padding_change(loaded: LoadedModel, found: Sequence[FoundSite], ids: Sequence[list[int]],
-                   extra: dict[str, Any]) -> float:
+def padding_change(loaded: LoadedModel, found: Sequence[FoundSite], ids: Sequence[list[int]]
+                   ) -> float:
     """Worst relative difference, over sites and real tokens, between a row's norm input in a
     padded batch of the shortest and the longest prompt and the same row with its prompt run
     alone; 0.0 where every prompt has one length (no batch is ever padded)."""
@@ -49,8 +48,7 @@ def padding_change(loaded: LoadedModel, found: Sequence[FoundSite], ids: Sequenc
     short = ids[lengths.index(min(lengths))][: len(long) - 1]
     modules = {f.record.site: f.module for f in found if f.layout == "btd"}
     target = forward_module(loaded.model, [path for f in found for path, _ in f.hooks])
-    accepts = inspect.signature(target.forward).parameters
-    extra = {k: v for k, v in extra.items() if k in accepts}
+    extra = forward_kwargs(target)
     runs = []
     with torch.no_grad():
         for batch in ([short], [long], [short, long]):

@@ -190,7 +190,7 @@ def set_up(loaded: LoadedModel, opts: IngestOptions, prompts: list[Prompt]) -> M
     warnings: list[str] = []
     by_length = False
     if not media and not seq2seq and opts.batch_size > 1:  # text batches are padded
-        change = padding_change(loaded, found, ids, forward_kwargs(loaded.model))
+        change = padding_change(loaded, found, ids)
         by_length = depends_on_padding(loaded, change)
         if by_length:
             warnings.append(
