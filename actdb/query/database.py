@@ -18,6 +18,7 @@ from ..store.info import StoreInfo, describe
 from ..store.store import Store
 from ..store.verify import verify as verify_store
 from . import plan, sandbox
+from .bound import BoundQueries
 from .execute import ErrorBox, prepare
 from .functions import describe as describe_functions
 from .result import Result, column_values, handle_values, interrupted, translate
@@ -95,6 +96,7 @@ class Database:
         self._parser = self.con.cursor()
         sandbox.lock(self._parser)
         self._checked = plan.CheckedQueries()
+        self._bound = BoundQueries(self.con)  # the binder's answers, for queries run again
         self._cluster: Any = None
         if cluster is not None:
             from .distributed import Cluster
@@ -173,7 +175,7 @@ class Database:
         """A checked query, here in this process."""
         self._box.error = None
         try:
-            rel = _relation(self.con, runnable, params)
+            rel = self._bound.run(runnable, params)
         except duckdb.Error as e:
             err = translate(e, self._box)
             if isinstance(params, dict) and "Values were not provided" in str(err):
@@ -401,12 +403,6 @@ def _bindable(params: dict[str, Any] | list[Any] | None) -> dict[str, Any] | lis
         return [plain(v) for v in params]
     raise QueryError(f"params must be a dict ({{'name': value}} for $name) or a list (for ? "
                      f"and $1, $2, ...), not {type(params).__name__} {params!r:.40}")
-
-
-def _relation(con: duckdb.DuckDBPyConnection, query: str, params: Any) -> Any:
-    """DuckDB's relation for a checked query, built in a frame whose locals hold no data frame
-    (see sandbox.lock on Python replacement scans)."""
-    return con.sql(query, params=params) if params is not None else con.sql(query)
 
 
 def _worker_path(path: str | os.PathLike[str]) -> str:

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..errors import ActdbError, MissingDependencyError, QueryError
 from ..lazy import lazy_module
+from .bound import BoundQuery
 from .execute import ErrorBox
 from .sandbox import too_deep
 from .timeout import TimeLimit
@@ -43,6 +44,9 @@ T = TypeVar("T")
 class Result:
     """A query's rows, lazy until first fetched or shown; then computed once and kept.
 
+    `relation` is DuckDB's relation of the query, or a BoundQuery where the query was bound
+    before (bound.py): either gives the columns and types before any row is computed.
+
     DuckDB's names: `.df()`, `.pl()`, `.arrow()` / `.to_arrow_table()`, `.fetchall()`,
     `.fetchone()`, `.fetchnumpy()`, `.torch()`, `.show()`, `.limit(n)`. In a notebook a Result
     shows its first rows and its row count.
@@ -51,7 +55,7 @@ class Result:
     PREVIEW_ROWS = 10
     note: str | None = None  # how a cluster ran the query (distributed.py), else None
 
-    def __init__(self, relation: duckdb.DuckDBPyRelation, box: ErrorBox, query: str,
+    def __init__(self, relation: duckdb.DuckDBPyRelation | BoundQuery, box: ErrorBox, query: str,
                  gather: Gather | None = None, *, limit: TimeLimit | None = None,
                  seconds: float | None = None) -> None:
         self._rel = relation
