@@ -266,6 +266,12 @@ _GENERATORS = frozenset({"range", "generate_series", "unnest", "repeat", "repeat
                          "json_each", "json_tree"})
 
 
+def _any_set(con: duckdb.DuckDBPyConnection, columns: tuple[tuple[str, str], ...]) -> bool:
+    """Whether any row of these (table, column) pairs holds a value that is not NULL."""
+    union = " UNION ALL ".join(f"SELECT 1 FROM {t} WHERE {c} IS NOT NULL" for t, c in columns)
+    return bool(con.execute(f"SELECT EXISTS ({union})").fetchall()[0][0])
+
+
 def _sees_acts(calls: set[str], tables: set[str]) -> bool:
     return bool(tables - _PLAIN_TABLES) or bool(calls & TABLE_FUNCTIONS - _GENERATORS)
 
@@ -379,6 +385,13 @@ class Functions:
         # tokens its decoder read to the decoder): a row meets that tower's sites only, and
         # its run (n_tokens) is its tower's. NULL: a row every site sees.
         towers = "tower" in have and "tower" in runs and "tower" in site_cols
+        # Where no row holds a grid or a tower (a text model's store, the common case), their
+        # conditions hold for every pair the joins make: left out, so DuckDB never plans them
+        # in a query of acts. The rows never change under a connection (a reader's snapshot,
+        # or a writer's lock), so what holds now holds for every query the view serves.
+        grids = grids and _any_set(con, (("tokens", "grid"), ("sites", "grid")))
+        towers = towers and _any_set(con, (("tokens", "tower"), ("prompt_runs", "tower"),
+                                           ("sites", "tower")))
         # The store's streams, each with its site's columns: one table that the view joins
         # to the tokens (one join fewer for DuckDB to plan in every query of acts). A site's
         # row never changes once its model is stored, and the streams are the connection's
