@@ -129,7 +129,10 @@ class BoundQueries:
             if hit is not None:
                 return BoundQuery(self._con, text, params, hit[0], hit[1], key[1])  # type: ignore[index]
         rel = self._con.sql(text, params=params) if params is not None else self._con.sql(text)
-        if rel is not None and key is not None:
+        # A relation that captured Python objects by name (replacement scans, which only a
+        # later connection to a locked catalog leaves on: sandbox.lock) reads them through
+        # names of its own: never submitted as bare text.
+        if rel is not None and key is not None and not getattr(rel, "_captured", ()):
             schema = (list(rel.columns), list(rel.types))
             with self._lock:
                 self._done[key] = schema

@@ -188,8 +188,12 @@ class Result:
 
     def limit(self, n: int, offset: int = 0) -> Result:
         """The first `n` rows (after `offset`), as a new lazy Result."""
-        return Result(self._rel.limit(n, offset), self._box, self.query, self.gather,
-                      limit=self._limit, seconds=self._seconds)
+        try:  # a BoundQuery binds its relation here (bound.py)
+            rel = self._rel.limit(n, offset)
+        except duckdb.Error as e:
+            raise translate(e, self._box) from None
+        return Result(rel, self._box, self.query, self.gather, limit=self._limit,
+                      seconds=self._seconds)
 
     def show(self) -> None:
         """Print the first rows and the row count."""
