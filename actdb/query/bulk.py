@@ -100,28 +100,48 @@ class BulkEvaluator:
         # in most calls, and then the handles' rows run between those two's
         ends = int(handles.min()), int(handles.max())
         first, last = ends[0] >> H.STREAM_SHIFT, ends[1] >> H.STREAM_SHIFT
+        order: np.ndarray | None = None  # the positions by stream (None: one stream)
         if first == last:
-            parts: list[tuple[int, np.ndarray | None]] = [(first, None)]
-            out: Any = None if self.scalar else ListResults(n)  # a scalar: the window's rows
+            parts: list[tuple[int, np.ndarray | None, tuple[int, int], int]] = [
+                (first, None, ends, n)]
         else:
+            # each stream's positions, ascending, from one stable sort; the smallest and
+            # largest handle of each from one reduction over the sorted handles
             streams = handles >> H.STREAM_SHIFT
-            # each stream's positions, ascending, from one stable sort
             order = np.argsort(streams, kind="stable")
-            ordered = streams[order]
-            cuts = (np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist()
-            parts = [(int(ordered[a]), order[a:b])
-                     for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
-            out = np.full(n, np.nan) if self.scalar else ListResults(n)
+            by_stream = handles[order]
+            starts = np.flatnonzero(np.diff(streams[order])) + 1
+            firsts = np.concatenate(([0], starts))
+            lows = np.minimum.reduceat(by_stream, firsts).tolist()
+            highs = np.maximum.reduceat(by_stream, firsts).tolist()
+            bounds = [*firsts.tolist(), n]
+            parts = [(lows[i] >> H.STREAM_SHIFT, order[a:b], (lows[i], highs[i]), b - a)
+                     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
+        windows = [self._window(stream, count, lo_hi, key, rest)
+                   for stream, _, lo_hi, count in parts]
+        # the arguments are constants (`key`): rows computed as asked get them broadcast from
+        # one row, as a window's are, not taken row by row and dictionary-encoded back to
+        # their one value
+        if all(w is None for w in windows):  # a selective query: every row as asked
+            if order is None:
+                return self._exact(handles, rest, constant=True)
+            # by stream, each stream's rows in the call's order: the kernel's split by
+            # (model, site, view) then sorts sorted words
+            sub = self._exact(handles[order], rest, constant=True)
+            out: Any = np.full(n, np.nan) if self.scalar else ListResults(n)
+            if self.scalar:
+                out[order] = sub
+            else:
+                out.put(order, sub.arrow(self.list_type))
+            return out
+        out = None if order is None and self.scalar else (
+            np.full(n, np.nan) if self.scalar else ListResults(n))
         exact: list[np.ndarray] = []
-        for stream, at in parts:
-            h = handles if at is None else handles[at]
-            lo_hi = ends if at is None else (int(h.min()), int(h.max()))
-            window = self._window(stream, h, lo_hi, key, rest)
+        for (_, at, lo_hi, count), window in zip(parts, windows, strict=True):
             if window is None:
-                if out is None:
-                    out = np.full(n, np.nan)
-                exact.append(np.arange(n) if at is None else at)
+                exact.append(at)  # several streams: `at` is never None
                 continue
+            h = handles if at is None else handles[at]
             # each row less the stream bits and the window's first row (one subtraction)
             local = h - ((lo_hi[0] - (lo_hi[0] & H.ROW_MASK)) + window.lo)
             if self.scalar:
@@ -131,11 +151,9 @@ class BulkEvaluator:
                     out[at] = window.values[local]
             else:
                 out.put(np.arange(n) if at is None else at, window.values.take(pa.array(local)))
-            self.rows_bulk += len(h)
+            self.rows_bulk += count
         if exact:
             at = np.concatenate(exact) if len(exact) > 1 else exact[0]
-            # the arguments are constants (`key`): broadcast from one row, as a window's are,
-            # not taken row by row and dictionary-encoded back to their one value
             sub = self._exact(handles[at], rest, constant=True)
             if self.scalar:
                 out[at] = sub
@@ -143,11 +161,11 @@ class BulkEvaluator:
                 out.put(at, sub.arrow(self.list_type))
         return out
 
-    def _window(self, stream: int, h: np.ndarray, ends: tuple[int, int], key: tuple[Any, ...],
+    def _window(self, stream: int, count: int, ends: tuple[int, int], key: tuple[Any, ...],
                 rest: list[pa.Array]) -> _Window | None:
-        """The cached window holding all of `h` (one stream's handles, `ends` the smallest and
-        largest), computing the next one when the query walks the stream; None: compute these
-        rows exactly."""
+        """The cached window holding a call's `count` handles of one stream (`ends`: the
+        smallest and largest), computing the next one when the query walks the stream; None:
+        compute these rows exactly."""
         lo, hi = ends[0] & H.ROW_MASK, (ends[1] & H.ROW_MASK) + 1
         wkey = (key, stream)
         window = self._windows.get(wkey)
@@ -157,7 +175,7 @@ class BulkEvaluator:
             if walk is not None:
                 walk.end = hi
             return window
-        dense = hi - lo <= 2 * len(h)
+        dense = hi - lo <= 2 * count
         # A walk goes on where the last call of this stream ended (a gap of at most this call's
         # span: a filter that keeps most rows); anything else starts a walk afresh.
         walking = walk is not None and walk.end <= lo <= walk.end + (hi - lo)

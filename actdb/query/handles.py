@@ -155,6 +155,10 @@ class Codec:
                                                     << STREAM_SHIFT)
                 | np.int64(TAG | (view << VIEW_SHIFT)))
 
+    def heads(self, streams: np.ndarray) -> np.ndarray:
+        """int64 head of each stream number (-1 where its site has no heads)."""
+        return self._head[streams]
+
     def stream(self, bits: int) -> Stream:
         """The stream of a fields word shifted right by STREAM_SHIFT (view bits ignored)."""
         return self.streams[bits & STREAM_MASK]

@@ -292,32 +292,47 @@ class VectorSource:
             yield WeightGroup(self, index[order], self.model(spec.model_id), spec, rows[order])
 
     def _act_groups(self, handles: np.ndarray) -> Iterator[Group]:
-        dec = self.codec.decode(handles)
-        n = len(dec.row)
-        if dec.one or n == 0:  # one (model, site, view): most calls, every bulk window
-            spans: list[tuple[int, int]] = [(0, n)] if n else []
-            order: np.ndarray | None = None
+        n = len(handles)
+        if n == 0:
+            return
+        # A handle's bits above its row are its view and stream (handles.py): split by those,
+        # then join the streams of one (model, site, view) (a site's heads), so that no
+        # handle's model, site or head is looked up row by row.
+        top = handles >> H.STREAM_SHIFT
+        first = int(top[0])
+        if n == 1 or (top == first).all():  # one stream and view: most calls, every window
+            runs: list[tuple[int, np.ndarray | None]] = [(first, None)]
         else:
-            key = (dec.model_id << 24) | (dec.site_id << H.VIEW_BITS) | dec.view
-            # One stable sort groups the positions by (model, site, view), ascending, each
-            # group's in their order in the batch (as one pass a group would find them).
-            order = np.argsort(key, kind="stable")
-            ordered = key[order]
-            cuts = (np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist()
-            spans = list(zip([0, *cuts], [*cuts, n], strict=True))
-            if len(spans) == 1:
-                order = None  # every position, in order: no copies
-        for a, b in spans:
-            index = np.arange(n) if order is None else order[a:b]
-            at = int(index[0])
-            model = self.model(int(dec.model_id[at]))
-            site = self.site(model.model_id, int(dec.site_id[at]))
-            view = H.VIEWS[int(dec.view[at])]
+            # one stable sort: each stream's positions ascending, as one pass would find them
+            order = np.argsort(top, kind="stable")
+            ordered = top[order]
+            bounds = [0, *(np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist(), n]
+            runs = [(int(ordered[a]), order[a:b])
+                    for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        joined: dict[tuple[int, int, int], list[tuple[H.Stream, np.ndarray | None]]] = {}
+        for bits, at in runs:
+            stream = self.codec.streams[bits & H.STREAM_MASK]
+            view = (bits >> H.STREAM_BITS) & H.VIEW_MASK
+            joined.setdefault((stream.model_id, stream.site_id, view), []).append((stream, at))
+        # groups in (model, site, view) order
+        for (model_id, site_id, view_code), parts in sorted(joined.items(),
+                                                            key=lambda kv: kv[0]):
+            model = self.model(model_id)
+            site = self.site(model_id, site_id)
+            view = H.VIEWS[view_code]
             if view == "final_norm" and (site.role in OFF_STREAM_ROLES
                                          or self.off_tower(model, site)):
                 continue  # final_norm(v) is NULL where v never meets the final norm
-            rows = dec.row if order is None else dec.row[index]
-            heads = dec.head if order is None else dec.head[index]
+            if len(parts) == 1:
+                stream, at = parts[0]
+                index = np.arange(n) if at is None else at
+                rows = (handles if at is None else handles[at]) & H.ROW_MASK
+                heads = np.full(len(rows), stream.head, dtype=np.int64)
+            else:  # a site's heads: the positions of all of them, in the call's order
+                index = np.sort(np.concatenate([at for _, at in parts if at is not None]))
+                words = handles[index]
+                rows = words & H.ROW_MASK
+                heads = self.codec.heads((words >> H.STREAM_SHIFT) & H.STREAM_MASK)
             if (rows[1:] < rows[:-1]).any():  # chunk-friendly reading order
                 by_row = np.argsort(rows, kind="stable")
                 index, rows, heads = index[by_row], rows[by_row], heads[by_row]
