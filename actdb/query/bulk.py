@@ -139,7 +139,7 @@ class BulkEvaluator:
         exact: list[np.ndarray] = []
         for (_, at, lo_hi, count), window in zip(parts, windows, strict=True):
             if window is None:
-                exact.append(at)  # several streams: `at` is never None
+                exact.append(np.arange(n) if at is None else at)
                 continue
             h = handles if at is None else handles[at]
             # each row less the stream bits and the window's first row (one subtraction)

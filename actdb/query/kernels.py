@@ -121,6 +121,9 @@ def _degrees(cos: torch.Tensor) -> torch.Tensor:
 # Between a token's SQL type and its text in the one string its UDF gets (functions.token_sql):
 # no type name holds it, and the text, last, may hold anything.
 TOKEN_SEP = "\x01"
+# The most token anchors a connection keeps looked up (_token_anchor); each is a row of
+# weights held anyway, so the bound is on the table, not on memory.
+TOKEN_ANCHORS = 4096
 
 
 class Arg:
@@ -182,32 +185,43 @@ def _per_value(args: list[Arg], index: np.ndarray) -> dict[tuple[Any, ...], np.n
 # -- scalar kernels: fill `out` (float64 [n], NaN = NULL) ---------------------------------------
 
 
+def _token_anchor(src: VectorSource, name: str, g: Group, token: str, ttype: str,
+                  anchors: str) -> tuple[torch.Tensor, bool]:
+    """Function `name`'s unit anchor [d] of a token argument (its text and SQL type) in an
+    anchor-set argument ('' for the default) for group `g`'s model, and whether it is nonzero;
+    checked in this order: the anchor set, the width of `g`'s site, the token. A stored
+    model's weights and vocabulary never change, so what one call looked up serves every
+    later call of the connection (VectorSource.token_anchors); only the width, a property of
+    `g`'s site, is checked again."""
+    key = (g.model.model_id, token, ttype, anchors)
+    found = src.token_anchors.get(key)
+    if found is None:
+        a_set = src.weights.anchor_set(g.model, anchors or None)  # checked before the token
+        _require_anchor_width(name, src, g, a_set)
+        anchor = src.weights.anchor(g.model, a_set, src.tokens.resolve_token(g.model, token,
+                                                                             ttype))
+        found = (a_set, g.site.d, anchor, bool(anchor.any()))
+        if len(src.token_anchors) >= TOKEN_ANCHORS:  # a column of many tokens
+            src.token_anchors.clear()
+        src.token_anchors[key] = found
+    a_set, width, anchor, nonzero = found
+    if g.site.d != width:
+        _require_anchor_width(name, src, g, a_set)
+    return anchor, nonzero
+
+
 def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg,
                      ttype: Arg, anchors: Arg) -> None:
-    # (model, token, its type, anchor set) -> the anchor set's name and width, and the unit
-    # anchor (None: the zero vector), looked up once for all the groups of this call
-    found: dict[tuple[Any, ...], tuple[str, int, torch.Tensor | None]] = {}
     for g in _lm_groups(src, h):
         combos = _per_value([token, ttype, anchors], g.index)
-        unit_anchors = {}
-        for (t, ty, a), pos in combos.items():
-            at_model = (g.model.model_id, t, ty, a)
-            if at_model in found:
-                a_set, width, unit = found[at_model]
-                if g.site.d != width:
-                    _require_anchor_width("cosine_to_anchor", src, g, a_set)
+        # each value's unit anchor (a token whose anchor is the zero vector: NULL)
+        live: dict[tuple[Any, ...], tuple[torch.Tensor, np.ndarray]] = {}
+        for key, pos in combos.items():
+            unit, nonzero = _token_anchor(src, "cosine_to_anchor", g, *key)
+            if nonzero:
+                live[key] = (unit, pos)
             else:
-                a_set = src.weights.anchor_set(g.model, a or None)  # checked before the token
-                _require_anchor_width("cosine_to_anchor", src, g, a_set)
-                tid = src.tokens.resolve_token(g.model, t, ty)
-                anchor = src.weights.anchor(g.model, a_set, tid)  # unit
-                unit = anchor if bool(anchor.any()) else None
-                found[at_model] = (a_set, g.site.d, unit)
-            if unit is None:
-                out[g.index[pos]] = np.nan  # a token whose anchor is the zero vector
-                continue
-            unit_anchors[(t, ty, a)] = unit
-        live = {key: combos[key] for key in unit_anchors}
+                out[g.index[pos]] = np.nan
         if g.view == "raw":
             # The stored direction is x / ||x|| already, so no norm to divide by; a zero
             # vector's direction is all zeros, so only rows whose cosine comes out exactly 0
@@ -215,15 +229,16 @@ def cosine_to_anchor(src: VectorSource, h: np.ndarray, out: np.ndarray, token: A
             # column of many tokens must not multiply every row by every token's anchor.
             # Rounded to float16, a direction's length is 1 within 2^-11, so a vector along
             # its anchor could come out past 1 (and acos() NULL): clamped, as a cosine is.
-            for key, pos in live.items():
+            for unit, pos in live.values():
                 whole = len(pos) == len(g.index)
-                c = stored_cosines(src, g, unit_anchors[key], None if whole else pos)
+                c = stored_cosines(src, g, unit, None if whole else pos)
                 out[g.index if whole else g.index[pos]] = c
             continue
+        rows_of = {key: pos for key, (_, pos) in live.items()}
         for lo, hi, x in g.x_blocks():  # one pass over the vectors for all the tokens
-            for key, rows, at in _block_rows(live, lo, hi):
+            for key, rows, at in _block_rows(rows_of, lo, hi):
                 u, ok = _unit(x[rows])
-                cos = torch.where(ok, row_dots(u, unit_anchors[key]), torch.nan)
+                cos = torch.where(ok, row_dots(u, live[key][0]), torch.nan)
                 out[g.index[at]] = cos.cpu().numpy()
 
 
@@ -259,11 +274,9 @@ def anchor_contribution(src: VectorSource, h: np.ndarray, out: np.ndarray, dim: 
         args = {}
         for dv, t, ty, a in combos:
             d = _check_dim(g, int(dv))
-            a_set = src.weights.anchor_set(g.model, a or None)  # checked before the token
-            _require_anchor_width("anchor_contribution", src, g, a_set)
-            anchor = src.weights.anchor(g.model, a_set, src.tokens.resolve_token(g.model, t, ty))
+            anchor, nonzero = _token_anchor(src, "anchor_contribution", g, t, ty, a)
             # a token whose anchor is the zero vector: NULL, as its cosine_to_anchor is
-            args[(dv, t, ty, a)] = (d, anchor[d] if bool(anchor.any()) else torch.nan)
+            args[(dv, t, ty, a)] = (d, anchor[d] if nonzero else torch.nan)
         for lo, hi, x in g.x_blocks():
             u, ok = _unit(x)
             for key, rows, at in _block_rows(combos, lo, hi):

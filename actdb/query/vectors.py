@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -139,6 +139,9 @@ class VectorSource:
         self.reader = FieldReader(store, self.cache, self.segment_end)
         self.weights = ModelWeights(store, self.sites, lambda: self.device)
         self.tokens = Vocabulary(store, self.models)
+        # (model id, token, its SQL type, anchor-set argument) -> what kernels._token_anchor
+        # looked up for them: a stored model's weights and vocabulary never change
+        self.token_anchors: dict[tuple[Any, ...], tuple[str, int, torch.Tensor, bool]] = {}
         self.heads = HeadWeights(store, lambda: self.device)  # head_kernels.py
         # the layer weights as rows (the views neurons and circuits), numbered on first use
         self.weight_rows = WeightRows(store, self.models, self.weights.gain, self.sites,
@@ -312,8 +315,8 @@ class VectorSource:
         joined: dict[tuple[int, int, int], list[tuple[H.Stream, np.ndarray | None]]] = {}
         for bits, at in runs:
             stream = self.codec.streams[bits & H.STREAM_MASK]
-            view = (bits >> H.STREAM_BITS) & H.VIEW_MASK
-            joined.setdefault((stream.model_id, stream.site_id, view), []).append((stream, at))
+            code = (bits >> H.STREAM_BITS) & H.VIEW_MASK
+            joined.setdefault((stream.model_id, stream.site_id, code), []).append((stream, at))
         # groups in (model, site, view) order
         for (model_id, site_id, view_code), parts in sorted(joined.items(),
                                                             key=lambda kv: kv[0]):

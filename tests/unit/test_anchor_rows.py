@@ -163,3 +163,34 @@ def test_a_token_column_gives_each_row_its_own_tokens_value(family_store, vec):
             mine = [r for r in got if r[3] == t]
             theirs = [r for r in want if r[3] == t]
             assert mine == theirs, t
+
+
+def test_a_token_anchor_looked_up_once_serves_only_its_model_and_set(two_models, model_dir):
+    """`cosine_to_anchor` keeps each token's anchor a connection looked up
+    (kernels._token_anchor): a later query of the same token in another anchor set, or of
+    another model, gets its own anchor, against float64 unit rows of the models' own weights
+    (transformers) and the stored vectors."""
+    from transformers import AutoModelForCausalLM
+
+    want_rows = {}
+    for family in ("gpt2", "llama"):
+        model = AutoModelForCausalLM.from_pretrained(model_dir(family))
+        want_rows[family] = {
+            "embed": model.get_input_embeddings().weight.detach().double().numpy(),
+            "unembed": model.get_output_embeddings().weight.detach().double().numpy()}
+    assert not np.allclose(want_rows["llama"]["embed"][:20], want_rows["llama"]["unembed"][:20])
+    with actdb.connect(two_models, device="cpu") as db:
+        # the same token in other sets and models in turn: a key too coarse would serve one
+        # query the anchor an earlier one looked up
+        for family, tid, anchors in [("llama", 5, "embed"), ("llama", 5, "unembed"),
+                                     ("gpt2", 5, "unembed"), ("llama", 5, ""),
+                                     ("llama", 7, "unembed"), ("gpt2", 5, "embed")]:
+            arg = f", '{anchors}'" if anchors else ""
+            rows = db.sql(f"SELECT to_list(vec) AS x, cosine_to_anchor(vec, {tid}{arg}) AS c "
+                          "FROM acts WHERE model = $m", params={"m": family}).fetchall()
+            x = np.array([r[0] for r in rows], dtype=np.float64)
+            a = want_rows[family][anchors or "unembed"][tid]
+            want = x @ a / (np.linalg.norm(x, axis=1) * np.linalg.norm(a))
+            got = np.array([r[1] for r in rows], dtype=np.float64)
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-3,
+                                       err_msg=f"{family} {tid} {anchors!r}")
