@@ -110,7 +110,8 @@ class BulkEvaluator:
             streams = handles >> H.STREAM_SHIFT
             order = np.argsort(streams, kind="stable")
             by_stream = handles[order]
-            starts = np.flatnonzero(np.diff(streams[order])) + 1
+            ordered = streams[order]
+            starts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
             firsts = np.concatenate(([0], starts))
             lows = np.minimum.reduceat(by_stream, firsts).tolist()
             highs = np.maximum.reduceat(by_stream, firsts).tolist()
