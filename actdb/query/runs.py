@@ -204,8 +204,14 @@ class FieldReader:
             vv = np.ascontiguousarray(v.numpy(), dtype=np.float32)
             res = out.numpy()
             walk = self._walk(g.model, g.site, "direction", rows, heads)
-            if isinstance(walk, RunWalk) and not g.site.n_heads:
-                self._project_runs(walk, vv, res)
+            if isinstance(walk, RunWalk):
+                if not g.site.n_heads:
+                    self._project_runs(walk, vv, res)
+                    return out
+            elif walk[1] == walk[2] and not walk[3]:
+                # rows in one chunk, the array not walked (a selective query's usual group):
+                # the chunk's piece alone, without `pieces`' generator and read-ahead plan
+                self._project_one(g.model, g.site, rows, heads, walk[0], walk[1], vv, res)
                 return out
             for a, b, part in self._read(walk, g.model, g.site, "direction", rows, heads):
                 # float16 in this machine's byte order, contiguous (a per-head piece is)
@@ -277,6 +283,35 @@ class FieldReader:
             part = data[local[0] : local[-1] + 1] if _consecutive(local) else data[local]
             yield int(a), int(b), (part[np.arange(len(local)), heads[a:b]] if site.n_heads
                                    else part)
+
+    def _project_one(self, model: ModelRecord, site: SiteRecord, rows: np.ndarray,
+                     heads: np.ndarray, c: int, chunk: int, vv: np.ndarray, res: np.ndarray
+                     ) -> None:
+        """`project` of sorted rows all in chunk `chunk` (of `c` rows), nothing read ahead (a
+        selective query's usual group): the chunk through the cache, and when read here, its
+        rows' products made in the pass that checks its checksum (Arrays.read_chunk_dots),
+        this group's taken from them (a row's product does not depend on its neighbours:
+        f16_dots); else the group's piece alone, without `pieces`' generator and plan."""
+        where = (model.model_id, site.site, "direction")
+        made: list[np.ndarray] = []
+
+        def load() -> np.ndarray:
+            values, dots = self.store.arrays.read_chunk_dots(*where, chunk, vv)
+            if dots is not None:
+                made.append(dots)
+            return values
+
+        data = self.cache.get((*where, chunk), load)
+        lo = chunk * c
+        # a slice where the rows are consecutive (a row can repeat: heads, self-joins)
+        span = slice(int(rows[0]) - lo, int(rows[-1]) - lo + 1) if _consecutive(rows) else None
+        if made and not site.n_heads:
+            res[:] = made[0][span] if span is not None else made[0][rows - lo]
+            return
+        part = data[span] if span is not None else data[rows - lo]
+        if site.n_heads:
+            part = part[np.arange(len(rows)), heads]
+        _native.f16_dots(np.ascontiguousarray(part, dtype=np.float16), vv, res)
 
     def _walk(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
               heads: np.ndarray) -> RunWalk | tuple[int, int, int, bool]:

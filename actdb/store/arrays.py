@@ -176,6 +176,10 @@ class Arrays:
     def read_chunk(self, model_id: int, site: str, field: str, chunk: int) -> np.ndarray:
         return self.acts.read_chunk(model_id, site, field, chunk)
 
+    def read_chunk_dots(self, model_id: int, site: str, field: str, chunk: int,
+                        v: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        return self.acts.read_chunk_dots(model_id, site, field, chunk, v)
+
     def read_chunks(self, model_id: int, site: str, field: str, first: int,
                     count: int) -> np.ndarray:
         return self.acts.read_chunks(model_id, site, field, first, count)
