@@ -1,7 +1,8 @@
 """The full scan's product with each chunk's CRC-32C checked in the same pass
 (`_native.f16_dots_crc`, `RawLayout.read_run_dots`): the products bit for bit those of
 `f16_dots`, every damaged chunk found (against the crc32c package's checksums), and every kind
-of damage named as the checked run reader (`read_run`) names it."""
+of damage named as the checked run reader (`read_run`) names it; the same for one chunk read
+with its products (`RawLayout.read_with_dots`, a selective query's read) against `read`."""
 
 from __future__ import annotations
 
@@ -94,13 +95,33 @@ def _reference(layout: RawLayout, v: np.ndarray, expect: ChunkDigests | None = N
     return out.tobytes()
 
 
-@pytest.mark.parametrize("d", [64, 24])  # the kernel's path, and read_run's (d not a multiple)
-@pytest.mark.parametrize("damage", ["none", "flip", "flip last", "truncate", "longer", "delete",
-                                    "flip then delete"])
-def test_a_checked_product_names_damage_as_the_run_reader_does(tmp_path: Path, d: int,
-                                                               damage: str) -> None:
-    layout, values = _layout(tmp_path, d)
-    v = np.random.default_rng(1).standard_normal(d).astype(np.float32)
+def _one(layout: RawLayout, v: np.ndarray, expect: ChunkDigests | None = None) -> object:
+    """Chunk 2 read with its products: (values, products) as bytes, or the error."""
+    arrays = None if expect is None else expect.for_array(layout.label)
+    try:
+        values, dots = layout.read_with_dots(2, v, expect=arrays)
+    except StoreCorruptError as e:
+        return str(e)
+    if dots is None:  # where the kernel cannot check: the values alone, products made apart
+        dots = np.empty(len(values), np.float32)
+        _native.f16_dots(values, v, dots)
+    return values.tobytes(), dots.tobytes()
+
+
+def _one_reference(layout: RawLayout, v: np.ndarray,
+                   expect: ChunkDigests | None = None) -> object:
+    """Chunk 2 read and checked by `read`, then `f16_dots`."""
+    arrays = None if expect is None else expect.for_array(layout.label)
+    try:
+        values = layout.read(2, expect=arrays)
+    except StoreCorruptError as e:
+        return str(e)
+    out = np.empty(len(values), np.float32)
+    _native.f16_dots(values, v, out)
+    return values.tobytes(), out.tobytes()
+
+
+def _damage(layout: RawLayout, damage: str) -> None:
     victim = Path(layout.path(2))
     data = victim.read_bytes()
     if damage in ("flip", "flip then delete"):
@@ -115,12 +136,41 @@ def test_a_checked_product_names_damage_as_the_run_reader_does(tmp_path: Path, d
         victim.unlink()
     if damage == "flip then delete":  # a later chunk missing: the first problem is named
         Path(layout.path(3)).unlink()
+
+
+@pytest.mark.parametrize("d", [64, 24])  # the kernel's path, and read_run's (d not a multiple)
+@pytest.mark.parametrize("damage", ["none", "flip", "flip last", "truncate", "longer", "delete",
+                                    "flip then delete"])
+def test_a_checked_product_names_damage_as_the_run_reader_does(tmp_path: Path, d: int,
+                                                               damage: str) -> None:
+    layout, values = _layout(tmp_path, d)
+    v = np.random.default_rng(1).standard_normal(d).astype(np.float32)
+    _damage(layout, damage)
     got = _products(layout, v)
     assert got == _reference(layout, v)
     if damage == "none":
         want = np.empty(12, np.float32)
         _native.f16_dots(values[4:16], v, want)
         assert got == want.tobytes()
+    else:
+        assert isinstance(got, str) and "chunk 2 of array" in got
+        if "flip" in damage:
+            assert "fails its checksum" in got
+
+
+@pytest.mark.parametrize("d", [64, 24])  # the kernel's path, and read's (d not a multiple)
+@pytest.mark.parametrize("damage", ["none", "flip", "flip last", "truncate", "longer", "delete"])
+def test_one_chunk_with_its_products_is_checked_as_read_checks_it(tmp_path: Path, d: int,
+                                                                  damage: str) -> None:
+    layout, values = _layout(tmp_path, d)
+    v = np.random.default_rng(1).standard_normal(d).astype(np.float32)
+    _damage(layout, damage)
+    got = _one(layout, v)
+    assert got == _one_reference(layout, v)
+    if damage == "none":
+        want = np.empty(4, np.float32)
+        _native.f16_dots(values[8:12], v, want)
+        assert got == (values[8:12].tobytes(), want.tobytes())
     else:
         assert isinstance(got, str) and "chunk 2 of array" in got
         if "flip" in damage:
@@ -142,6 +192,7 @@ def test_a_valid_chunk_in_the_wrong_place_is_named_as_the_run_reader_names_it(
     v = np.ones(64, np.float32)
     whole = _products(layout, v, digests)
     assert isinstance(whole, bytes) and whole == _reference(layout, v, digests)
+    assert _one(layout, v, digests) == _one_reference(layout, v, digests)
     a, b = Path(layout.path(2)), Path(layout.path(3))
     tmp = a.with_name("swap")
     os.replace(a, tmp)
@@ -151,6 +202,8 @@ def test_a_valid_chunk_in_the_wrong_place_is_named_as_the_run_reader_names_it(
     assert got == _reference(layout, v, digests)
     assert isinstance(got, str) and "chunk 2 of array" in got
     assert "holds the bytes of chunk 3" in got
+    one = _one(layout, v, digests)
+    assert one == _one_reference(layout, v, digests) and "holds the bytes of chunk 3" in one
 
 
 def test_unchecked_and_without_the_kernel_the_products_are_the_same(
@@ -161,3 +214,5 @@ def test_unchecked_and_without_the_kernel_the_products_are_the_same(
     assert layout.read_run_dots(0, 5, v, check=False).tobytes() == checked
     monkeypatch.setattr(chunks, "_NATIVE_DOTS_CRC", False)
     assert layout.read_run_dots(0, 5, v).tobytes() == checked
+    values, dots = layout.read_with_dots(2, v)  # without the kernel: no products, the chunk
+    assert dots is None and values.tobytes() == layout.read(2).tobytes()
