@@ -18,7 +18,17 @@ from . import handles as H
 from .aggregates import Directions, DirectionTable
 from .attention_view import make_attention_view
 from .bulk import BulkEvaluator
-from .functions import ANCHORS, DIRECTION, REGISTRY, TOKEN, VEC, VECS, TensorFunction, direction_udf
+from .functions import (
+    ANCHORS,
+    DIRECTION,
+    REGISTRY,
+    TOKEN,
+    TOKEN_ANCHORS,
+    VEC,
+    VECS,
+    TensorFunction,
+    direction_udf,
+)
 from .kernels import Arg
 from .lists import ListResults
 from .sandbox import TABLE_FUNCTIONS
@@ -72,15 +82,17 @@ def _arrow_type(sql: str) -> pa.DataType:
 def _args(columns: list[pa.Array], kinds: list[str], directions: DirectionTable,
           n: int | None = None) -> list[Any]:
     """The kernel's arguments from the UDF's argument columns other than the vectors (a
-    packed token column is two of them: its text and its SQL type; a direction column holds
-    ids in `directions`); `n`: each column holds one row, for n rows."""
+    packed token column is two or three of them: its text, its SQL type and the anchor set
+    packed with it; a direction column holds ids in `directions`); `n`: each column holds
+    one row, for n rows."""
     out: list[Any] = []
     for a, kind in zip(columns, kinds, strict=True):
         if kind == DIRECTION:
             ids = a.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
             out.append(Directions(ids if n is None else np.repeat(ids, n), directions))
-        elif kind == TOKEN:
-            out += Arg.tokens(a) if n is None else Arg.repeat_tokens(a, n)
+        elif kind in (TOKEN, TOKEN_ANCHORS):  # one column, two or three arguments
+            packed = kind == TOKEN_ANCHORS
+            out += Arg.tokens(a, packed) if n is None else Arg.repeat_tokens(a, n, packed)
         else:
             out.append(Arg.of(a) if n is None else Arg.repeat(a, n))
     return out
@@ -108,7 +120,7 @@ def _drop_nulls(arrays: tuple[pa.Array, ...]) -> tuple[tuple[pa.Array, ...], np.
 
 def _make_udf(fn: TensorFunction, src: VectorSource, box: ErrorBox,
               bulk: list[BulkEvaluator], directions: DirectionTable) -> Callable[..., pa.Array]:
-    kinds = [p.kind for p in fn.params]
+    kinds = fn.udf_kinds()  # one a UDF column (a token and its anchor set are one)
     scalar = fn.returns in _SCALARS
     out_type = _arrow_type(fn.returns)
     assert fn.kernel is not None

@@ -18,6 +18,8 @@ from . import handles as H
 # Argument kinds: a vec handle, a list of handles (`list(vec)`), a token (string or id), an
 # integer, an anchor-set name, and a FLOAT[] direction (a literal, parameter or subquery).
 VEC, VECS, TOKEN, INT, ANCHORS, DIRECTION = "vec", "vecs", "token", "int", "anchors", "direction"
+# A token and the anchor set after it, handed to the UDF in one column (`token_sql`)
+TOKEN_ANCHORS = "token+anchors"
 
 NEAREST = "STRUCT(token_id BIGINT, token VARCHAR, cosine DOUBLE)[]"
 TOP_LOGITS = "STRUCT(token_id BIGINT, token VARCHAR, logit DOUBLE)[]"
@@ -61,11 +63,23 @@ class TensorFunction:
         process to one file, so each connection registers its own under its session tag."""
         return f"_actdb_{self.name}_{session}"
 
+    def udf_kinds(self) -> list[str]:
+        """The kind of each of the internal UDF's parameters: the function's own, but for a
+        token followed by an anchor set, which travel as one column (TOKEN_ANCHORS)."""
+        kinds: list[str] = []
+        for i, p in enumerate(self.params):
+            if p.kind == ANCHORS and i and self.params[i - 1].kind == TOKEN:
+                kinds[-1] = TOKEN_ANCHORS
+            else:
+                kinds.append(p.kind)
+        return kinds
+
     def udf_params(self) -> list[str]:
         """SQL types of the internal UDF's parameters (a token is its SQL type and its text,
-        packed into one string: `token_sql`)."""
+        with the anchor set after it if any, packed into one string: `token_sql`)."""
         return [{VEC: H.SQL_TYPE, VECS: f"{H.SQL_TYPE}[]", TOKEN: "VARCHAR", INT: "BIGINT",
-                 ANCHORS: "VARCHAR", DIRECTION: "BIGINT"}[p.kind] for p in self.params]
+                 ANCHORS: "VARCHAR", DIRECTION: "BIGINT", TOKEN_ANCHORS: "VARCHAR"}[k]
+                for k in self.udf_kinds()]
 
     def macro_sql(self, session: str) -> str:
         """CREATE MACRO with one overload per accepted arity."""
@@ -82,7 +96,11 @@ class TensorFunction:
                     if p.kind == TOKEN:
                         args.append(token_sql(p.name))
                     elif p.kind == ANCHORS:
-                        args.append(f"CAST({p.name} AS VARCHAR)" if given else "''")
+                        anchors = f"CAST({p.name} AS VARCHAR)" if given else "''"
+                        if i and self.params[i - 1].kind == TOKEN:  # one column (udf_kinds)
+                            args[-1] = token_sql(self.params[i - 1].name, anchors)
+                        else:
+                            args.append(anchors)
                     elif p.kind == DIRECTION:  # its id (aggregates.DirectionTable)
                         args.append(f"{direction_udf(session)}(CAST({p.name} AS FLOAT[]))")
                     elif p.kind == INT and not given:
@@ -100,12 +118,15 @@ def direction_udf(session: str) -> str:
     return f"_actdb_direction_{session}"
 
 
-def token_sql(name: str) -> str:
+def token_sql(name: str, anchors: str | None = None) -> str:
     """The SQL that packs token argument `name` for its UDF: its SQL type (a token id or a
-    token's text), kernels.TOKEN_SEP, then its text. DuckDB folds a constant token into one
-    value, but hands an Arrow UDF every row of each string argument, so one column costs
-    less to hand over than two (kernels.Arg.tokens unpacks it)."""
-    return f"(typeof({name}) || chr({ord(kernels.TOKEN_SEP)}) || CAST({name} AS VARCHAR))"
+    token's text), kernels.TOKEN_SEP, the SQL of an anchor-set argument and TOKEN_SEP again
+    where the function takes one after the token, then its text. DuckDB folds a constant
+    token into one value, but hands an Arrow UDF every row of each string argument, so one
+    column costs less to hand over than two or three (kernels.Arg.tokens unpacks it)."""
+    sep = f"chr({ord(kernels.TOKEN_SEP)})"
+    between = "" if anchors is None else f" || {anchors} || {sep}"
+    return f"(typeof({name}) || {sep}{between} || CAST({name} AS VARCHAR))"
 
 
 def _p(name: str, kind: str, optional: bool = False, missing: str = "0::BIGINT") -> Param:

@@ -146,21 +146,26 @@ class Arg:
         return cls(one.to_pylist(), np.zeros(n, dtype=np.int64))
 
     @classmethod
-    def tokens(cls, column: pa.Array | pa.ChunkedArray) -> tuple[Arg, Arg]:
+    def tokens(cls, column: pa.Array | pa.ChunkedArray, anchors: bool = False
+               ) -> tuple[Arg, ...]:
         """A token column as its macro packs it (functions.token_sql): each row's text and
-        its SQL type, as two Args over the same rows."""
-        return cls._unpacked(cls.of(column))
+        its SQL type, and with `anchors` the anchor set packed between them, as Args over
+        the same rows (text, type[, anchor set])."""
+        return cls._unpacked(cls.of(column), anchors)
 
     @classmethod
-    def repeat_tokens(cls, one: pa.Array, n: int) -> tuple[Arg, Arg]:
+    def repeat_tokens(cls, one: pa.Array, n: int, anchors: bool = False) -> tuple[Arg, ...]:
         """`n` rows of the single packed token in `one`."""
-        return cls._unpacked(cls.repeat(one, n))
+        return cls._unpacked(cls.repeat(one, n), anchors)
 
     @classmethod
-    def _unpacked(cls, packed: Arg) -> tuple[Arg, Arg]:
-        split = [str(v).split(TOKEN_SEP, 1) for v in packed.values]
-        return (cls([text for _, text in split], packed.codes),
-                cls([sqltype for sqltype, _ in split], packed.codes))
+    def _unpacked(cls, packed: Arg, anchors: bool) -> tuple[Arg, ...]:
+        # the text comes last and may hold the separator: the first ones split it off
+        split = [str(v).split(TOKEN_SEP, 2 if anchors else 1) for v in packed.values]
+        text = cls([parts[-1] for parts in split], packed.codes)
+        sqltype = cls([parts[0] for parts in split], packed.codes)
+        return (text, sqltype, cls([parts[1] for parts in split], packed.codes)) if anchors \
+            else (text, sqltype)
 
 
 def _per_value(args: list[Arg], index: np.ndarray) -> dict[tuple[Any, ...], np.ndarray]:

@@ -865,6 +865,16 @@ def test_a_token_argument_reaches_its_kernel_as_its_text_and_its_sql_type(family
                                                           "VARCHAR"]
     text, sqltype = Arg.repeat_tokens(packed.slice(1, 1), 3)
     assert text.values == ["42"] and sqltype.values == ["INTEGER"] and len(text.codes) == 3
+    # with the anchor set packed between them (a token followed by anchors: one column)
+    with_sets = pa.array([f"VARCHAR{TOKEN_SEP}embed{TOKEN_SEP}a{TOKEN_SEP}b|c",
+                          f"INTEGER{TOKEN_SEP}{TOKEN_SEP}42",
+                          f"VARCHAR{TOKEN_SEP}unembed{TOKEN_SEP}"])
+    text, sqltype, sets = Arg.tokens(with_sets, True)
+    assert [text.values[c] for c in text.codes] == [odd, "42", ""]
+    assert [sqltype.values[c] for c in sqltype.codes] == ["VARCHAR", "INTEGER", "VARCHAR"]
+    assert [sets.values[c] for c in sets.codes] == ["embed", "", "unembed"]
+    text, sqltype, sets = Arg.repeat_tokens(with_sets.slice(0, 1), 2, True)
+    assert (text.values, sqltype.values, sets.values) == ([odd], ["VARCHAR"], ["embed"])
     with actdb.connect(family_store("gpt2"), device="cpu") as db:
         tid, tok = db.sql("SELECT token_id, token FROM vocab WHERE model = 'gpt2' "
                           "AND token_id = 262").fetchall()[0]
@@ -873,7 +883,20 @@ def test_a_token_argument_reaches_its_kernel_as_its_text_and_its_sql_type(family
             "cosine_to_anchor(vec, CASE WHEN position % 2 = 0 THEN $tok ELSE $tok END) AS per_row "
             "FROM acts WHERE model = 'gpt2' ORDER BY prompt_id, position, site",
             params={"tok": tok, "tid": tid}).fetchall()
+        # an anchor set per row reaches each row with its token: as the constant sets give
+        mixed = db.sql(
+            "SELECT cosine_to_anchor(vec, $tok, CASE WHEN position % 2 = 0 THEN 'unembed_folded' "
+            "ELSE 'unembed' END), CASE WHEN position % 2 = 0 THEN cosine_to_anchor(vec, $tok, "
+            "'unembed_folded') ELSE cosine_to_anchor(vec, $tok, 'unembed') END, "
+            "anchor_contribution(vec, 3, $tid, CASE WHEN position % 2 = 0 THEN 'unembed' ELSE "
+            "'unembed_folded' END), CASE WHEN position % 2 = 0 THEN anchor_contribution(vec, 3, "
+            "$tid, 'unembed') ELSE anchor_contribution(vec, 3, $tid, 'unembed_folded') END, "
+            "cosine_to_anchor(vec, $tok, 'unembed') "
+            "FROM acts WHERE model = 'gpt2' ORDER BY prompt_id, position, site",
+            params={"tok": tok, "tid": tid}).fetchall()
     assert got and all(a == b == c for a, b, c in got), got[:3]
+    assert mixed and all(a == b and c == d for a, b, c, d, _ in mixed), mixed[:3]
+    assert any(a != e for a, _, _, _, e in mixed)  # the two sets differ here
 
 
 def test_token_strings_resolve_to_the_one_id_that_decodes_to_them(family_store):
