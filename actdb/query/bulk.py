@@ -96,23 +96,24 @@ class BulkEvaluator:
 
     def _evaluate(self, handles: np.ndarray, rest: list[pa.Array], key: tuple[Any, ...]) -> Any:
         n = len(handles)
-        # the stream and view bits (one walk each) of the smallest and largest handle: equal
-        # in most calls, and then the handles' rows run between those two's
-        ends = int(handles.min()), int(handles.max())
-        first, last = ends[0] >> H.STREAM_SHIFT, ends[1] >> H.STREAM_SHIFT
+        # the stream and view bits (one walk each) of each handle: most calls have one stream
+        # (a scan's), and then the handles' rows run between the smallest and largest
+        streams = handles >> H.STREAM_SHIFT
+        first = int(streams[0])
         order: np.ndarray | None = None  # the positions by stream (None: one stream)
-        if first == last:
+        if first == int(streams[-1]) and (n == 1 or (streams == first).all()):
             parts: list[tuple[int, np.ndarray | None, tuple[int, int], int]] = [
-                (first, None, ends, n)]
+                (first, None, (int(handles.min()), int(handles.max())), n)]
         else:
             # each stream's positions, ascending, from one stable sort; the smallest and
             # largest handle of each from one reduction over the sorted handles
-            streams = handles >> H.STREAM_SHIFT
             order = np.argsort(streams, kind="stable")
             by_stream = handles[order]
             ordered = streams[order]
-            starts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
-            firsts = np.concatenate(([0], starts))
+            starts = np.empty(n, dtype=bool)  # where each stream's positions start
+            starts[0] = True
+            np.not_equal(ordered[1:], ordered[:-1], out=starts[1:])
+            firsts = starts.nonzero()[0]
             lows = np.minimum.reduceat(by_stream, firsts).tolist()
             highs = np.maximum.reduceat(by_stream, firsts).tolist()
             bounds = [*firsts.tolist(), n]
@@ -128,8 +129,8 @@ class BulkEvaluator:
                 return self._exact(handles, rest, constant=True)
             # by stream, each stream's rows in the call's order: the kernel's split by
             # (model, site, view) then sorts sorted words
-            sub = self._exact(handles[order], rest, constant=True)
-            out: Any = np.full(n, np.nan) if self.scalar else ListResults(n)
+            sub = self._exact(by_stream, rest, constant=True)
+            out: Any = np.empty(n) if self.scalar else ListResults(n)  # every row set
             if self.scalar:
                 out[order] = sub
             else:

@@ -303,13 +303,14 @@ class VectorSource:
         # handle's model, site or head is looked up row by row.
         top = handles >> H.STREAM_SHIFT
         first = int(top[0])
-        if n == 1 or (top == first).all():  # one stream and view: most calls, every window
-            runs: list[tuple[int, np.ndarray | None]] = [(first, None)]
+        if first == int(top[-1]) and (n == 1 or (top == first).all()):
+            runs: list[tuple[int, np.ndarray | None]] = [(first, None)]  # most calls, windows
         else:
             # one stable sort: each stream's positions ascending, as one pass would find them
             order = np.argsort(top, kind="stable")
             ordered = top[order]
-            bounds = [0, *(np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist(), n]
+            cuts = (ordered[1:] != ordered[:-1]).nonzero()[0].tolist()
+            bounds = [0, *(c + 1 for c in cuts), n]
             runs = [(int(ordered[a]), order[a:b])
                     for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         joined: dict[tuple[int, int, int], list[tuple[H.Stream, np.ndarray | None]]] = {}
@@ -330,7 +331,7 @@ class VectorSource:
                 stream, at = parts[0]
                 index = np.arange(n) if at is None else at
                 rows = (handles if at is None else handles[at]) & H.ROW_MASK
-                heads = np.full(len(rows), stream.head, dtype=np.int64)
+                heads = _heads_of(stream.head, len(rows))
             else:  # a site's heads: the positions of all of them, in the call's order
                 index = np.sort(np.concatenate([at for _, at in parts if at is not None]))
                 words = handles[index]
@@ -465,6 +466,19 @@ class WeightGroup(Group):
     def project(self, v: torch.Tensor, at: np.ndarray | None = None) -> torch.Tensor:
         u = self.direction if at is None else self.direction[torch.from_numpy(at)]
         return (u @ v.to(u.device, torch.float32)).cpu()
+
+
+_HEADS: dict[int, np.ndarray] = {}  # head -> a read-only run of it, sliced for each group
+
+
+def _heads_of(head: int, n: int) -> np.ndarray:
+    """int64 [n] of `head`, read-only: a group of one stream's rows (one head, or -1)."""
+    run = _HEADS.get(head)
+    if run is None or len(run) < n:
+        run = np.full(max(n, 4096), head, dtype=np.int64)
+        run.setflags(write=False)
+        _HEADS[head] = run
+    return run[:n]
 
 
 def _segments(spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
