@@ -45,6 +45,10 @@ Convert = Callable[[list["pa.Array"]], list[Any]]
 Broadcast = Callable[[list["pa.Array"], int], list[Any]]
 
 
+# The kernel arguments of constants kept (BulkEvaluator._constants): a few sizes of call.
+_CONSTANTS_KEPT = 8
+
+
 @dataclass(kw_only=True)
 class _Window:
     lo: int  # first row
@@ -77,6 +81,7 @@ class BulkEvaluator:
         self._windows: OrderedDict[tuple[Any, ...], _Window] = OrderedDict()
         self._walks: dict[tuple[Any, ...], _Walk] = {}
         self._cached = 0
+        self._args: OrderedDict[tuple[Any, ...], list[Any]] = OrderedDict()  # _constants
         self._lock = threading.Lock()  # DuckDB may call a UDF from several threads
         self.rows_bulk = 0  # rows answered from windows
         self.rows_exact = 0  # rows computed as asked
@@ -126,10 +131,10 @@ class BulkEvaluator:
         # their one value
         if all(w is None for w in windows):  # a selective query: every row as asked
             if order is None:
-                return self._exact(handles, rest, constant=True)
+                return self._exact(handles, rest, key)
             # by stream, each stream's rows in the call's order: the kernel's split by
             # (model, site, view) then sorts sorted words
-            sub = self._exact(by_stream, rest, constant=True)
+            sub = self._exact(by_stream, rest, key)
             out: Any = np.empty(n) if self.scalar else ListResults(n)  # every row set
             if self.scalar:
                 out[order] = sub
@@ -156,7 +161,7 @@ class BulkEvaluator:
             self.rows_bulk += count
         if exact:
             at = np.concatenate(exact) if len(exact) > 1 else exact[0]
-            sub = self._exact(handles[at], rest, constant=True)
+            sub = self._exact(handles[at], rest, key)
             if self.scalar:
                 out[at] = sub
             else:
@@ -194,17 +199,18 @@ class BulkEvaluator:
             self._walks[wkey] = _Walk(end=hi, size=hi - lo)
             return None
         end = min(segment_end, max(hi, lo + size))
-        window = self._compute(stream, lo, end, rest)
+        window = self._compute(stream, lo, end, rest, key)
         self._walks[wkey] = _Walk(end=hi, size=end - lo)
         self._remember(wkey, window)
         return window
 
-    def _compute(self, stream: int, lo: int, hi: int, rest: list[pa.Array]) -> _Window:
+    def _compute(self, stream: int, lo: int, hi: int, rest: list[pa.Array],
+                 key: tuple[Any, ...]) -> _Window:
         check()  # a window is the longest step of one call: a query past its limit stops here
         m = hi - lo
         handles = (np.int64(stream) << H.STREAM_SHIFT) | np.arange(lo, hi, dtype=np.int64)
         out: Any = np.full(m, np.nan) if self.scalar else ListResults(m)
-        self.kernel(self.src, handles, out, *self.broadcast([a.slice(0, 1) for a in rest], m))
+        self.kernel(self.src, handles, out, *self._constants(rest, key, m))
         return _Window(lo=lo, values=out if self.scalar else out.arrow(self.list_type))
 
     def _remember(self, wkey: tuple[Any, ...], window: _Window) -> None:
@@ -216,17 +222,29 @@ class BulkEvaluator:
             _, gone = self._windows.popitem(last=False)
             self._cached -= len(gone)
 
-    def _exact(self, handles: np.ndarray, rest: list[pa.Array], *, constant: bool = False
-               ) -> Any:
-        """The kernel over exactly these rows (`constant`: each column of `rest` holds one
-        value, for all of them)."""
+    def _exact(self, handles: np.ndarray, rest: list[pa.Array],
+               key: tuple[Any, ...] | None = None) -> Any:
+        """The kernel over exactly these rows (`key`: each column of `rest` holds one value,
+        for all of them: _constant_key's)."""
         self.rows_exact += len(handles)
         out: Any = np.full(len(handles), np.nan) if self.scalar else ListResults(len(handles))
-        args = (self.broadcast([a.slice(0, 1) for a in rest], len(handles)) if constant
-                else self.convert(rest))
+        args = self.convert(rest) if key is None else self._constants(rest, key, len(handles))
         vecs: list[Any] = [handles]
         self.kernel(self.src, *vecs, out, *args)
         return out
+
+    def _constants(self, rest: list[pa.Array], key: tuple[Any, ...], m: int) -> list[Any]:
+        """The kernel's arguments for `m` rows of the constants in the columns of `rest`
+        (`key`: their values), broadcast from one row, made once for each (key, m) among the
+        last few asked for (a selective query's calls are mostly of one size). Kernels only
+        read their arguments."""
+        args = self._args.get((key, m))
+        if args is None:
+            args = self.broadcast([a.slice(0, 1) for a in rest], m)
+            if len(self._args) >= _CONSTANTS_KEPT:
+                self._args.popitem(last=False)
+            self._args[(key, m)] = args
+        return args
 
 
 def _constant_key(arrays: list[pa.Array]) -> tuple[Any, ...] | None:

@@ -89,7 +89,10 @@ def _args(columns: list[pa.Array], kinds: list[str], directions: DirectionTable,
     for a, kind in zip(columns, kinds, strict=True):
         if kind == DIRECTION:
             ids = a.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-            out.append(Directions(ids if n is None else np.repeat(ids, n), directions))
+            if n is not None:  # read-only: bulk.py keeps a broadcast for later calls
+                ids = np.repeat(ids, n)
+                ids.setflags(write=False)
+            out.append(Directions(ids, directions))
         elif kind in (TOKEN, TOKEN_ANCHORS):  # one column, two or three arguments
             packed = kind == TOKEN_ANCHORS
             out += Arg.tokens(a, packed) if n is None else Arg.repeat_tokens(a, n, packed)

@@ -142,8 +142,10 @@ class Arg:
 
     @classmethod
     def repeat(cls, one: pa.Array, n: int) -> Arg:
-        """`n` rows of the single value in `one`."""
-        return cls(one.to_pylist(), np.zeros(n, dtype=np.int64))
+        """`n` rows of the single value in `one` (read-only: bulk.py keeps it for later calls)."""
+        codes = np.zeros(n, dtype=np.int64)
+        codes.setflags(write=False)
+        return cls(one.to_pylist(), codes)
 
     @classmethod
     def tokens(cls, column: pa.Array | pa.ChunkedArray, anchors: bool = False
