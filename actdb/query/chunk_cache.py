@@ -12,6 +12,10 @@ import numpy as np
 
 from .threads import READAHEAD_CHUNKS
 
+# keys `first_read` remembers at most (forgotten all at once past it: a chunk then read once
+# more without being kept)
+_SEEN_MAX = 1 << 16
+
 
 class ChunkCache:
     """Whole chunks kept in memory, least recently used first out, at most `max_bytes`.
@@ -36,6 +40,8 @@ class ChunkCache:
                                           thread_name_prefix="actdb-readahead")
         self.chunks_read = 0
         self.bytes_read = 0
+        # keys asked for once, through `first_read`, since the last `clear`
+        self._seen: set[tuple[object, ...]] = set()
 
     def get(self, key: tuple[object, ...], load: Callable[[], np.ndarray], *,
             keep: bool = True, chunks: int = 1) -> np.ndarray:
@@ -112,9 +118,25 @@ class ChunkCache:
                 _, old = self._items.popitem(last=False)
                 self._bytes -= old.nbytes
 
-    def clear(self) -> None:
-        """Forget every cached chunk and every read ahead (the counters stay)."""
+    def first_read(self, key: tuple[object, ...]) -> bool:
+        """Whether `key` is neither held nor on its way, nor asked for here since the last
+        `clear`; remembered now as asked for. A caller that gets True reads the value without
+        keeping it (and counts the read): a selective query's chunk is kept from its second
+        read on. Keeping a chunk means reading it into fresh memory, whose first writes miss
+        the core's caches; a chunk read once, into a buffer reused for each read, does not."""
         with self._lock:
+            if key in self._items or key in self._pending or key in self._seen:
+                return False
+            if len(self._seen) >= _SEEN_MAX:
+                self._seen.clear()
+            self._seen.add(key)
+            return True
+
+    def clear(self) -> None:
+        """Forget every cached chunk, every read ahead and every key asked for (the counters
+        stay)."""
+        with self._lock:
+            self._seen.clear()
             self._items.clear()
             self._bytes = 0
             for f in self._pending.values():

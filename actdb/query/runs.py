@@ -288,30 +288,48 @@ class FieldReader:
                      heads: np.ndarray, c: int, chunk: int, vv: np.ndarray, res: np.ndarray
                      ) -> None:
         """`project` of sorted rows all in chunk `chunk` (of `c` rows), nothing read ahead (a
-        selective query's usual group): the chunk through the cache, and when read here, its
-        rows' products made in the pass that checks its checksum (Arrays.read_chunk_dots),
-        this group's taken from them (a row's product does not depend on its neighbours:
-        f16_dots); else the group's piece alone, without `pieces`' generator and plan."""
+        selective query's usual group), without `pieces`' generator and plan. A chunk read
+        here has its rows' products made in the pass that checks its checksum
+        (Arrays.read_chunk_dots) and this group's taken from them (a row's product does not
+        depend on its neighbours: f16_dots). Its first read since the cache was cleared goes
+        into this thread's buffer, counted but not kept (ChunkCache.first_read); from its
+        second on, it is kept in the cache."""
         where = (model.model_id, site.site, "direction")
-        made: list[np.ndarray] = []
+        key = (*where, chunk)
+        dots: np.ndarray | None = None
+        if not site.n_heads and self.cache.first_read(key):
+            data, dots = self.store.arrays.read_chunk_dots(*where, chunk, vv,
+                                                           self._chunk_buffer(c * site.d * 2))
+            self.cache.count(1, data.nbytes)
+        else:
+            made: list[np.ndarray] = []
 
-        def load() -> np.ndarray:
-            values, dots = self.store.arrays.read_chunk_dots(*where, chunk, vv)
-            if dots is not None:
-                made.append(dots)
-            return values
+            def load() -> np.ndarray:
+                values, products = self.store.arrays.read_chunk_dots(*where, chunk, vv)
+                if products is not None:
+                    made.append(products)
+                return values
 
-        data = self.cache.get((*where, chunk), load)
+            data = self.cache.get(key, load)
+            dots = made[0] if made and not site.n_heads else None
         lo = chunk * c
         # a slice where the rows are consecutive (a row can repeat: heads, self-joins)
         span = slice(int(rows[0]) - lo, int(rows[-1]) - lo + 1) if _consecutive(rows) else None
-        if made and not site.n_heads:
-            res[:] = made[0][span] if span is not None else made[0][rows - lo]
+        if dots is not None:
+            res[:] = dots[span] if span is not None else dots[rows - lo]
             return
         part = data[span] if span is not None else data[rows - lo]
         if site.n_heads:
             part = part[np.arange(len(rows)), heads]
         _native.f16_dots(np.ascontiguousarray(part, dtype=np.float16), vv, res)
+
+    def _chunk_buffer(self, nbytes: int) -> np.ndarray:
+        """This thread's buffer for a chunk read once (`_project_one`): reused, so that it
+        stays in the core's cache."""
+        buf: np.ndarray | None = getattr(self._local, "chunk", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.chunk = np.empty(nbytes, dtype=np.uint8)
+        return buf
 
     def _walk(self, model: ModelRecord, site: SiteRecord, name: str, rows: np.ndarray,
               heads: np.ndarray) -> RunWalk | tuple[int, int, int, bool]:

@@ -200,14 +200,16 @@ class ActArrays:
                                              f"models/{model_id}/acts/{site}/{field}", chunk)
 
     def read_chunk_dots(self, model_id: int, site: str, field: str, chunk: int,
-                        v: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+                        v: np.ndarray, into: np.ndarray | None = None
+                        ) -> tuple[np.ndarray, np.ndarray | None]:
         """`read_chunk`, and the chunk's rows of a float16 field dotted with `v` (float32
         [d]) where the chunk file is read raw and the CPU checks its checksum in the
-        product's own pass (RawLayout.read_with_dots); None for the products elsewhere."""
+        product's own pass (RawLayout.read_with_dots, `into` a buffer to read it into
+        there); None for the products elsewhere."""
         raw = self.layout(model_id, site, field)
         if isinstance(raw, RawLayout):
             return raw.read_with_dots(chunk, v, check=self.reader.check_checksums,
-                                      expect=self.reader.expect(raw.label))
+                                      expect=self.reader.expect(raw.label), into=into)
         return self.read_chunk(model_id, site, field, chunk), None
 
     def read_chunks(self, model_id: int, site: str, field: str, first: int,

@@ -177,8 +177,9 @@ class Arrays:
         return self.acts.read_chunk(model_id, site, field, chunk)
 
     def read_chunk_dots(self, model_id: int, site: str, field: str, chunk: int,
-                        v: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        return self.acts.read_chunk_dots(model_id, site, field, chunk, v)
+                        v: np.ndarray, into: np.ndarray | None = None
+                        ) -> tuple[np.ndarray, np.ndarray | None]:
+        return self.acts.read_chunk_dots(model_id, site, field, chunk, v, into)
 
     def read_chunks(self, model_id: int, site: str, field: str, first: int,
                     count: int) -> np.ndarray:

@@ -248,19 +248,22 @@ class RawLayout(ChunkFormat):
         return row_dots(self.read_run(first, count, check=True, expect=expect), v, out)
 
     def read_with_dots(self, chunk: int, v: np.ndarray, *, check: bool = True,
-                       expect: Expect | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                       expect: Expect | None = None, into: np.ndarray | None = None
+                       ) -> tuple[np.ndarray, np.ndarray | None]:
         """Chunk `chunk` as `read` returns it, checked as `read` checks it, and its rows
         (float16 [rows, d]) dotted with `v` (float32 [d]) by the compiled product, where the
         CPU checks the CRC-32C in the product's own pass (as `read_run_dots` does; a
         selective query reads one chunk a group and uses its rows' products alone). The
         products are None where it cannot: the caller makes them. A chunk missing, of the
         wrong size or failing its checksum is read again by `read`, which names the problem
-        (or, the chunk whole this time, gives bytes that passed)."""
+        (or, the chunk whole this time, gives bytes that passed). `into`: a uint8 buffer of
+        at least `nbytes` the chunk is read into where its products are made here (the values
+        are then a view of it, valid until the buffer is used again)."""
         if (not (check and self.crc and _NATIVE_DOTS_CRC) or len(self.shape) != 2
                 or self.shape[1] % 64 or self.dtype != _F16):
             return self.read(chunk, check=check, expect=expect), None
         rows = self.shape[0]
-        buf = np.empty(self.nbytes, dtype=np.uint8)
+        buf = np.empty(self.nbytes, dtype=np.uint8) if into is None else into[: self.nbytes]
         stored = np.empty(1, dtype=np.uint32)
         # the size checked, the checksum handed back unchecked: checked below, with the product
         sizes = _native.read_chunks([os.fsencode(self.path(chunk))], buf, self.nbytes, True,

@@ -321,3 +321,24 @@ def test_damaged_metadata_is_found_by_verify_in_one_sentence(
         named = {".": "'/'"}.get(label, label if label == "tokenizer" else f"'{label}'")
         assert any(named in p or (label == "." and "root metadata" in p) for p in problems), (
             named, problems)
+
+
+def test_a_selective_querys_damaged_chunk_is_named_on_every_read_and_only_where_needed(
+    family_store: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A selective query's one-chunk group: its first read (a reused buffer, not kept) and
+    its second (kept) both name the damaged chunk; a query whose rows lie elsewhere answers."""
+    store = tmp_path / "s.actdb"
+    shutil.copytree(family_store("gpt2"), store)
+    _damage(store / FILES["direction chunk"][0], "flip")
+    one = (f"SELECT cosine_to_anchor(vec, 1, 'embed') FROM acts WHERE site = '{SITE}' AND "
+           "prompt_id = {p} AND position = 0")
+    with actdb.connect(store) as db:
+        c = db.sql("SELECT chunk_tokens FROM models").fetchall()[0][0]
+        elsewhere = db.sql("SELECT min(prompt_id) FROM tokens WHERE position = 0 AND row >= $c",
+                           params={"c": c}).fetchall()[0][0]
+        for _ in range(2):
+            with pytest.raises(StoreCorruptError, match=rf"chunk 0 of array "
+                               rf"'models/0/acts/{SITE}/direction' fails its checksum"):
+                db.sql(one.format(p=0)).fetchall()
+        assert db.sql(one.format(p=elsewhere)).fetchall()[0][0] is not None

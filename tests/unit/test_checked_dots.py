@@ -95,11 +95,12 @@ def _reference(layout: RawLayout, v: np.ndarray, expect: ChunkDigests | None = N
     return out.tobytes()
 
 
-def _one(layout: RawLayout, v: np.ndarray, expect: ChunkDigests | None = None) -> object:
+def _one(layout: RawLayout, v: np.ndarray, expect: ChunkDigests | None = None,
+         into: np.ndarray | None = None) -> object:
     """Chunk 2 read with its products: (values, products) as bytes, or the error."""
     arrays = None if expect is None else expect.for_array(layout.label)
     try:
-        values, dots = layout.read_with_dots(2, v, expect=arrays)
+        values, dots = layout.read_with_dots(2, v, expect=arrays, into=into)
     except StoreCorruptError as e:
         return str(e)
     if dots is None:  # where the kernel cannot check: the values alone, products made apart
@@ -167,6 +168,8 @@ def test_one_chunk_with_its_products_is_checked_as_read_checks_it(tmp_path: Path
     _damage(layout, damage)
     got = _one(layout, v)
     assert got == _one_reference(layout, v)
+    # read into a buffer of the caller's (a byte longer: its first `nbytes` used)
+    assert _one(layout, v, into=np.full(layout.nbytes + 1, 0xFF, np.uint8)) == got
     if damage == "none":
         want = np.empty(4, np.float32)
         _native.f16_dots(values[8:12], v, want)

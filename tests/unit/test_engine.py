@@ -246,6 +246,24 @@ def test_selective_queries_read_exactly(big):
     assert read < 0.25 * n_chunks * n_sites, (read, n_chunks)
 
 
+def test_a_selective_querys_chunks_are_kept_from_their_second_read(big):
+    """The first read of a selective query's chunk since the cache was cleared is counted
+    and not kept; the same query again reads it again and keeps it; a third time reads
+    nothing. The same answers each time."""
+    ref, db = big
+    w1, _ = words(ref)
+    q = (f"SELECT prompt_id, position, site, cosine_to_anchor(vec, '{w1}') FROM acts "
+         "WHERE prompt_id IN (5, 25) ORDER BY ALL")
+    db.drop_caches()
+    answers, reads = [], []
+    for _ in range(3):
+        before = db.stats["chunks_read"]
+        answers.append(db.sql(q).fetchall())
+        reads.append(db.stats["chunks_read"] - before)
+    assert answers[0] == answers[1] == answers[2]
+    assert 0 < reads[1] <= reads[0] and reads[2] == 0, reads
+
+
 def test_scan_runs_read_what_zarr_reads_and_name_a_damaged_chunk(big, tmp_path):
     """A scan's runs of chunks (one buffer, one checked read a file) hold exactly what
     zarr-python reads from the same arrays, and damage inside a run names its chunk."""
