@@ -33,6 +33,26 @@ _NEEDED = ("submit", "catalog_version", "literal_type")
 ENABLED = _seam is not None and all(hasattr(_seam, n) for n in _NEEDED)
 
 Params = dict[str, Any] | list[Any] | None
+# The most values a list parameter holds (nested lists counted through) for its query's bind
+# to be kept: DuckDB converts each value to learn the list's type, about as long as the bind
+# a query run again saves for a list of a thousand; a longer one binds every time.
+LIST_VALUES = 1024
+
+
+def _longer(value: list[Any] | tuple[Any, ...], limit: int) -> bool:
+    """Whether `value` holds more than `limit` values, nested lists counted through (the
+    count stops once past `limit`; a list whose first value is no list holds no lists, or
+    DuckDB refuses it)."""
+    left = limit
+    stack = [value]
+    while stack:
+        items = stack.pop()
+        left -= len(items)
+        if left < 0:
+            return True
+        if items and isinstance(items[0], list | tuple):  # a list's values share a type
+            stack.extend(items)
+    return False
 
 
 class BoundQuery:
@@ -101,6 +121,8 @@ class BoundQueries:
             items = params.items() if isinstance(params, dict) else enumerate(params)
             parts: list[tuple[Any, ...]] = []
             for name, value in items:
+                if isinstance(value, list | tuple) and _longer(value, LIST_VALUES):
+                    return None  # typing it would cost about what the bind saves
                 try:
                     sql_type = _seam.literal_type(value)
                 except duckdb.Error:

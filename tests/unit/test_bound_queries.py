@@ -81,3 +81,18 @@ def test_refusals_are_not_kept(con: duckdb.DuckDBPyConnection) -> None:
             queries.run("SELECT nope FROM range(3)", None)
     con.execute("CREATE TABLE later AS SELECT 4 AS nope")
     assert queries.run("SELECT nope FROM later", None).fetchall() == [(4,)]  # type: ignore[union-attr]
+
+
+def test_a_long_list_binds_every_time(con: duckdb.DuckDBPyConnection) -> None:
+    """Typing a long list costs what its bind saves: such a query is never kept."""
+    queries = BoundQueries(con)
+    long_ids = list(range(bound.LIST_VALUES + 1))
+    nested = [[0.5] * (bound.LIST_VALUES // 2 + 1)] * 2
+    for text, params in ((QUERY, {"ids": long_ids}), ("SELECT len($ids) AS n", {"ids": nested})):
+        for _ in range(2):
+            got = queries.run(text, params)
+            assert isinstance(got, duckdb.DuckDBPyRelation)
+    _same(queries.run(QUERY, {"ids": long_ids}), con, QUERY, {"ids": long_ids})
+    queries.run(QUERY, {"ids": long_ids[: bound.LIST_VALUES]})
+    assert isinstance(queries.run(QUERY, {"ids": long_ids[1: bound.LIST_VALUES + 1]}), BoundQuery)
+
