@@ -43,10 +43,14 @@ browser:
 # Every tier: tests/unit, tests/integration and tests/slow (fault injection, fuzzing, clusters,
 # browsers, real checkpoints).
 # The suite runs on WORKERS processes (pytest-xdist), one per core of the 2-core machine it is
-# sized for; WORKERS=0 runs it in this process.
+# sized for; WORKERS=0 runs it in this process. Each test file runs whole on one worker
+# (--dist loadfile), so a module-scoped store, server, cluster or model is built once, not once
+# per worker; files go out in collection order (--no-loadscope-reorder): the short unit files
+# come last and even out the two workers' ends.
 WORKERS ?= 2
 test: lint browser
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=15 -n $(WORKERS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=15 -n $(WORKERS) --dist loadfile \
+	  --no-loadscope-reorder
 
 # The unit tier alone: about a minute on two cores, for the edit-test loop.
 test-fast: setup

