@@ -52,9 +52,9 @@ test: lint browser
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=15 -n $(WORKERS) --dist loadfile \
 	  --no-loadscope-reorder
 
-# The unit tier alone: about a minute on two cores, for the edit-test loop.
+# The unit tier alone: about a minute on two cores (WORKERS processes), for the edit-test loop.
 test-fast: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests/unit
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(WORKERS) tests/unit
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/run.py --output BENCHMARKS.md

@@ -126,10 +126,12 @@ def test_tokenizer_roundtrip(tmp_path: pathlib.Path) -> None:
         assert again(text)["input_ids"] == tok(text)["input_ids"]
 
 
+# The tokenizers alone (support/tiny_tokenizers.py, which tiny_models.py re-exports): the fresh
+# process trains them without importing torch.
 _VOCAB_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from support.tiny_models import build_tokenizer
+from support.tiny_tokenizers import build_tokenizer
 print(json.dumps([build_tokenizer(kind=k).get_vocab() for k in ("bpe", "wordpiece")]))
 """
 
