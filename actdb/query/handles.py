@@ -127,22 +127,28 @@ class Codec:
         self._site = np.array([s.site_id for s in streams], dtype=np.int64)
         self._head = np.array([s.head for s in streams], dtype=np.int64)
         self._weight = np.array([s.kind != "acts" for s in streams], dtype=bool)
+        self._any_weight = bool(self._weight.any())
+        self._models_of: dict[tuple[int, int], int | None] = {}  # model_ids' answers
         self.streams = streams
         return base
 
     def model_ids(self, lo: int, hi: int) -> int | None:
         """The model of streams lo .. hi - 1 when they are all of one model's acts (else
         None)."""
+        found = self._models_of.get((lo, hi), -1)  # kept: a stream's numbers never change
+        if found != -1:
+            return found
         if not 0 <= lo < hi <= len(self._model):
             return None
         models, weights = self._model[lo:hi], self._weight[lo:hi]
-        if weights.any() or models.min() != models.max():
-            return None
-        return int(models[0])
+        found = None if weights.any() or models.min() != models.max() else int(models[0])
+        if len(self._models_of) < 4096:
+            self._models_of[(lo, hi)] = found
+        return found
 
     def weight_rows(self, fields: np.ndarray) -> np.ndarray | None:
         """bool [n]: which opened handles name weight rows (None: none can, the common case)."""
-        if not self._weight.any():
+        if not self._any_weight:
             return None
         return self._weight[(np.asarray(fields, dtype=np.int64) >> STREAM_SHIFT) & STREAM_MASK]
 

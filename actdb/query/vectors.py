@@ -318,9 +318,11 @@ class VectorSource:
             stream = self.codec.streams[bits & H.STREAM_MASK]
             code = (bits >> H.STREAM_BITS) & H.VIEW_MASK
             joined.setdefault((stream.model_id, stream.site_id, code), []).append((stream, at))
-        # groups in (model, site, view) order
-        for (model_id, site_id, view_code), parts in sorted(joined.items(),
-                                                            key=lambda kv: kv[0]):
+        # groups in (model, site, view) order: the runs' own where they are of one view (the
+        # streams are numbered in (model, site, head) order)
+        in_order = (runs[0][0] >> H.STREAM_BITS) == (runs[-1][0] >> H.STREAM_BITS)
+        for (model_id, site_id, view_code), parts in (
+                joined.items() if in_order else sorted(joined.items(), key=lambda kv: kv[0])):
             model = self.model(model_id)
             site = self.site(model_id, site_id)
             view = H.VIEWS[view_code]
