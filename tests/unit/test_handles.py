@@ -430,3 +430,25 @@ def test_the_copied_store_keeps_its_handles_apart(family_store: Callable[[str], 
         (h,), = a.sql(pick).fetchall()
         with pytest.raises(QueryError, match=CHANGED):
             b.sql("SELECT vec_norm($h)", params={"h": h}).fetchall()
+
+
+def test_the_model_of_a_range_of_streams_is_asked_of_that_range():
+    """Codec.model_ids keeps its answers: each range of streams gets its own, found from the
+    streams themselves, before and after weight streams are added (whose rows are no acts)."""
+    streams = [Stream(model_id=m, site_id=s, head=-1, n_rows=10) for m in (0, 1) for s in (0, 1)]
+    codec = Codec(streams, key=KEY)
+
+    def want(lo: int, hi: int) -> int | None:
+        if not 0 <= lo < hi <= len(codec.streams):
+            return None
+        kinds = {(s.model_id, s.kind) for s in codec.streams[lo:hi]}
+        return next(iter(kinds))[0] if len(kinds) == 1 and ("acts" in {k for _, k in kinds}) \
+            else None
+
+    ranges = [(0, 2), (0, 3), (0, 1), (1, 2), (1, 4), (2, 4), (2, 3), (0, 4), (3, 5), (2, 2)]
+    for lo, hi in ranges + ranges:  # asked again: the kept answer
+        assert codec.model_ids(lo, hi) == want(lo, hi), (lo, hi)
+    codec.extend([Stream(model_id=1, site_id=-1, head=-1, n_rows=3, kind="weights",
+                         array="w")])
+    for lo, hi in ranges + [(2, 5), (4, 5)]:
+        assert codec.model_ids(lo, hi) == want(lo, hi), (lo, hi)
