@@ -110,32 +110,35 @@ def _shared_modules(plans: list[AttentionPlan]) -> bool:
     return len(mods) != len(set(mods))
 
 
+def _keep(s: _Seen, name: str, left: list[int], merged: bool) -> Callable[..., None]:
+    """A hook recording into `s` a reader's output (`name`) or, as "o_in", the writer's input;
+    after the writer, the pass stops once every block's (`left`) is recorded, or at once for a
+    block's own pass."""
+
+    def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        s.called(name)
+        if s.done:
+            return
+        t = first_tensor(args, kwargs) if name == "o_in" else output_tensor(output)
+        if t is not None:
+            s.rec[name] = t.detach().double()
+        if name == "o_in":
+            s.done = True
+            left[0] -= 1
+            if left[0] == 0 or not merged:
+                raise Stop
+    return hook
+
+
 def _values_pass(target: nn.Module, plans: list[AttentionPlan], ids1: torch.Tensor, *, merged: bool
                  ) -> tuple[dict[int, ValueMap | str], dict[int, _Seen]]:
     """One pass of one-token rows: each block's ValueMap (or why not), and what its hooks
     saw."""
     seen = {p.layer: _Seen() for p in plans}
     left = [len(plans)]
-
-    def keep(p: AttentionPlan, name: str) -> Callable[..., None]:
-        s = seen[p.layer]
-
-        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            s.called(name)
-            if s.done:
-                return
-            t = first_tensor(args, kwargs) if name == "o_in" else output_tensor(output)
-            if t is not None:
-                s.rec[name] = t.detach().double()
-            if name == "o_in":
-                s.done = True
-                left[0] -= 1
-                if left[0] == 0 or not merged:
-                    raise Stop
-        return hook
-
-    hooks = [(p.leaves[r], keep(p, r)) for p in plans for r in p.readers]
-    hooks += [(p.leaves[p.writer], keep(p, "o_in")) for p in plans]
+    hooks = [(p.leaves[r], _keep(seen[p.layer], r, left, merged)) for p in plans
+             for r in p.readers]
+    hooks += [(p.leaves[p.writer], _keep(seen[p.layer], "o_in", left, merged)) for p in plans]
     with hooked(hooks):
         run_probe(target, ids1)
     values: dict[int, ValueMap | str] = {}
@@ -176,22 +179,6 @@ def _heads_pass(target: nn.Module, plans: list[AttentionPlan], values: dict[int,
             return y
         return hook
 
-    def keep(p: AttentionPlan) -> Callable[..., None]:
-        s = seen[p.layer]
-
-        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            s.called("o_in")
-            if s.done:
-                return
-            t = first_tensor(args, kwargs)
-            if t is not None:
-                s.rec["o_in"] = t.detach().double()
-            s.done = True
-            left[0] -= 1
-            if left[0] == 0 or not merged:
-                raise Stop
-        return hook
-
     def restore(p: AttentionPlan) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             y = output_tensor(output)
@@ -203,7 +190,7 @@ def _heads_pass(target: nn.Module, plans: list[AttentionPlan], values: dict[int,
     for p in plans:
         gen = torch.Generator().manual_seed(p.layer)
         hooks += [(p.leaves[r], change(p, r, gen)) for r in p.readers]
-        hooks.append((p.leaves[p.writer], keep(p)))
+        hooks.append((p.leaves[p.writer], _keep(seen[p.layer], "o_in", left, merged)))
         if merged:
             hooks.append((p.module, restore(p)))
     with hooked(hooks):
