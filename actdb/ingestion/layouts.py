@@ -144,12 +144,18 @@ def check_repeatable(model: nn.Module, path: str, x: torch.Tensor, x2: torch.Ten
 def _gap(x: torch.Tensor, x2: torch.Tensor, layout: str, b1: int, b2: int) -> float:
     """The relative difference of the first `b2` inputs' rows of `x` (of `b1` inputs) and
     `x2`'s, read in `layout` (0 where their shapes differ: nothing to compare)."""
-    first = as_rows(x, layout, b1)[:b2].double()
-    again = as_rows(x2, layout, b2).double()
+    first = as_rows(x, layout, b1)[:b2]
+    again = as_rows(x2, layout, b2)
     if first.shape != again.shape:
         return 0.0
-    scale = float(torch.linalg.vector_norm(first)) or 1.0
-    return float(torch.linalg.vector_norm(first - again)) / scale
+    return _relative(first, again)
+
+
+def _relative(x: torch.Tensor, again: torch.Tensor) -> float:
+    """|again - x| / |x| (float64; over 1 where x is zero)."""
+    x, again = x.double(), again.double()
+    scale = float(torch.linalg.vector_norm(x)) or 1.0
+    return float(torch.linalg.vector_norm(again - x)) / scale
 
 
 @torch.no_grad()
@@ -165,8 +171,7 @@ def check_same_again(model: nn.Module, target: nn.Module, sample: Mapping[str, t
     calls = log.calls.get(path)
     again = calls[0].input if calls else None
     if again is not None and again.shape == x.shape:
-        scale = float(torch.linalg.vector_norm(x.double())) or 1.0
-        gap = float(torch.linalg.vector_norm((again - x).double())) / scale
+        gap = _relative(x, again)
         if not gap > _REPEAT_LIMIT:
             return
         what = f"relative difference {gap:.2g}"
