@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_model import gpt2_small  # noqa: E402
+from bench_model import gpt2_small, sync  # noqa: E402
 from run import SCALES  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -159,8 +159,7 @@ def _forward_alone(base: nn.Module, tokenizer: Any, prompts: list[str], device: 
     with torch.no_grad():
         for lo in range(0, len(prompts), 8):
             out = base(**{k: v[lo:lo + 8] for k, v in enc.items()}, use_cache=False)
-    if out.last_hidden_state.device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(out.last_hidden_state)
     return time.perf_counter() - t
 
 
