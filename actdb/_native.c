@@ -104,6 +104,35 @@ static void dots_portable(const uint16_t *x, const float *v, float *out, Py_ssiz
 }
 
 #ifdef ACTDB_X86
+/* 32 values of a row from J on: dots_avx2's step, and dots_crc_avx512's (_native_crc.c), so
+   that both give the same bits. */
+#define DOTS_STEP(J)                                                                        \
+    do {                                                                                    \
+        a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + (J)))), \
+                             _mm256_loadu_ps(v + (J)), a0);                                 \
+        a1 = _mm256_fmadd_ps(                                                               \
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + (J) + 8))),            \
+            _mm256_loadu_ps(v + (J) + 8), a1);                                              \
+        a2 = _mm256_fmadd_ps(                                                               \
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + (J) + 16))),           \
+            _mm256_loadu_ps(v + (J) + 16), a2);                                             \
+        a3 = _mm256_fmadd_ps(                                                               \
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + (J) + 24))),           \
+            _mm256_loadu_ps(v + (J) + 24), a3);                                             \
+    } while (0)
+
+/* A row's four accumulators reduced as `finish` reduces them, then its values from body on. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline float finish256(__m256 a0, __m256 a1, __m256 a2, __m256 a3, const uint16_t *row,
+                              const float *v, Py_ssize_t body, Py_ssize_t d) {
+    float acc[32];
+    _mm256_storeu_ps(acc, a0);
+    _mm256_storeu_ps(acc + 8, a1);
+    _mm256_storeu_ps(acc + 16, a2);
+    _mm256_storeu_ps(acc + 24, a3);
+    return finish(acc, row, v, body, d);
+}
+
 __attribute__((target("avx2,fma,f16c")))
 static void dots_avx2(const uint16_t *x, const float *v, float *out, Py_ssize_t n,
                       Py_ssize_t d) {
@@ -113,21 +142,9 @@ static void dots_avx2(const uint16_t *x, const float *v, float *out, Py_ssize_t 
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
         for (Py_ssize_t j = 0; j < body; j += 32) {
-            __m256 x0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + j)));
-            __m256 x1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + j + 8)));
-            __m256 x2 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + j + 16)));
-            __m256 x3 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + j + 24)));
-            a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(v + j), a0);
-            a1 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(v + j + 8), a1);
-            a2 = _mm256_fmadd_ps(x2, _mm256_loadu_ps(v + j + 16), a2);
-            a3 = _mm256_fmadd_ps(x3, _mm256_loadu_ps(v + j + 24), a3);
+            DOTS_STEP(j);
         }
-        float acc[32];
-        _mm256_storeu_ps(acc, a0);
-        _mm256_storeu_ps(acc + 8, a1);
-        _mm256_storeu_ps(acc + 16, a2);
-        _mm256_storeu_ps(acc + 24, a3);
-        out[i] = finish(acc, row, v, body, d);
+        out[i] = finish256(a0, a1, a2, a3, row, v, body, d);
     }
 }
 #endif

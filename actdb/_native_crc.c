@@ -296,28 +296,14 @@ static uint32_t crc32c_avx512(const unsigned char *p, size_t len) {
 
 /* -- The full scan's product and its chunks' checksums in one pass ---------------------------
 
-   dots_crc_avx512(x, v, out, n, d, rows, stored): dots_avx2's products (the same operations
-   in the same order, so the same bits), while the same 64-byte loads, already in the core's
-   first-level cache, are folded into each chunk's CRC-32C (`rows` rows a chunk) by two
-   512-bit accumulators, 128 bytes on from each other. The products wait on their
-   multiply-adds' latency, and the folds fill the vector unit's idle slots: the check costs a
-   fraction of a separate pass over the chunk. d a multiple of 64 (whole 128-byte steps a
-   row), n a multiple of rows. The first chunk whose CRC-32C is not stored[c], or -1. */
-
-#define DOTS_STEP(J)                                                                        \
-    do {                                                                                    \
-        a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + (J)))), \
-                             _mm256_loadu_ps(v + (J)), a0);                                 \
-        a1 = _mm256_fmadd_ps(                                                               \
-            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + (J) + 8))),            \
-            _mm256_loadu_ps(v + (J) + 8), a1);                                              \
-        a2 = _mm256_fmadd_ps(                                                               \
-            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + (J) + 16))),           \
-            _mm256_loadu_ps(v + (J) + 16), a2);                                             \
-        a3 = _mm256_fmadd_ps(                                                               \
-            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + (J) + 24))),           \
-            _mm256_loadu_ps(v + (J) + 24), a3);                                             \
-    } while (0)
+   dots_crc_avx512(x, v, out, n, d, rows, stored): dots_avx2's products (its DOTS_STEP and
+   finish256, _native.c: the same operations in the same order, so the same bits), while the
+   same 64-byte loads, already in the core's first-level cache, are folded into each chunk's
+   CRC-32C (`rows` rows a chunk) by two 512-bit accumulators, 128 bytes on from each other.
+   The products wait on their multiply-adds' latency, and the folds fill the vector unit's
+   idle slots: the check costs a fraction of a separate pass over the chunk. d a multiple of
+   64 (whole 128-byte steps a row), n a multiple of rows. The first chunk whose CRC-32C is
+   not stored[c], or -1. */
 
 __attribute__((target("avx2,fma,f16c," CRC_AVX512_TARGET)))
 static Py_ssize_t dots_crc_avx512(const uint16_t *x, const float *v, float *out, Py_ssize_t n,
@@ -346,12 +332,7 @@ static Py_ssize_t dots_crc_avx512(const uint16_t *x, const float *v, float *out,
                 DOTS_STEP(j);
                 DOTS_STEP(j + 32);
             }
-            float acc[32];
-            _mm256_storeu_ps(acc, a0);
-            _mm256_storeu_ps(acc + 8, a1);
-            _mm256_storeu_ps(acc + 16, a2);
-            _mm256_storeu_ps(acc + 24, a3);
-            out[i] = finish(acc, row, v, d, d);
+            out[i] = finish256(a0, a1, a2, a3, row, v, d, d);
         }
         /* y0 moved on by 64 bytes onto y1 (crc_fold_end's first step, the others zero) */
         __m512i zero = _mm512_setzero_si512();
@@ -362,7 +343,6 @@ static Py_ssize_t dots_crc_avx512(const uint16_t *x, const float *v, float *out,
     }
     return -1;
 }
-#undef DOTS_STEP
 #endif
 
 static int crc_has(int path) {
