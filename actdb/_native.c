@@ -1046,12 +1046,13 @@ static PyMethodDef methods[] = {
      "vocab_top(a, b, V, n, k, cap, threads, e, cand, cand_v, cand_n): the candidates for each row's k "
      "largest bfloat16 logits, for an exact rescore; see _native_vocab.c."},
     {"rank_scan", rank_scan, METH_VARARGS,
-     "rank_scan(a, b, sw, nt, dt, bias, V, n, d, threads, xf, wf, tid, sx, ex, ey, c, above, "
-     "band_n): token ranks from exact 16-bit integer products (AVX-512 VNNI) and a float64 "
-     "band; see _native_rank.c."},
+     "rank_scan(a, b, sw, nt, dt, bias, V, n, d, chunk, threads, xf, wf, tid, sx, ex, ey, c, "
+     "above, band_n): token ranks from exact 16-bit integer products (AVX-512 VNNI) and a "
+     "float64 band; see _native_rank.c."},
     {"rank_pack", rank_pack, METH_VARARGS,
-     "rank_pack(w, out, sw, nt, dt, d) -> max sum p^2: a vocabulary as 16-bit integers in "
-     "rank_scan's panels, with each token's scale, norm and residual norm; see _native_rank.c."},
+     "rank_pack(w, out, sw, nt, dt, d, chunk) -> the largest sum p^2 of a run: a vocabulary as "
+     "16-bit integers in rank_scan's panels, with each token's scale, norm and residual norm; "
+     "see _native_rank.c."},
     {"vocab_pack", vocab_pack, METH_VARARGS,
      "vocab_pack(w, bias, out, nt, d) -> (max N, finite): a vocabulary split into bfloat16 "
      "pairs and laid out in vocab_scan's panels, with each token's norm; see _native_vocab.c."},
