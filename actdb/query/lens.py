@@ -161,13 +161,14 @@ def prob(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: A
 def token_rank(src: VectorSource, h: np.ndarray, out: np.ndarray, token: Arg, ttype: Arg
                ) -> None:
     lens = LensRows(src, h, "token_rank")
+    rank16 = vocab_rank.usable()  # the CPU's flags and the environment, read once a call
     for model, rows, hn in lens.by_model():
         tid = _token_ids(src, model, rows, token, ttype)
         w, b = src.weights.unembed(model)
         slow = []
         for lo, _hi, ok, head in _fast_blocks(src, model, hn):
             at = torch.nonzero(ok).flatten() + lo
-            if head is not None and len(at) and vocab_rank.usable():
+            if head is not None and len(at) and rank16:
                 got, done = vocab_rank.ranks(hn[at], w, b, tid[at], vocab_rank.pack(w))
                 out[rows[at[done].numpy()]] = got.rank[done].double().numpy()
                 at = at[~done]  # integer sums that might overflow: the bfloat16 kernel's
