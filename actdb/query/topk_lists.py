@@ -34,10 +34,9 @@ def _to_logits(model: Any, pre: torch.Tensor) -> torch.Tensor:
     return cap * torch.tanh(out / cap) if cap else out
 
 
-
 def topk_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
-               index: np.ndarray, ok: torch.Tensor, out: ListResults, tokens: pa.Array,
-               label: str, model: Any = None) -> None:
+              index: np.ndarray, ok: torch.Tensor, out: ListResults, tokens: pa.Array,
+              label: str, model: Any = None) -> None:
     lowp = topk.lowp_dtype(x.device)
     # The logit transform keeps ranks (so ranks are taken before it) unless its scale is not
     # positive; then the transformed logits are ranked whole.
@@ -83,7 +82,7 @@ def _vocab_block_rows(device: torch.device, vocab: int) -> int:
 
 
 def topk_block(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int,
-                lowp: torch.dtype | None, model: Any) -> tuple[torch.Tensor, torch.Tensor]:
+               lowp: torch.dtype | None, model: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """topk.topk of a block of rows, the LM head's candidates from the bfloat16 kernel where
     it runs (vocab_scan.top_k: the same float32 top k), rows it cannot take by topk.py."""
     transform = None if model is None else (lambda v: _to_logits(model, v))
