@@ -130,11 +130,7 @@ RK_TARGET static void rk_run(RankJob *j) {
     __mmask16 valid[4];
     for (Py_ssize_t g = j->g_lo; g < j->g_hi; g++) {
         Py_ssize_t tok0 = 64 * g;
-        for (int p = 0; p < 4; p++) {
-            Py_ssize_t left = j->V - (tok0 + 16 * p);
-            valid[p] = left >= 16 ? (__mmask16)0xFFFF
-                       : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-        }
+        vs_valid(j->V, tok0, valid); /* _native_vocab.c */
         const uint32_t *b = j->b + 4 * g * 16 * j->k2;
         for (Py_ssize_t r = 0; r < j->n; r += 4) {
             rk_tile(j->a + r * j->k2, b, j->k2, j->chunk, acc);

@@ -282,16 +282,22 @@ VS_TARGET static void vs_top(VocabJob *j, Py_ssize_t r, Py_ssize_t tok0, const _
     }
 }
 
+/* The masks of the 64 tokens from tok0 on (4 panels of 16) that a V-token head has (vs_run,
+   rk_run in _native_rank.c). */
+static inline void vs_valid(Py_ssize_t V, Py_ssize_t tok0, __mmask16 valid[4]) {
+    for (int p = 0; p < 4; p++) {
+        Py_ssize_t left = V - (tok0 + 16 * p);
+        valid[p] = left >= 16 ? (__mmask16)0xFFFF
+                   : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+    }
+}
+
 VS_TARGET static void vs_run(VocabJob *j) {
     __m512 acc[16];
     __mmask16 valid[4];
     for (Py_ssize_t g = j->g_lo; g < j->g_hi; g++) {
         Py_ssize_t tok0 = 64 * g;
-        for (int p = 0; p < 4; p++) {
-            Py_ssize_t left = j->V - (tok0 + 16 * p);
-            valid[p] = left >= 16 ? (__mmask16)0xFFFF
-                       : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-        }
+        vs_valid(j->V, tok0, valid);
         const uint32_t *b = j->b + 4 * g * 16 * j->k2 + 16 * j->kb0;
         for (Py_ssize_t r = 0; r < j->n; r += 4) {
             vs_tile(j->a + r * j->ka, j->ka, j->ka, b, j->k2, acc);
