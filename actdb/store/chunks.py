@@ -229,21 +229,11 @@ class RawLayout(ChunkFormat):
         wrong size or failing its checksum is then read again the checked way, which names
         the first problem of the run as `read_run` does (or, a chunk whole this time, gives
         the products of bytes that passed)."""
-        rows = self.shape[0]
-        out = np.empty(count * rows, dtype=np.float32)
-        if (not (check and self.crc and _native is not None and _NATIVE_DOTS_CRC)
-                or len(self.shape) != 2 or self.shape[1] % 64 or self.dtype != _F16):
+        out = np.empty(count * self.shape[0], dtype=np.float32)
+        if not (check and self._fused_crc()):
             return row_dots(self.read_run(first, count, check=check, expect=expect), v, out)
-        nbytes = self.nbytes
-        buf = np.empty(count * nbytes, dtype=np.uint8)
-        stored = np.empty(count, dtype=np.uint32)
-        paths = [os.fsencode(self.path(first + i)) for i in range(count)]
-        # sizes checked, checksums handed back unchecked: checked below, with the product
-        sizes = _native.read_chunks(paths, buf, nbytes, True, False, stored)
-        if (len(sizes) == count and all(size == self.file_bytes for size in sizes)
-                and _native.f16_dots_crc(buf.view(self.dtype), v, out, rows, stored) < 0):
-            if expect is not None:
-                expect.check_run(self, first, count, buf, stored)
+        buf = np.empty(count * self.nbytes, dtype=np.uint8)
+        if self._read_dots_crc(first, count, v, buf, out, expect):
             return out
         return row_dots(self.read_run(first, count, check=True, expect=expect), v, out)
 
@@ -259,23 +249,40 @@ class RawLayout(ChunkFormat):
         (or, the chunk whole this time, gives bytes that passed). `into`: a uint8 buffer of
         at least `nbytes` the chunk is read into where its products are made here (the values
         are then a view of it, valid until the buffer is used again)."""
-        if (not (check and self.crc and _NATIVE_DOTS_CRC) or len(self.shape) != 2
-                or self.shape[1] % 64 or self.dtype != _F16):
+        if not (check and self._fused_crc()):
             return self.read(chunk, check=check, expect=expect), None
-        rows = self.shape[0]
         buf = np.empty(self.nbytes, dtype=np.uint8) if into is None else into[: self.nbytes]
-        stored = np.empty(1, dtype=np.uint32)
-        # the size checked, the checksum handed back unchecked: checked below, with the product
-        sizes = _native.read_chunks([os.fsencode(self.path(chunk))], buf, self.nbytes, True,
-                                    False, stored)
-        values = buf.view(self.dtype).reshape(self.shape)
-        out = np.empty(rows, dtype=np.float32)
-        if (sizes == [self.file_bytes]
-                and _native.f16_dots_crc(values, v, out, rows, stored) < 0):
-            if expect is not None:
-                expect.check_one(self, chunk, buf, int(stored[0]))
-            return values, out
+        out = np.empty(self.shape[0], dtype=np.float32)
+        if self._read_dots_crc(chunk, 1, v, buf, out, expect):
+            return buf.view(self.dtype).reshape(self.shape), out
         return self.read(chunk, check=True, expect=expect), None
+
+    def _fused_crc(self) -> bool:
+        """Whether the compiled product checks this array's chunks' CRC-32Cs in its own pass
+        (`_native.DOTS_CRC` on this CPU, float16 rows of a width a multiple of 64)."""
+        return (_NATIVE_DOTS_CRC and self.crc and len(self.shape) == 2
+                and self.shape[1] % 64 == 0 and self.dtype == _F16)
+
+    def _read_dots_crc(self, first: int, count: int, v: np.ndarray, buf: np.ndarray,
+                       out: np.ndarray, expect: Expect | None) -> bool:
+        """Chunks `first` .. `first + count - 1` read into `buf` (uint8, `count * nbytes`),
+        their rows dotted with `v` into `out`, each chunk's CRC-32C checked in the product's
+        pass (`f16_dots_crc`), then (`expect`) the digests of their places. False where a
+        chunk is missing, of the wrong size or fails its checksum: the caller reads them
+        again the checked way, which names the problem."""
+        stored = np.empty(count, dtype=np.uint32)
+        paths = [os.fsencode(self.path(first + i)) for i in range(count)]
+        # sizes checked, checksums handed back unchecked: checked below, with the product
+        sizes = _native.read_chunks(paths, buf, self.nbytes, True, False, stored)
+        if not (len(sizes) == count and all(size == self.file_bytes for size in sizes)
+                and _native.f16_dots_crc(buf.view(self.dtype), v, out, self.shape[0],
+                                         stored) < 0):
+            return False
+        if expect is not None and count == 1:  # a selective query's chunk: no run's arrays
+            expect.check_one(self, first, buf, int(stored[0]))
+        elif expect is not None:
+            expect.check_run(self, first, count, buf, stored)
+        return True
 
     def stat(self, chunk: int) -> None:
         """The structural check of one chunk: its file exists with the right size."""
