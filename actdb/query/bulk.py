@@ -103,27 +103,18 @@ class BulkEvaluator:
         n = len(handles)
         # the stream and view bits (one walk each) of each handle: most calls have one stream
         # (a scan's), and then the handles' rows run between the smallest and largest
-        streams = handles >> H.STREAM_SHIFT
-        first = int(streams[0])
-        order: np.ndarray | None = None  # the positions by stream (None: one stream)
-        if first == int(streams[-1]) and (n == 1 or (streams == first).all()):
+        order, bits, bounds = H.by_stream(handles)  # order None: one stream
+        if order is None:
             parts: list[tuple[int, np.ndarray | None, tuple[int, int], int]] = [
-                (first, None, (int(handles.min()), int(handles.max())), n)]
+                (bits[0], None, (int(handles.min()), int(handles.max())), n)]
         else:
-            # each stream's positions, ascending, from one stable sort; the smallest and
-            # largest handle of each from one reduction over the sorted handles
-            order = np.argsort(streams, kind="stable")
+            # the smallest and largest handle of each stream from one reduction over the
+            # handles in stream order
             by_stream = handles[order]
-            ordered = streams[order]
-            starts = np.empty(n, dtype=bool)  # where each stream's positions start
-            starts[0] = True
-            np.not_equal(ordered[1:], ordered[:-1], out=starts[1:])
-            firsts = starts.nonzero()[0]
-            lows = np.minimum.reduceat(by_stream, firsts).tolist()
-            highs = np.maximum.reduceat(by_stream, firsts).tolist()
-            bounds = [*firsts.tolist(), n]
-            parts = [(lows[i] >> H.STREAM_SHIFT, order[a:b], (lows[i], highs[i]), b - a)
-                     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))]
+            lows = np.minimum.reduceat(by_stream, bounds[:-1]).tolist()
+            highs = np.maximum.reduceat(by_stream, bounds[:-1]).tolist()
+            parts = [(top, order[a:b], (lo, hi), b - a) for top, lo, hi, a, b in zip(
+                bits, lows, highs, bounds[:-1], bounds[1:], strict=True)]
         windows = [self._window(stream, count, lo_hi, key, rest)
                    for stream, _, lo_hi, count in parts]
         # the arguments are constants (`key`): rows computed as asked get them broadcast from

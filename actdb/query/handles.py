@@ -95,7 +95,6 @@ class Decoded:
     site_id: np.ndarray
     model_id: np.ndarray
     view: np.ndarray
-    one: bool = False  # every handle of one stream and view
 
 
 class Codec:
@@ -172,18 +171,8 @@ class Codec:
     def decode(self, fields: np.ndarray) -> Decoded:
         """Fields of opened handles (`open`'s words: never a value from SQL)."""
         f = np.asarray(fields).astype(np.int64, copy=False)
-        row = f & ROW_MASK
-        top = f >> STREAM_SHIFT
-        if len(f) > 1 and (top == top[0]).all():  # one stream and view: most calls
-            one = self.decode(f[:1])
-
-            def same(a: np.ndarray) -> np.ndarray:  # read-only, nothing copied
-                return np.broadcast_to(a[:1], f.shape)
-
-            return Decoded(row=row, head=same(one.head), site_id=same(one.site_id),
-                           model_id=same(one.model_id), view=same(one.view), one=True)
-        stream = top & STREAM_MASK
-        return Decoded(row=row, head=self._head[stream], site_id=self._site[stream],
+        stream = (f >> STREAM_SHIFT) & STREAM_MASK
+        return Decoded(row=f & ROW_MASK, head=self._head[stream], site_id=self._site[stream],
                        model_id=self._model[stream], view=(f >> VIEW_SHIFT) & VIEW_MASK)
 
     # -- sealing and opening ---------------------------------------------------------------
@@ -220,6 +209,21 @@ class Codec:
             return False
         words = handle_words(values)
         return _open(self.key, words, np.empty(len(words) // 2, dtype=np.uint64)) < 0
+
+
+def by_stream(fields: np.ndarray) -> tuple[np.ndarray | None, list[int], list[int]]:
+    """Fields words (int64 [n], n > 0) grouped by their bits above the row (stream, view and
+    tag): `order`, the positions in groups, each group's positions ascending (one stable
+    sort), or None where every word shares those bits (most calls: one scan's stream); the
+    bits of each group, in ascending order; and the bounds of each group in `order`."""
+    top = fields >> STREAM_SHIFT
+    first, n = int(top[0]), len(fields)
+    if first == int(top[-1]) and (n == 1 or (top == first).all()):
+        return None, [first], [0, n]
+    order = np.argsort(top, kind="stable")
+    ordered = top[order]
+    starts = (ordered[1:] != ordered[:-1]).nonzero()[0] + 1
+    return order, [int(ordered[0]), *ordered[starts].tolist()], [0, *starts.tolist(), n]
 
 
 def refusal(value: int) -> str:

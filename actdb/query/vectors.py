@@ -301,22 +301,13 @@ class VectorSource:
         # A handle's bits above its row are its view and stream (handles.py): split by those,
         # then join the streams of one (model, site, view) (a site's heads), so that no
         # handle's model, site or head is looked up row by row.
-        top = handles >> H.STREAM_SHIFT
-        first = int(top[0])
-        if first == int(top[-1]) and (n == 1 or (top == first).all()):
-            runs: list[tuple[int, np.ndarray | None]] = [(first, None)]  # most calls, windows
-        else:
-            # one stable sort: each stream's positions ascending, as one pass would find them
-            order = np.argsort(top, kind="stable")
-            ordered = top[order]
-            cuts = (ordered[1:] != ordered[:-1]).nonzero()[0].tolist()
-            bounds = [0, *(c + 1 for c in cuts), n]
-            runs = [(int(ordered[a]), order[a:b])
-                    for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        order, tops, bounds = H.by_stream(handles)  # order None: one stream (most calls)
+        runs: list[tuple[int, np.ndarray | None]] = [(tops[0], None)] if order is None else [
+            (top, order[a:b]) for top, a, b in zip(tops, bounds[:-1], bounds[1:], strict=True)]
         joined: dict[tuple[int, int, int], list[tuple[H.Stream, np.ndarray | None]]] = {}
-        for bits, at in runs:
-            stream = self.codec.streams[bits & H.STREAM_MASK]
-            code = (bits >> H.STREAM_BITS) & H.VIEW_MASK
+        for top, at in runs:
+            stream = self.codec.stream(top)
+            code = (top >> H.STREAM_BITS) & H.VIEW_MASK
             joined.setdefault((stream.model_id, stream.site_id, code), []).append((stream, at))
         # groups in (model, site, view) order: the runs' own where they are of one view (the
         # streams are numbered in (model, site, head) order)
