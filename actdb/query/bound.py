@@ -55,6 +55,12 @@ def _longer(value: list[Any] | tuple[Any, ...], limit: int) -> bool:
     return False
 
 
+def _relation(con: duckdb.DuckDBPyConnection, text: str, params: Params) -> Any:
+    """DuckDB's relation for a query, built in a frame whose locals hold no data frame (see
+    sandbox.lock on Python replacement scans)."""
+    return con.sql(text, params=params) if params is not None else con.sql(text)
+
+
 class BoundQuery:
     """A query whose binding is known, with the part of a DuckDB relation that `Result` uses:
     its columns and types, its rows as Arrow or as tuples, a reader of its batches, and a
@@ -69,8 +75,7 @@ class BoundQuery:
 
     def relation(self) -> duckdb.DuckDBPyRelation:
         if self._relation is None:
-            con, text, params = self._con, self._text, self._params
-            self._relation = con.sql(text, params=params) if params is not None else con.sql(text)
+            self._relation = _relation(self._con, self._text, self._params)
         return self._relation
 
     def _current(self) -> bool:
@@ -150,7 +155,7 @@ class BoundQueries:
                     self._done.move_to_end(key)
             if hit is not None:
                 return BoundQuery(self._con, text, params, hit[0], hit[1], key[1])  # type: ignore[index]
-        rel = self._con.sql(text, params=params) if params is not None else self._con.sql(text)
+        rel = _relation(self._con, text, params)
         # A relation that captured Python objects by name (replacement scans, which only a
         # later connection to a locked catalog leaves on: sandbox.lock) reads them through
         # names of its own: never submitted as bare text.

@@ -83,7 +83,7 @@ def lock(con: duckdb.DuckDBPyConnection) -> None:
     locked already, check that every one of these settings is in force."""
     if is_locked(con):
         # A later connection cannot turn Python replacement scans off. They look only at the
-        # locals of the frame that calls DuckDB, bound.py's BoundQueries.run, which holds the
+        # locals of the frame that calls DuckDB, bound.py's _relation, which holds the
         # connection, the query text and its parameters: no data frame to find.
         if con.execute("SELECT current_setting('temp_directory')").fetchall() != [
                 (spill_directory(),)]:
